@@ -1,0 +1,508 @@
+# The only bridge between Python and the C++ core in csrc/.
+#
+# Every call takes contiguous NumPy-compatible buffers (typed memoryviews,
+# `const` so read-only inputs work), releases the GIL for the whole batch and
+# turns a C++ Status into a kvsparse.errors exception in one place (_check).
+from cython.operator cimport dereference as deref
+from libc.stdint cimport int64_t, uint64_t
+from libcpp.memory cimport unique_ptr
+from libcpp.vector cimport vector
+
+import numpy as np
+
+from kvsparse import errors
+
+from batch cimport (BatchPlan, FirstNonFiniteRow, GatherFromShards, Partitioner, PlanBatch,
+                    SumRowsByIndex, UniqueWithInverse, ValidatePartitioner)
+from initializer cimport FillInitialRow, InitializerConfig, InitializerKind, ValidateInitializer
+from optimizer cimport Optimizer as COptimizer
+from optimizer cimport OptimizerConfig, OptimizerKind, StepMode, ValidateOptimizer
+from status cimport Status, StatusCode
+from table cimport EmbeddingTable, NonFinitePolicy, TableConfig, kMaxDim
+
+MAX_DIM = kMaxDim
+
+_INITIALIZER_KINDS = {
+    "zeros": InitializerKind.kZeros,
+    "constant": InitializerKind.kConstant,
+    "uniform": InitializerKind.kUniform,
+    "normal": InitializerKind.kNormal,
+    "truncated_normal": InitializerKind.kTruncatedNormal,
+}
+
+_OPTIMIZER_KINDS = {
+    None: OptimizerKind.kNone,
+    "none": OptimizerKind.kNone,
+    "sgd": OptimizerKind.kSgd,
+    "adagrad": OptimizerKind.kAdagrad,
+    "adam": OptimizerKind.kAdam,
+    "adamw": OptimizerKind.kAdamW,
+    "ftrl": OptimizerKind.kFtrl,
+    "rmsprop": OptimizerKind.kRmsProp,
+}
+
+_OPTIMIZER_FIELDS = (
+    "learning_rate", "weight_decay", "rescale_grad", "clip_gradient", "momentum", "nesterov",
+    "lr_decay", "epsilon", "initial_accumulator_value", "beta1", "beta2", "lr_power", "l1",
+    "l2", "beta", "alpha", "centered", "step_mode", "kind",
+)
+
+
+cdef int _check(const Status& c_status) except -1:
+    """Raises the kvsparse.errors class for a failed C++ Status."""
+    if c_status.ok():
+        return 0
+    message = c_status.message().decode("utf-8", "replace")
+    code = c_status.code()
+    if code == StatusCode.kInvalidArgument:
+        raise errors.InvalidArgument(message)
+    if code == StatusCode.kNonFinite:
+        raise errors.NonFiniteGradient(message)
+    if code == StatusCode.kOutOfMemory:
+        raise MemoryError(message)
+    if code == StatusCode.kCapacity:
+        raise errors.CapacityError(message)
+    raise errors.KVSparseError(message)
+
+
+cdef InitializerConfig _initializer_config(dict spec, uint64_t seed) except *:
+    cdef InitializerConfig c_config
+    kind = spec.get("kind", "zeros")
+    if kind not in _INITIALIZER_KINDS:
+        raise errors.InvalidArgument(f"unknown initializer kind {kind!r}")
+    c_config.kind = _INITIALIZER_KINDS[kind]
+    c_config.a = float(spec.get("a", 0.0))
+    c_config.b = float(spec.get("b", 0.0))
+    c_config.seed = seed
+    _check(ValidateInitializer(c_config))
+    return c_config
+
+
+cdef OptimizerConfig _optimizer_config(spec) except *:
+    cdef OptimizerConfig c_config
+    if spec is None:
+        spec = {}
+    unknown = set(spec) - set(_OPTIMIZER_FIELDS)
+    if unknown:
+        raise errors.InvalidArgument(f"unknown optimizer settings {sorted(unknown)}")
+    kind = spec.get("kind")
+    if kind not in _OPTIMIZER_KINDS:
+        raise errors.InvalidArgument(f"unknown optimizer {kind!r}")
+    c_config.kind = _OPTIMIZER_KINDS[kind]
+    if "learning_rate" in spec: c_config.learning_rate = spec["learning_rate"]
+    if "weight_decay" in spec: c_config.weight_decay = spec["weight_decay"]
+    if "rescale_grad" in spec: c_config.rescale_grad = spec["rescale_grad"]
+    if "clip_gradient" in spec:
+        c_config.clip_gradient = -1.0 if spec["clip_gradient"] is None else spec["clip_gradient"]
+    if "momentum" in spec: c_config.momentum = spec["momentum"]
+    if "nesterov" in spec: c_config.nesterov = bool(spec["nesterov"])
+    if "lr_decay" in spec: c_config.lr_decay = spec["lr_decay"]
+    if "epsilon" in spec: c_config.epsilon = spec["epsilon"]
+    if "initial_accumulator_value" in spec:
+        c_config.initial_accumulator_value = spec["initial_accumulator_value"]
+    if "beta1" in spec: c_config.beta1 = spec["beta1"]
+    if "beta2" in spec: c_config.beta2 = spec["beta2"]
+    if "lr_power" in spec: c_config.lr_power = spec["lr_power"]
+    if "l1" in spec: c_config.l1 = spec["l1"]
+    if "l2" in spec: c_config.l2 = spec["l2"]
+    if "beta" in spec: c_config.beta = spec["beta"]
+    if "alpha" in spec: c_config.alpha = spec["alpha"]
+    if "centered" in spec: c_config.centered = bool(spec["centered"])
+    step_mode = spec.get("step_mode", "row")
+    if step_mode == "row":
+        c_config.step_mode = StepMode.kPerRow
+    elif step_mode == "table":
+        c_config.step_mode = StepMode.kPerTable
+    else:
+        raise errors.InvalidArgument(f"step_mode must be 'row' or 'table', got {step_mode!r}")
+    _check(ValidateOptimizer(c_config))
+    return c_config
+
+
+def _rows_out(out, int64_t n, int64_t dim):
+    if out is None:
+        return np.empty((n, dim), dtype=np.float32)
+    return out
+
+
+cdef class Table:
+    """One shard's embedding table: int64 id -> float32 row (+ optimizer slots).
+
+    Args:
+        dim: row width, 1..4096.
+        initializer: dict with "kind" (zeros, constant, uniform, normal,
+            truncated_normal) and parameters "a", "b" (see csrc/initializer.h).
+        optimizer: dict as produced by kvsparse.optimizers.*.to_dict(), or
+            None for "a push replaces the row".
+        seed: the table seed of the deterministic initializer.
+
+    Raises:
+        kvsparse.errors.InvalidArgument: a bad dim, initializer or optimizer.
+
+    Example:
+        >>> t = Table(4, {"kind": "constant", "a": 1.0}, {"kind": "sgd", "learning_rate": 0.5})
+        >>> t.apply_gradients(np.array([7], np.int64), np.ones((1, 4), np.float32))
+        1
+        >>> t.lookup(np.array([7], np.int64))[0, 0]
+        0.5
+    """
+
+    cdef unique_ptr[EmbeddingTable] c_table
+    cdef int64_t c_dim
+
+    def __init__(self, int64_t dim, dict initializer=None, optimizer=None, uint64_t seed=0):
+        cdef TableConfig c_config
+        if dim < 1 or dim > kMaxDim:
+            raise errors.InvalidArgument(f"dim must be in [1, {kMaxDim}], got {dim}")
+        c_config.dim = dim
+        c_config.initializer = _initializer_config(initializer or {"kind": "zeros"}, seed)
+        c_config.optimizer = _optimizer_config(optimizer)
+        _check(EmbeddingTable.Create(c_config, &self.c_table))
+        self.c_dim = dim
+
+    @property
+    def dim(self):
+        return self.c_dim
+
+    @property
+    def num_slots(self):
+        return self.c_table.get().num_slots()
+
+    @property
+    def table_step(self):
+        return self.c_table.get().table_step()
+
+    @table_step.setter
+    def table_step(self, int64_t step):
+        self.c_table.get().set_table_step(step)
+
+    def __len__(self):
+        return self.c_table.get().Size()
+
+    def size(self):
+        """Number of rows stored."""
+        return self.c_table.get().Size()
+
+    def memory_bytes(self):
+        """Bytes held by this table (buckets, rows, slots, step counters)."""
+        return self.c_table.get().MemoryBytes()
+
+    def set_optimizer(self, optimizer):
+        """Replaces the optimizer; every row's slots restart from their initial values."""
+        cdef OptimizerConfig c_config = _optimizer_config(optimizer)
+        _check(self.c_table.get().SetOptimizer(c_config))
+
+    cdef _check_rows(self, const float[:, ::1] rows, int64_t n, str what):
+        if rows.shape[0] != n or rows.shape[1] != self.c_dim:
+            raise errors.ShapeError(
+                f"{what} must have shape ({n}, {self.c_dim}), got "
+                f"({rows.shape[0]}, {rows.shape[1]})")
+
+    def lookup(self, const int64_t[::1] keys, out=None):
+        """Rows of keys into out (n x dim); missing ids get their initial value, not stored."""
+        cdef int64_t c_n = keys.shape[0]
+        out = _rows_out(out, c_n, self.c_dim)
+        cdef float[:, ::1] c_out = out
+        self._check_rows(c_out, c_n, "out")
+        cdef Status c_status
+        with nogil:
+            c_status = self.c_table.get().Lookup(&keys[0] if c_n else NULL, c_n,
+                                                  &c_out[0, 0] if c_n else NULL)
+        _check(c_status)
+        return out
+
+    def lookup_or_insert(self, const int64_t[::1] keys, out=None):
+        """Like lookup, but missing ids are inserted with their initial value."""
+        cdef int64_t c_n = keys.shape[0]
+        out = _rows_out(out, c_n, self.c_dim)
+        cdef float[:, ::1] c_out = out
+        self._check_rows(c_out, c_n, "out")
+        cdef Status c_status
+        with nogil:
+            c_status = self.c_table.get().LookupOrInsert(&keys[0] if c_n else NULL, c_n,
+                                                          &c_out[0, 0] if c_n else NULL)
+        _check(c_status)
+        return out
+
+    def initial_values(self, const int64_t[::1] keys, out=None):
+        """The initial rows of keys, without touching the table."""
+        cdef int64_t c_n = keys.shape[0]
+        out = _rows_out(out, c_n, self.c_dim)
+        cdef float[:, ::1] c_out = out
+        self._check_rows(c_out, c_n, "out")
+        if c_n:
+            with nogil:
+                self.c_table.get().InitialValues(&keys[0], c_n, &c_out[0, 0])
+        return out
+
+    def apply_gradients(self, const int64_t[::1] keys, const float[:, ::1] grads,
+                        bint skip_nonfinite=False):
+        """Applies the optimizer to the rows of keys (duplicates summed first).
+
+        Returns the number of distinct rows updated. Raises NonFiniteGradient
+        (and changes nothing) on a NaN/inf unless skip_nonfinite, which leaves
+        such rows untouched instead.
+        """
+        cdef int64_t c_n = keys.shape[0]
+        self._check_rows(grads, c_n, "gradients")
+        cdef int64_t c_applied = 0
+        cdef Status c_status
+        cdef NonFinitePolicy c_policy = (NonFinitePolicy.kSkip if skip_nonfinite
+                                         else NonFinitePolicy.kReject)
+        if c_n == 0:
+            return 0
+        with nogil:
+            c_status = self.c_table.get().ApplyGradients(&keys[0], c_n, &grads[0, 0], c_policy,
+                                                          &c_applied)
+        _check(c_status)
+        return c_applied
+
+    def assign(self, const int64_t[::1] keys, const float[:, ::1] values):
+        """Sets the rows of keys to values, inserting missing ids."""
+        cdef int64_t c_n = keys.shape[0]
+        self._check_rows(values, c_n, "values")
+        cdef Status c_status
+        if c_n == 0:
+            return
+        with nogil:
+            c_status = self.c_table.get().Assign(&keys[0], c_n, &values[0, 0])
+        _check(c_status)
+
+    def remove(self, const int64_t[::1] keys):
+        """Removes the ids that exist; returns how many were removed."""
+        cdef int64_t c_n = keys.shape[0]
+        cdef int64_t c_removed = 0
+        if c_n:
+            with nogil:
+                c_removed = self.c_table.get().Remove(&keys[0], c_n)
+        return c_removed
+
+    def read_state(self, const int64_t[::1] keys):
+        """(values n x dim, slots n x num_slots x dim, steps n) of existing ids."""
+        cdef int64_t c_n = keys.shape[0]
+        cdef int c_slots = self.c_table.get().num_slots()
+        values = np.empty((c_n, self.c_dim), np.float32)
+        slots = np.empty((c_n, c_slots, self.c_dim), np.float32)
+        steps = np.empty(c_n, np.int64)
+        cdef float[:, ::1] c_values = values
+        cdef float[:, :, ::1] c_slot_view = slots
+        cdef int64_t[::1] c_steps = steps
+        cdef float* c_slot_ptr = &c_slot_view[0, 0, 0] if (c_n and c_slots) else NULL
+        cdef Status c_status
+        if c_n:
+            with nogil:
+                c_status = self.c_table.get().ReadState(&keys[0], c_n, &c_values[0, 0],
+                                                         c_slot_ptr, &c_steps[0])
+            _check(c_status)
+        return values, slots, steps
+
+    def write_state(self, const int64_t[::1] keys, const float[:, ::1] values,
+                    const float[:, :, ::1] slots, const int64_t[::1] steps):
+        """Sets values, slots and step counters of ids (inserting them)."""
+        cdef int64_t c_n = keys.shape[0]
+        cdef int c_slots = self.c_table.get().num_slots()
+        self._check_rows(values, c_n, "values")
+        if (slots.shape[0] != c_n or slots.shape[1] != c_slots or
+                (c_slots and slots.shape[2] != self.c_dim)):
+            raise errors.ShapeError(
+                f"slots must have shape ({c_n}, {c_slots}, {self.c_dim}), got "
+                f"({slots.shape[0]}, {slots.shape[1]}, {slots.shape[2]})")
+        if steps.shape[0] != c_n:
+            raise errors.ShapeError(f"steps must have {c_n} entries, got {steps.shape[0]}")
+        cdef const float* c_slot_ptr = &slots[0, 0, 0] if (c_n and c_slots) else NULL
+        cdef Status c_status
+        if c_n:
+            with nogil:
+                c_status = self.c_table.get().WriteState(&keys[0], c_n, &values[0, 0],
+                                                          c_slot_ptr, &steps[0])
+            _check(c_status)
+
+    def iter_chunks(self, int64_t chunk_rows=65536):
+        """Yields (keys, values, slots, steps) chunks covering every row once.
+
+        The table must not change while the iteration runs.
+        """
+        cdef int64_t c_cursor = 0
+        cdef int64_t c_count
+        buffer = np.empty(chunk_rows, np.int64)
+        cdef int64_t[::1] c_buffer = buffer
+        while True:
+            with nogil:
+                c_count = self.c_table.get().NextKeys(&c_cursor, chunk_rows, &c_buffer[0])
+            if c_count == 0:
+                return
+            keys = buffer[:c_count].copy()
+            values, slots, steps = self.read_state(keys)
+            yield keys, values, slots, steps
+
+
+cdef class Optimizer:
+    """The server optimizer applied to a flat span (a dense key's slice).
+
+    Example:
+        >>> opt = Optimizer({"kind": "sgd", "learning_rate": 0.1})
+        >>> w = np.ones(3, np.float32); slots = opt.initial_slots(3)
+        >>> opt.update(w, slots, np.ones(3, np.float32), step=1); w[0]
+        0.9
+    """
+
+    cdef COptimizer* c_optimizer
+
+    def __cinit__(self, spec):
+        cdef OptimizerConfig c_config = _optimizer_config(spec)
+        self.c_optimizer = new COptimizer(c_config)
+
+    def __dealloc__(self):
+        del self.c_optimizer
+
+    @property
+    def num_slots(self):
+        return self.c_optimizer.num_slots()
+
+    def initial_slots(self, int64_t n):
+        """Slot arrays (num_slots x n) at their initial values."""
+        slots = np.empty((self.c_optimizer.num_slots(), n), np.float32)
+        cdef float[:, ::1] c_slots = slots
+        if n and self.c_optimizer.num_slots():
+            self.c_optimizer.InitSlots(&c_slots[0, 0], n)
+        return slots
+
+    def update(self, float[::1] weights, float[:, ::1] slots, const float[::1] grad,
+               int64_t step):
+        """Applies one step to weights in place (slots: num_slots x n)."""
+        cdef int64_t c_n = weights.shape[0]
+        if grad.shape[0] != c_n:
+            raise errors.ShapeError(f"gradient has {grad.shape[0]} values, weights have {c_n}")
+        if slots.shape[0] != self.c_optimizer.num_slots() or (
+                slots.shape[0] and slots.shape[1] != c_n):
+            raise errors.ShapeError("slots do not match the optimizer and the weights")
+        if c_n == 0:
+            return
+        scratch = np.empty(c_n, np.float32)
+        cdef float[::1] c_scratch = scratch
+        cdef float* c_slot_ptr = &slots[0, 0] if slots.shape[0] else NULL
+        with nogil:
+            self.c_optimizer.Update(&weights[0], c_slot_ptr, &grad[0], c_n, step,
+                                    &c_scratch[0])
+
+
+def unique_inverse(const int64_t[::1] ids):
+    """(unique ids in order of first appearance, inverse) with ids == unique[inverse]."""
+    cdef int64_t c_n = ids.shape[0]
+    cdef vector[int64_t] c_unique
+    inverse = np.empty(c_n, np.int64)
+    cdef int64_t[::1] c_inverse = inverse
+    if c_n:
+        with nogil:
+            UniqueWithInverse(&ids[0], c_n, &c_unique, &c_inverse[0])
+    unique = np.empty(c_unique.size(), np.int64)
+    cdef int64_t[::1] c_unique_view = unique
+    cdef size_t i
+    for i in range(c_unique.size()):
+        c_unique_view[i] = c_unique[i]
+    return unique, inverse
+
+
+cdef Partitioner _partitioner(int64_t num_shards, boundaries) except *:
+    cdef Partitioner c_partitioner
+    c_partitioner.num_shards = num_shards
+    if boundaries is not None:
+        for b in boundaries:
+            c_partitioner.boundaries.push_back(b)
+    _check(ValidatePartitioner(c_partitioner))
+    return c_partitioner
+
+
+def plan_batch(const int64_t[::1] ids, int64_t num_shards, boundaries=None):
+    """Groups a batch of ids by shard.
+
+    Returns (keys, offsets, slot): the unique ids grouped by shard (shard s
+    gets keys[offsets[s]:offsets[s+1]]) and, per input position i, the index
+    of ids[i] in keys.
+    """
+    cdef Partitioner c_partitioner = _partitioner(num_shards, boundaries)
+    cdef BatchPlan c_plan
+    cdef int64_t c_n = ids.shape[0]
+    with nogil:
+        PlanBatch(&ids[0] if c_n else NULL, c_n, c_partitioner, &c_plan)
+    keys = np.asarray(<int64_t[:c_plan.keys.size()]> c_plan.keys.data()).copy() \
+        if c_plan.keys.size() else np.empty(0, np.int64)
+    offsets = np.asarray(<int64_t[:c_plan.offsets.size()]> c_plan.offsets.data()).copy()
+    slot = np.asarray(<int64_t[:c_plan.slot.size()]> c_plan.slot.data()).copy() \
+        if c_plan.slot.size() else np.empty(0, np.int64)
+    return keys, offsets, slot
+
+
+def shard_of(const int64_t[::1] keys, int64_t num_shards, boundaries=None):
+    """Shard index of each key under hash (or range) partitioning."""
+    cdef Partitioner c_partitioner = _partitioner(num_shards, boundaries)
+    cdef int64_t c_n = keys.shape[0]
+    out = np.empty(c_n, np.int64)
+    cdef int64_t[::1] c_out = out
+    cdef int64_t i
+    with nogil:
+        for i in range(c_n):
+            c_out[i] = c_partitioner.ShardOf(keys[i])
+    return out
+
+
+def sum_rows(const float[:, ::1] rows, const int64_t[::1] index, int64_t num_unique, out=None):
+    """out[u] = sum of rows[i] with index[i] == u (num_unique x dim)."""
+    cdef int64_t c_n = rows.shape[0]
+    cdef int64_t c_dim = rows.shape[1]
+    if index.shape[0] != c_n:
+        raise errors.ShapeError(f"index has {index.shape[0]} entries, rows {c_n}")
+    cdef int64_t i
+    for i in range(c_n):
+        if index[i] < 0 or index[i] >= num_unique:
+            raise errors.InvalidArgument("index out of range")
+    out = _rows_out(out, num_unique, c_dim)
+    cdef float[:, ::1] c_out = out
+    if num_unique and c_dim:
+        with nogil:
+            SumRowsByIndex(&rows[0, 0] if c_n else NULL, &index[0] if c_n else NULL, c_n,
+                           c_dim, num_unique, &c_out[0, 0])
+    return out
+
+
+def first_nonfinite_row(const float[:, ::1] rows):
+    """Index of the first row holding a NaN or inf, or -1."""
+    cdef int64_t c_n = rows.shape[0]
+    cdef int64_t c_result = -1
+    if c_n and rows.shape[1]:
+        with nogil:
+            c_result = FirstNonFiniteRow(&rows[0, 0], c_n, rows.shape[1])
+    return c_result
+
+
+def gather_from_shards(list shard_rows, const int64_t[::1] offsets, const int64_t[::1] slot,
+                       float[:, ::1] out):
+    """out[i] = the reply row for slot[i]; shard_rows[s] holds shard s's rows."""
+    cdef int64_t c_shards = len(shard_rows)
+    cdef int64_t c_n = slot.shape[0]
+    cdef int64_t c_dim = out.shape[1]
+    cdef int64_t s
+    cdef vector[const float*] c_ptrs
+    cdef const float[:, ::1] c_rows
+    if offsets.shape[0] != c_shards + 1:
+        raise errors.ShapeError("offsets must have one entry per shard plus one")
+    if out.shape[0] != c_n:
+        raise errors.ShapeError(f"out has {out.shape[0]} rows, slot {c_n}")
+    keep = []
+    for s in range(c_shards):
+        rows = shard_rows[s]
+        count = offsets[s + 1] - offsets[s]
+        c_rows = rows
+        if c_rows.shape[0] != count or (count and c_rows.shape[1] != c_dim):
+            raise errors.ShapeError(
+                f"shard {s} replied {c_rows.shape[0]} rows of width "
+                f"{c_rows.shape[1]}, expected {count} of width {c_dim}")
+        keep.append(rows)
+        c_ptrs.push_back(&c_rows[0, 0] if count else NULL)
+    for s in range(c_n):
+        if slot[s] < 0 or slot[s] >= offsets[c_shards]:
+            raise errors.InvalidArgument("slot out of range")
+    if c_n:
+        with nogil:
+            GatherFromShards(c_ptrs.data(), &offsets[0], c_shards, &slot[0], c_n, c_dim,
+                             &out[0, 0])

@@ -1,0 +1,44 @@
+# Mirrors csrc/table.h.
+from libc.stdint cimport int64_t
+from libcpp.memory cimport unique_ptr
+
+from initializer cimport InitializerConfig
+from optimizer cimport OptimizerConfig
+from status cimport Status
+
+
+cdef extern from "table.h" namespace "kvsparse" nogil:
+    const int64_t kMaxDim
+
+    cdef cppclass TableConfig:
+        int64_t dim
+        InitializerConfig initializer
+        OptimizerConfig optimizer
+
+    cdef enum class NonFinitePolicy(int):
+        kReject
+        kSkip
+
+    cdef cppclass EmbeddingTable:
+        @staticmethod
+        Status Create(const TableConfig& config, unique_ptr[EmbeddingTable]* out)
+        int64_t dim()
+        int num_slots()
+        const TableConfig& config()
+        int64_t Size()
+        int64_t MemoryBytes()
+        int64_t table_step()
+        void set_table_step(int64_t step)
+        Status SetOptimizer(const OptimizerConfig& optimizer)
+        Status Lookup(const int64_t* keys, int64_t n, float* out)
+        Status LookupOrInsert(const int64_t* keys, int64_t n, float* out)
+        void InitialValues(const int64_t* keys, int64_t n, float* out)
+        Status ApplyGradients(const int64_t* keys, int64_t n, const float* grads,
+                              NonFinitePolicy policy, int64_t* applied)
+        Status Assign(const int64_t* keys, int64_t n, const float* values)
+        int64_t Remove(const int64_t* keys, int64_t n)
+        Status ReadState(const int64_t* keys, int64_t n, float* values, float* slots,
+                         int64_t* steps)
+        Status WriteState(const int64_t* keys, int64_t n, const float* values,
+                          const float* slots, const int64_t* steps)
+        int64_t NextKeys(int64_t* cursor, int64_t max_rows, int64_t* keys_out)

@@ -1,0 +1,47 @@
+"""Builds kvsparse._core: the Cython bridge in cython_src/ linked with csrc/.
+
+KVSPARSE_DEBUG=1 builds with Cython bounds checks on and -O0 -g; the default
+is -O3 with the checks off (set once here, not per file).
+"""
+
+import glob
+import os
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+DEBUG = os.environ.get("KVSPARSE_DEBUG", "") not in ("", "0")
+
+compile_args = ["-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+if DEBUG:
+    compile_args += ["-O0", "-g", "-UNDEBUG"]
+else:
+    compile_args += ["-O3", "-DNDEBUG"]
+
+directives = {
+    "language_level": "3",
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "initializedcheck": DEBUG,
+    "cdivision": not DEBUG,
+    "embedsignature": True,
+}
+
+core = Extension(
+    "kvsparse._core",
+    sources=["cython_src/_core.pyx"] + sorted(glob.glob("csrc/*.cc")),
+    include_dirs=["csrc", "cython_src", numpy.get_include()],
+    language="c++",
+    extra_compile_args=compile_args,
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+)
+
+setup(
+    ext_modules=cythonize(
+        [core],
+        compiler_directives=directives,
+        include_path=["cython_src"],
+        force=DEBUG,
+    ),
+)
