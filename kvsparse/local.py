@@ -1,0 +1,71 @@
+"""LocalBackend: the `local` store's one in-process shard."""
+
+from __future__ import annotations
+
+from kvsparse.shard import ShardState
+
+
+class LocalBackend:
+    """Serves the KVStore frontend from a ShardState in this process.
+
+    The same ShardState code runs inside each `kvsparse server`, so `local`
+    and `dist_sparse` compute the same results.
+    """
+
+    num_shards = 1
+    rank = 0
+    num_workers = 1
+
+    def __init__(self):
+        self.state = ShardState()
+
+    def init_sparse(self, table_id, name, spec):
+        self.state.create_sparse(table_id, name, spec)
+
+    def init_dense(self, table_id, name, values):
+        self.state.create_dense(table_id, name, values)
+
+    def set_optimizer(self, spec):
+        self.state.set_optimizer(spec)
+
+    def pull_sparse(self, items):
+        """items: [(table_id, keys, offsets)] -> [[rows of shard 0]]."""
+        self.state.counters.requests += 1
+        return [[self.state.pull_sparse(table_id, keys)] for table_id, keys, _ in items]
+
+    def push_sparse(self, items):
+        """items: [(table_id, keys, offsets, summed rows)]; all checked before any applies."""
+        self.state.counters.requests += 1
+        for table_id, keys, _, rows in items:
+            self.state.check_sparse_push(table_id, keys, rows)
+        for table_id, keys, _, rows in items:
+            self.state.push_sparse(table_id, keys, rows)
+
+    def pull_dense(self, items):
+        """items: [(table_id, flat out)]."""
+        self.state.counters.requests += 1
+        for table_id, out in items:
+            out[...] = self.state.pull_dense(table_id)
+
+    def push_dense(self, items):
+        self.state.counters.requests += 1
+        for table_id, grad in items:
+            self.state.check_dense_push(table_id, grad)
+        for table_id, grad in items:
+            self.state.push_dense(table_id, grad)
+
+    def optimizer_states(self):
+        return [self.state.optimizer_state()]
+
+    def load_optimizer_states(self, loads):
+        for _, table_id, state in loads:
+            self.state.load_optimizer_state(table_id, state)
+
+    def barrier(self):
+        """One worker: nothing to wait for."""
+
+    def stats(self):
+        return [{"address": "local", **self.state.stats()}]
+
+    def close(self):
+        self.state = ShardState()

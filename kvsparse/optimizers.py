@@ -1,0 +1,177 @@
+"""Optimizers that run on the servers, lazily: only on the rows a push touched.
+
+Each follows one reference formula (see csrc/optimizer.h):
+
+============  ==============================================================
+SGD           torch.optim.SGD (momentum, nesterov, weight_decay; dampening 0)
+Adagrad       torch.optim.Adagrad (lr_decay, weight_decay, eps,
+              initial_accumulator_value)
+Adam          torch.optim.Adam (L2 weight decay added to the gradient)
+AdamW         torch.optim.AdamW (decoupled weight decay)
+RMSProp       torch.optim.RMSprop (alpha, eps, centered, momentum)
+Ftrl          tf.keras.optimizers.Ftrl / TF ApplyFtrl (lr_power, l1, l2, beta)
+============  ==============================================================
+
+Before the formula the gradient is scaled and clipped as MXNet does:
+``g = clip(rescale_grad * g, -clip_gradient, clip_gradient)``.
+
+Adam/AdamW's bias correction counts each row's own updates
+(``step_mode='row'``, the default, truly lazy); ``step_mode='table'`` counts
+pushes to the table instead, like torch.optim.SparseAdam and TF's LazyAdam.
+
+Example:
+    >>> import kvsparse
+    >>> kv = kvsparse.create('local')
+    >>> kv.set_optimizer(kvsparse.optimizers.Adagrad(learning_rate=0.1))
+"""
+
+from __future__ import annotations
+
+import copy
+
+
+class Optimizer:
+    """Base class: a named optimizer and its hyperparameters."""
+
+    kind: str | None = None
+    defaults: dict = {}
+
+    def __init__(self, **settings):
+        unknown = set(settings) - set(self.defaults) - {"rescale_grad", "clip_gradient"}
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unknown settings {sorted(unknown)}")
+        self.settings = {"rescale_grad": 1.0, "clip_gradient": None, **self.defaults}
+        self.settings.update(settings)
+
+    def to_dict(self) -> dict:
+        """The wire/config form understood by the C++ core."""
+        spec = {"kind": self.kind}
+        for name, value in self.settings.items():
+            spec[_WIRE_NAMES.get(name, name)] = value
+        if spec.get("clip_gradient") is None:
+            spec["clip_gradient"] = -1.0
+        return spec
+
+    @property
+    def learning_rate(self) -> float:
+        return self.settings["learning_rate"]
+
+    def __eq__(self, other):
+        return isinstance(other, Optimizer) and self.to_dict() == other.to_dict()
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
+        return f"{type(self).__name__}({args})"
+
+    def copy(self):
+        return copy.deepcopy(self)
+
+
+# Python-facing names that differ from the core's field names.
+_WIRE_NAMES = {"eps": "epsilon"}
+
+
+class SGD(Optimizer):
+    """torch.optim.SGD: ``w -= lr * (g + wd*w)``, with momentum/nesterov if set."""
+
+    kind = "sgd"
+    defaults = {"learning_rate": 0.01, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
+
+
+class Adagrad(Optimizer):
+    """torch.optim.Adagrad (eps added outside the square root, default 1e-10)."""
+
+    kind = "adagrad"
+    defaults = {
+        "learning_rate": 0.01,
+        "lr_decay": 0.0,
+        "weight_decay": 0.0,
+        "initial_accumulator_value": 0.0,
+        "eps": 1e-10,
+    }
+
+
+class Adam(Optimizer):
+    """torch.optim.Adam (lazy: only touched rows, each with its own step)."""
+
+    kind = "adam"
+    defaults = {
+        "learning_rate": 0.001,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "step_mode": "row",
+    }
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW: decoupled weight decay (default 0.01)."""
+
+    kind = "adamw"
+    defaults = {**Adam.defaults, "weight_decay": 0.01}
+
+
+class RMSProp(Optimizer):
+    """torch.optim.RMSprop."""
+
+    kind = "rmsprop"
+    defaults = {
+        "learning_rate": 0.01,
+        "alpha": 0.99,
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "momentum": 0.0,
+        "centered": False,
+    }
+
+
+class Ftrl(Optimizer):
+    """FTRL-proximal as tf.keras.optimizers.Ftrl (no weight_decay: use l2)."""
+
+    kind = "ftrl"
+    defaults = {
+        "learning_rate": 0.001,
+        "lr_power": -0.5,
+        "initial_accumulator_value": 0.1,
+        "l1": 0.0,
+        "l2": 0.0,
+        "beta": 0.0,
+    }
+
+
+RMSprop = RMSProp
+FTRL = Ftrl
+
+_BY_NAME = {
+    "sgd": SGD,
+    "adagrad": Adagrad,
+    "adam": Adam,
+    "adamw": AdamW,
+    "rmsprop": RMSProp,
+    "ftrl": Ftrl,
+}
+
+
+def create(name: str, **settings) -> Optimizer:
+    """An optimizer by name (case-insensitive), e.g. ``create('adam', learning_rate=0.01)``.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    cls = _BY_NAME.get(name.lower())
+    if cls is None:
+        raise ValueError(f"unknown optimizer {name!r}; known: {sorted(_BY_NAME)}")
+    return cls(**settings)
+
+
+def from_dict(spec: dict | None) -> Optimizer | None:
+    """Inverse of Optimizer.to_dict()."""
+    if spec is None or spec.get("kind") in (None, "none"):
+        return None
+    cls = _BY_NAME[spec["kind"]]
+    inverse = {v: k for k, v in _WIRE_NAMES.items()}
+    settings = {inverse.get(k, k): v for k, v in spec.items() if k != "kind"}
+    if settings.get("clip_gradient") == -1.0:
+        settings["clip_gradient"] = None
+    return cls(**settings)

@@ -1,0 +1,278 @@
+"""ShardState: what one shard holds, and the operations applied to it.
+
+The `local` store keeps one ShardState in its own process; each `kvsparse
+server` process keeps one and applies the requests it receives to it. Both
+paths run the same code, so `local` and `dist_sparse` give the same results.
+
+A shard holds, per key (identified on the wire by a 64-bit table id):
+- sparse tables: its share of the rows (a kvsparse._core.Table);
+- dense keys: one contiguous slice of the flattened array, with the
+  optimizer's slots for that slice and a step counter.
+
+Everything arriving here is validated again: a server never trusts a client.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvsparse import _core, errors
+
+
+@dataclass
+class SparseEntry:
+    name: str
+    spec: dict
+    table: _core.Table
+    own_optimizer: bool
+
+
+@dataclass
+class DenseEntry:
+    name: str
+    values: np.ndarray  # this shard's slice, float32 1-D
+    optimizer_spec: dict | None
+    own_optimizer: bool
+    optimizer: _core.Optimizer | None = None
+    slots: np.ndarray | None = None
+    step: int = 0
+
+    def set_optimizer(self, spec: dict | None) -> None:
+        self.optimizer_spec = spec
+        self.step = 0
+        if spec is None or spec.get("kind") in (None, "none"):
+            self.optimizer = None
+            self.slots = None
+        else:
+            self.optimizer = _core.Optimizer(spec)
+            self.slots = self.optimizer.initial_slots(self.values.size)
+
+
+@dataclass
+class ShardCounters:
+    requests: int = 0
+    keys: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class ShardState:
+    """One shard's tables and dense slices.
+
+    Example:
+        >>> state = ShardState()
+        >>> state.create_sparse(1, "user", SparseTable(dim=4).to_dict())  # doctest: +SKIP
+    """
+
+    def __init__(self):
+        self.sparse: dict[int, SparseEntry] = {}
+        self.dense: dict[int, DenseEntry] = {}
+        self.default_optimizer: dict | None = None
+        self.counters = ShardCounters()
+
+    # -- lookup helpers -------------------------------------------------------------------
+
+    def sparse_entry(self, table_id: int) -> SparseEntry:
+        entry = self.sparse.get(table_id)
+        if entry is None:
+            if table_id in self.dense:
+                raise errors.InvalidArgument(
+                    f"key {self.dense[table_id].name!r} is dense; use pull/push, "
+                    "not row_sparse_pull or a push of (ids, rows)"
+                )
+            raise errors.UnknownKey(f"table id {table_id:#x} is not initialized on this shard")
+        return entry
+
+    def dense_entry(self, table_id: int) -> DenseEntry:
+        entry = self.dense.get(table_id)
+        if entry is None:
+            if table_id in self.sparse:
+                raise errors.InvalidArgument(
+                    f"key {self.sparse[table_id].name!r} is a sparse table; "
+                    "use row_sparse_pull and push (ids, rows)"
+                )
+            raise errors.UnknownKey(f"table id {table_id:#x} is not initialized on this shard")
+        return entry
+
+    # -- creation and configuration ----------------------------------------------------------
+
+    def create_sparse(self, table_id: int, name: str, spec: dict) -> bool:
+        """Creates a sparse table; True if created, False if an identical one exists.
+
+        Raises DuplicateKey when the key exists with another configuration.
+        """
+        existing = self.sparse.get(table_id)
+        if existing is not None or table_id in self.dense:
+            if existing is not None and existing.spec == spec:
+                return False
+            raise errors.DuplicateKey(f"key {name!r} is already initialized differently")
+        own = spec.get("optimizer") is not None
+        optimizer = spec["optimizer"] if own else self.default_optimizer
+        table = _core.Table(int(spec["dim"]), spec["initializer"], optimizer, int(spec["seed"]))
+        self.sparse[table_id] = SparseEntry(name, dict(spec), table, own)
+        return True
+
+    def create_dense(self, table_id: int, name: str, values: np.ndarray) -> bool:
+        """Creates this shard's slice of a dense key; False if it already exists."""
+        if table_id in self.dense:
+            if self.dense[table_id].values.size == values.size:
+                return False
+            raise errors.DuplicateKey(f"key {name!r} is already initialized with another shape")
+        if table_id in self.sparse:
+            raise errors.DuplicateKey(f"key {name!r} is already initialized as a sparse table")
+        values = np.array(values, dtype=np.float32, copy=True).reshape(-1)
+        entry = DenseEntry(name, values, None, own_optimizer=False)
+        entry.set_optimizer(self.default_optimizer)
+        self.dense[table_id] = entry
+        return True
+
+    def set_optimizer(self, spec: dict | None) -> None:
+        """Sets the store-wide optimizer: every key without its own restarts its slots."""
+        if spec is not None:
+            _core.Optimizer(spec)  # validate before changing anything
+        self.default_optimizer = spec
+        for entry in self.sparse.values():
+            if not entry.own_optimizer:
+                entry.table.set_optimizer(spec)
+        for entry in self.dense.values():
+            if not entry.own_optimizer:
+                entry.set_optimizer(spec)
+
+    # -- sparse ------------------------------------------------------------------------------
+
+    def pull_sparse(self, table_id: int, keys: np.ndarray, out: np.ndarray | None = None):
+        """Rows of keys (missing ids: their initial value, not stored)."""
+        entry = self.sparse_entry(table_id)
+        self.counters.keys += keys.size
+        return entry.table.lookup(keys, out)
+
+    def push_sparse(self, table_id: int, keys: np.ndarray, grads: np.ndarray) -> int:
+        """Applies the table's optimizer (or replaces rows) for keys; returns rows changed."""
+        entry = self.sparse_entry(table_id)
+        self.counters.keys += keys.size
+        skip = entry.spec.get("nonfinite") == "skip"
+        return entry.table.apply_gradients(keys, grads, skip_nonfinite=skip)
+
+    def check_sparse_push(self, table_id: int, keys: np.ndarray, grads: np.ndarray) -> None:
+        """Raises what push_sparse would raise, without changing anything."""
+        entry = self.sparse_entry(table_id)
+        dim = entry.table.dim
+        if grads.ndim != 2 or grads.shape != (keys.size, dim):
+            raise errors.ShapeError(
+                f"key {entry.name!r}: gradient rows must have shape ({keys.size}, {dim}), "
+                f"got {grads.shape}"
+            )
+        if entry.spec.get("nonfinite") != "skip":
+            bad = _core.first_nonfinite_row(grads)
+            if bad >= 0:
+                raise errors.NonFiniteGradient(
+                    f"key {entry.name!r}: gradient for id {int(keys[bad])} has a NaN or inf value"
+                )
+
+    # -- dense -------------------------------------------------------------------------------
+
+    def pull_dense(self, table_id: int) -> np.ndarray:
+        entry = self.dense_entry(table_id)
+        self.counters.keys += 1
+        return entry.values
+
+    def check_dense_push(self, table_id: int, grad: np.ndarray) -> None:
+        entry = self.dense_entry(table_id)
+        if grad.size != entry.values.size:
+            raise errors.ShapeError(
+                f"key {entry.name!r}: this shard holds {entry.values.size} values, "
+                f"the push has {grad.size}"
+            )
+        if not np.isfinite(grad).all():
+            raise errors.NonFiniteGradient(f"key {entry.name!r}: gradient has a NaN or inf value")
+
+    def push_dense(self, table_id: int, grad: np.ndarray) -> None:
+        """Applies the optimizer to the slice, or replaces it when there is none."""
+        self.check_dense_push(table_id, grad)
+        entry = self.dense[table_id]
+        self.counters.keys += 1
+        grad = np.ascontiguousarray(grad, dtype=np.float32).reshape(-1)
+        if entry.optimizer is None:
+            entry.values[...] = grad
+            return
+        entry.step += 1
+        entry.optimizer.update(entry.values, entry.slots, grad, entry.step)
+
+    def assign_dense(self, table_id: int, values: np.ndarray) -> None:
+        entry = self.dense_entry(table_id)
+        if values.size != entry.values.size:
+            raise errors.ShapeError(
+                f"key {entry.name!r}: this shard holds {entry.values.size} values, got {values.size}"
+            )
+        entry.values[...] = values.reshape(-1)
+
+    # -- optimizer state and stats ---------------------------------------------------------
+
+    def optimizer_state(self) -> dict:
+        """{table_id: {"keys", "slots", "steps"} | {"slots", "step"}} of this shard."""
+        state = {}
+        for table_id, entry in self.sparse.items():
+            chunks = list(entry.table.iter_chunks())
+            dim, n_slots = entry.table.dim, entry.table.num_slots
+            if chunks:
+                keys = np.concatenate([c[0] for c in chunks])
+                slots = np.concatenate([c[2] for c in chunks])
+                steps = np.concatenate([c[3] for c in chunks])
+            else:
+                keys = np.empty(0, np.int64)
+                slots = np.empty((0, n_slots, dim), np.float32)
+                steps = np.empty(0, np.int64)
+            state[table_id] = {
+                "keys": keys,
+                "slots": slots,
+                "steps": steps,
+                "table_step": entry.table.table_step,
+            }
+        for table_id, entry in self.dense.items():
+            slots = entry.slots if entry.slots is not None else np.empty((0, entry.values.size))
+            state[table_id] = {"slots": slots, "step": entry.step}
+        return state
+
+    def load_optimizer_state(self, table_id: int, state: dict) -> None:
+        """Sets slots and step counters from optimizer_state()'s form."""
+        if table_id in self.sparse:
+            table = self.sparse[table_id].table
+            keys = np.ascontiguousarray(state["keys"], np.int64)
+            slots = np.ascontiguousarray(state["slots"], np.float32)
+            if slots.shape[1:] != (table.num_slots, table.dim):
+                raise errors.ShapeError(
+                    f"key {self.sparse[table_id].name!r}: saved slots have shape "
+                    f"{slots.shape[1:]}, the optimizer needs {(table.num_slots, table.dim)}"
+                )
+            values = table.lookup(keys)
+            table.write_state(keys, values, slots, np.ascontiguousarray(state["steps"], np.int64))
+            table.table_step = int(state.get("table_step", 0))
+            return
+        entry = self.dense_entry(table_id)
+        slots = np.ascontiguousarray(state["slots"], np.float32)
+        if entry.slots is None or slots.shape != entry.slots.shape:
+            raise errors.ShapeError(f"key {entry.name!r}: saved slots do not match the optimizer")
+        entry.slots[...] = slots
+        entry.step = int(state["step"])
+
+    def stats(self) -> dict:
+        """Rows and bytes per key, requests and keys served, keys/s since start."""
+        elapsed = max(time.monotonic() - self.counters.started, 1e-9)
+        tables = {}
+        for entry in self.sparse.values():
+            tables[entry.name] = {
+                "kind": "sparse",
+                "rows": len(entry.table),
+                "bytes": entry.table.memory_bytes(),
+            }
+        for entry in self.dense.values():
+            nbytes = entry.values.nbytes + (0 if entry.slots is None else entry.slots.nbytes)
+            tables[entry.name] = {"kind": "dense", "rows": entry.values.size, "bytes": nbytes}
+        return {
+            "tables": tables,
+            "requests": self.counters.requests,
+            "keys": self.counters.keys,
+            "keys_per_second": self.counters.keys / elapsed,
+        }
