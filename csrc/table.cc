@@ -1,19 +1,25 @@
 #include "table.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <new>
 #include <string>
 
 #include "batch.h"
 #include "hash.h"
+#include "parallel.h"
 
 namespace kvsparse {
 
 namespace {
 
-constexpr int64_t kPrefetchDistance = 8;
+// Keys probed per block: enough independent misses in flight to use the
+// memory system's parallelism (about 10-12 line fill buffers per core).
+constexpr int64_t kProbeBlock = 32;
 constexpr int64_t kMinCapacity = 16;
+// Below this many keys per thread, starting threads costs more than it saves.
+constexpr int64_t kMinKeysPerThread = 16384;
 // Rows per chunk: about 1 MiB of values per chunk, at least 64 rows, so the
 // slack of the last chunk stays small next to the table.
 int64_t RowsPerChunkLog2(int64_t row_floats) {
@@ -53,41 +59,60 @@ Status EmbeddingTable::Create(const TableConfig& config, std::unique_ptr<Embeddi
 }
 
 int64_t EmbeddingTable::MemoryBytes() const {
-  return static_cast<int64_t>(bucket_keys_.capacity() * sizeof(int64_t) +
-                              bucket_rows_.capacity() * sizeof(uint32_t) +
+  return static_cast<int64_t>(buckets_.capacity() * sizeof(Bucket) +
                               free_rows_.capacity() * sizeof(uint32_t)) +
          values_.Bytes() + slots_.Bytes() + steps_.Bytes() +
          static_cast<int64_t>(sizeof(EmbeddingTable));
 }
 
-size_t EmbeddingTable::Bucket(int64_t key) const {
+size_t EmbeddingTable::HomeBucket(int64_t key) const {
   return static_cast<size_t>(Mix64(static_cast<uint64_t>(key)) & mask_);
 }
 
 int64_t EmbeddingTable::FindRow(int64_t key) const {
-  size_t b = Bucket(key);
+  size_t b = HomeBucket(key);
   while (true) {
-    const uint32_t row = bucket_rows_[b];
-    if (row == kEmpty) return -1;
-    if (bucket_keys_[b] == key) return row;
+    const Bucket& bucket = buckets_[b];
+    if (bucket.row == kEmpty) return -1;
+    if (bucket.key == key) return bucket.row;
     b = (b + 1) & mask_;
   }
 }
 
+void EmbeddingTable::FindRows(const int64_t* keys, int64_t n, int64_t* rows) const {
+  size_t home[kProbeBlock];
+  for (int64_t start = 0; start < n; start += kProbeBlock) {
+    const int64_t count = std::min(kProbeBlock, n - start);
+    for (int64_t i = 0; i < count; ++i) {
+      home[i] = HomeBucket(keys[start + i]);
+      __builtin_prefetch(&buckets_[home[i]]);
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t key = keys[start + i];
+      size_t b = home[i];
+      int64_t row = -1;
+      while (buckets_[b].row != kEmpty) {
+        if (buckets_[b].key == key) {
+          row = buckets_[b].row;
+          break;
+        }
+        b = (b + 1) & mask_;
+      }
+      rows[start + i] = row;
+    }
+  }
+}
+
 void EmbeddingTable::Rehash(int64_t new_capacity) {
-  std::vector<int64_t> old_keys;
-  std::vector<uint32_t> old_rows;
-  old_keys.swap(bucket_keys_);
-  old_rows.swap(bucket_rows_);
-  bucket_keys_.assign(static_cast<size_t>(new_capacity), 0);
-  bucket_rows_.assign(static_cast<size_t>(new_capacity), kEmpty);
+  std::vector<Bucket> old;
+  old.swap(buckets_);
+  buckets_.assign(static_cast<size_t>(new_capacity), Bucket{0, kEmpty});
   mask_ = static_cast<uint64_t>(new_capacity - 1);
-  for (size_t i = 0; i < old_rows.size(); ++i) {
-    if (old_rows[i] == kEmpty) continue;
-    size_t b = Bucket(old_keys[i]);
-    while (bucket_rows_[b] != kEmpty) b = (b + 1) & mask_;
-    bucket_keys_[b] = old_keys[i];
-    bucket_rows_[b] = old_rows[i];
+  for (const Bucket& bucket : old) {
+    if (bucket.row == kEmpty) continue;
+    size_t b = HomeBucket(bucket.key);
+    while (buckets_[b].row != kEmpty) b = (b + 1) & mask_;
+    buckets_[b] = bucket;
   }
 }
 
@@ -97,7 +122,7 @@ Status EmbeddingTable::Reserve(int64_t rows_needed) {
                   "a shard holds at most 4294967294 rows; add servers to grow further");
   }
   // Load factor <= 3/4 keeps linear probing short.
-  int64_t capacity = static_cast<int64_t>(bucket_rows_.size());
+  int64_t capacity = static_cast<int64_t>(buckets_.size());
   if (rows_needed * 4 <= capacity * 3) return Status::Ok();
   while (rows_needed * 4 > capacity * 3) capacity *= 2;
   try {
@@ -119,12 +144,12 @@ void EmbeddingTable::InitRow(int64_t row, int64_t key) {
 }
 
 Status EmbeddingTable::FindOrInsertRow(int64_t key, int64_t* row_out) {
-  size_t b = Bucket(key);
+  size_t b = HomeBucket(key);
   while (true) {
-    const uint32_t row = bucket_rows_[b];
-    if (row == kEmpty) break;
-    if (bucket_keys_[b] == key) {
-      *row_out = row;
+    const Bucket& bucket = buckets_[b];
+    if (bucket.row == kEmpty) break;
+    if (bucket.key == key) {
+      *row_out = bucket.row;
       return Status::Ok();
     }
     b = (b + 1) & mask_;
@@ -145,8 +170,7 @@ Status EmbeddingTable::FindOrInsertRow(int64_t key, int64_t* row_out) {
     }
     ++next_row_;
   }
-  bucket_keys_[b] = key;
-  bucket_rows_[b] = static_cast<uint32_t>(row);
+  buckets_[b] = Bucket{key, static_cast<uint32_t>(row)};
   ++size_;
   InitRow(row, key);
   *row_out = row;
@@ -168,8 +192,8 @@ Status EmbeddingTable::SetOptimizer(const OptimizerConfig& optimizer) {
   optimizer_ = next;
   slots_ = std::move(slots);
   table_step_ = 0;
-  for (size_t b = 0; b < bucket_rows_.size(); ++b) {
-    if (bucket_rows_[b] != kEmpty) InitRowSlots(bucket_rows_[b]);
+  for (const Bucket& bucket : buckets_) {
+    if (bucket.row != kEmpty) InitRowSlots(bucket.row);
   }
   return Status::Ok();
 }
@@ -180,22 +204,32 @@ void EmbeddingTable::InitialValues(const int64_t* keys, int64_t n, float* out) c
   }
 }
 
-Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const {
+void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out) const {
   const int64_t dim = config_.dim;
   const size_t row_bytes = sizeof(float) * static_cast<size_t>(dim);
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kPrefetchDistance < n) {
-      const size_t pb = Bucket(keys[i + kPrefetchDistance]);
-      __builtin_prefetch(&bucket_keys_[pb]);
-      __builtin_prefetch(&bucket_rows_[pb]);
+  int64_t rows[kProbeBlock];
+  for (int64_t start = 0; start < n; start += kProbeBlock) {
+    const int64_t count = std::min(kProbeBlock, n - start);
+    FindRows(keys + start, count, rows);
+    for (int64_t i = 0; i < count; ++i) {
+      if (rows[i] >= 0) __builtin_prefetch(values_.Row(rows[i]));
     }
-    const int64_t row = FindRow(keys[i]);
-    if (row >= 0) {
-      std::memcpy(out + i * dim, values_.Row(row), row_bytes);
-    } else {
-      FillInitialRow(config_.initializer, keys[i], dim, out + i * dim);
+    for (int64_t i = 0; i < count; ++i) {
+      float* dst = out + (start + i) * dim;
+      if (rows[i] >= 0) {
+        std::memcpy(dst, values_.Row(rows[i]), row_bytes);
+      } else {
+        FillInitialRow(config_.initializer, keys[start + i], dim, dst);
+      }
     }
   }
+}
+
+Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const {
+  // Read-only: ranges of the batch can be served by different threads.
+  ParallelFor(n, kMinKeysPerThread, [&](int64_t begin, int64_t end) {
+    LookupRange(keys + begin, end - begin, out + begin * config_.dim);
+  });
   return Status::Ok();
 }
 
@@ -220,7 +254,6 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
   std::vector<int64_t> unique;
   std::vector<int64_t> inverse(static_cast<size_t>(n));
   std::vector<float> summed;
-  std::vector<float> scratch(static_cast<size_t>(dim));
   try {
     UniqueWithInverse(keys, n, &unique, inverse.data());
     summed.resize(unique.size() * static_cast<size_t>(dim));
@@ -241,20 +274,36 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
   }
   Status s = Reserve(size_ + u);
   if (!s.ok()) return s;
+  // Pass 1 (serial: it may insert): the row of every distinct key.
+  std::vector<int64_t> rows(static_cast<size_t>(u));
+  FindRows(unique.data(), u, rows.data());
+  for (int64_t j = 0; j < u; ++j) {
+    if (rows[j] >= 0) continue;
+    if (bad >= 0 && FirstNonFiniteRow(g + j * dim, 1, dim) >= 0) continue;  // never inserted
+    s = FindOrInsertRow(unique[j], &rows[j]);
+    if (!s.ok()) return s;
+  }
+  // Pass 2 (parallel: distinct rows never overlap): the optimizer.
   ++table_step_;
   const bool per_table = config_.optimizer.step_mode == StepMode::kPerTable;
-  for (int64_t j = 0; j < u; ++j) {
-    const float* gj = g + j * dim;
-    if (bad >= 0 && FirstNonFiniteRow(gj, 1, dim) >= 0) continue;
-    int64_t row;
-    s = FindOrInsertRow(unique[j], &row);
-    if (!s.ok()) return s;
-    int64_t* step = steps_.Row(row);
-    *step += 1;
-    optimizer_.Update(values_.Row(row), slots_.Row(row), gj, dim,
-                      per_table ? table_step_ : *step, scratch.data());
-    ++*applied;
-  }
+  const int64_t table_step = table_step_;
+  std::atomic<int64_t> applied_total{0};
+  ParallelFor(u, kMinKeysPerThread / 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(static_cast<size_t>(dim));
+    int64_t count = 0;
+    for (int64_t j = begin; j < end; ++j) {
+      const float* gj = g + j * dim;
+      if (bad >= 0 && FirstNonFiniteRow(gj, 1, dim) >= 0) continue;
+      const int64_t row = rows[j];
+      int64_t* step = steps_.Row(row);
+      *step += 1;
+      optimizer_.Update(values_.Row(row), slots_.Row(row), gj, dim,
+                        per_table ? table_step : *step, scratch.data());
+      ++count;
+    }
+    applied_total += count;
+  });
+  *applied = applied_total.load();
   return Status::Ok();
 }
 
@@ -275,25 +324,24 @@ Status EmbeddingTable::Assign(const int64_t* keys, int64_t n, const float* value
 int64_t EmbeddingTable::Remove(const int64_t* keys, int64_t n) {
   int64_t removed = 0;
   for (int64_t i = 0; i < n; ++i) {
-    size_t b = Bucket(keys[i]);
-    while (bucket_rows_[b] != kEmpty && bucket_keys_[b] != keys[i]) b = (b + 1) & mask_;
-    if (bucket_rows_[b] == kEmpty) continue;
-    free_rows_.push_back(bucket_rows_[b]);
-    bucket_rows_[b] = kEmpty;
+    size_t b = HomeBucket(keys[i]);
+    while (buckets_[b].row != kEmpty && buckets_[b].key != keys[i]) b = (b + 1) & mask_;
+    if (buckets_[b].row == kEmpty) continue;
+    free_rows_.push_back(buckets_[b].row);
+    buckets_[b].row = kEmpty;
     --size_;
     ++removed;
     // Backward-shift deletion keeps every remaining key reachable from its
     // home bucket without tombstones.
     size_t hole = b;
     size_t j = (b + 1) & mask_;
-    while (bucket_rows_[j] != kEmpty) {
-      const size_t home = Bucket(bucket_keys_[j]);
+    while (buckets_[j].row != kEmpty) {
+      const size_t home = HomeBucket(buckets_[j].key);
       // Move j into the hole unless its home lies cyclically in (hole, j].
       const bool home_after_hole = ((j - home) & mask_) < ((j - hole) & mask_);
       if (!home_after_hole) {
-        bucket_keys_[hole] = bucket_keys_[j];
-        bucket_rows_[hole] = bucket_rows_[j];
-        bucket_rows_[j] = kEmpty;
+        buckets_[hole] = buckets_[j];
+        buckets_[j].row = kEmpty;
         hole = j;
       }
       j = (j + 1) & mask_;
@@ -341,10 +389,10 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
 
 int64_t EmbeddingTable::NextKeys(int64_t* cursor, int64_t max_rows, int64_t* keys_out) const {
   int64_t count = 0;
-  const int64_t capacity = static_cast<int64_t>(bucket_rows_.size());
+  const int64_t capacity = static_cast<int64_t>(buckets_.size());
   int64_t b = *cursor;
   for (; b < capacity && count < max_rows; ++b) {
-    if (bucket_rows_[b] != kEmpty) keys_out[count++] = bucket_keys_[b];
+    if (buckets_[b].row != kEmpty) keys_out[count++] = buckets_[b].key;
   }
   *cursor = b;
   return count;

@@ -1,0 +1,139 @@
+"""Benchmark of one kvsparse table against the in-process NumPy limit.
+
+For 100k-key batches at dims 8 and 64 it times:
+- lookup of existing keys        vs np.take(dense, known_indices, axis=0)
+- lookup_or_insert of new keys   (no NumPy equivalent: NumPy cannot grow)
+- apply_gradients with Adagrad   vs the fancy-index Adagrad update on a dense
+                                   array with the (unique) indices known
+and the table's memory against the raw bytes of its content (keys + values +
+Adagrad slot). Ratios > 1 mean kvsparse is faster.
+
+Run: python benchmarks/table_bench.py [--rows 1000000] [--batch 100000] [--repeat 7]
+Writes benchmarks/results/table_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import numpy as np
+
+from kvsparse import _core
+
+
+def best_time(fn, repeat: int) -> float:
+    """Best of `repeat` runs (the least disturbed by a noisy machine)."""
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def numpy_adagrad(weights, accum, indices, grads, lr=0.1, eps=1e-10):
+    accum[indices] += grads * grads
+    weights[indices] -= lr * grads / (np.sqrt(accum[indices]) + eps)
+
+
+def bench_dim(dim: int, rows: int, batch: int, repeat: int, rng) -> dict:
+    # Random int64 ids spread over the whole range: what hashed features look like.
+    keys = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=rows, dtype=np.int64)
+    keys = np.unique(keys)
+    rows = keys.size
+    table = _core.Table(dim, {"kind": "uniform", "a": -0.05, "b": 0.05},
+                        {"kind": "adagrad", "learning_rate": 0.1, "epsilon": 1e-10}, seed=1)
+    insert_out = np.empty((batch, dim), np.float32)
+    for start in range(0, rows, batch):
+        part = keys[start : start + batch]
+        table.lookup_or_insert(part, insert_out[: part.size])
+    dense = np.ascontiguousarray(table.lookup(keys))  # the same rows, as a dense array
+    accum = np.zeros_like(dense)
+
+    pick = rng.choice(rows, size=batch, replace=False)
+    batch_keys = np.ascontiguousarray(keys[pick])
+    out = np.empty((batch, dim), np.float32)
+    grads = rng.standard_normal((batch, dim)).astype(np.float32)
+
+    t_take = best_time(lambda: np.take(dense, pick, axis=0, out=out), repeat)
+    t_lookup = best_time(lambda: table.lookup(batch_keys, out), repeat)
+    t_np_adagrad = best_time(lambda: numpy_adagrad(dense, accum, pick, grads), repeat)
+    t_apply = best_time(lambda: table.apply_gradients(batch_keys, grads), repeat)
+
+    # New keys: a fresh table each run, so every key is an insert.
+    new_keys = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=batch,
+                            dtype=np.int64)
+
+    def insert_new():
+        fresh = _core.Table(dim, {"kind": "uniform", "a": -0.05, "b": 0.05},
+                            {"kind": "adagrad", "learning_rate": 0.1}, seed=1)
+        fresh.lookup_or_insert(new_keys, out)
+
+    t_insert = best_time(insert_new, repeat)
+    raw_bytes = rows * (8 + dim * 4 * (1 + table.num_slots))
+    return {
+        "dim": dim,
+        "rows": rows,
+        "batch": batch,
+        "seconds": {
+            "np_take": t_take,
+            "lookup_existing": t_lookup,
+            "numpy_adagrad": t_np_adagrad,
+            "apply_gradients_adagrad": t_apply,
+            "lookup_or_insert_new": t_insert,
+        },
+        "keys_per_second": {
+            "np_take": batch / t_take,
+            "lookup_existing": batch / t_lookup,
+            "numpy_adagrad": batch / t_np_adagrad,
+            "apply_gradients_adagrad": batch / t_apply,
+            "lookup_or_insert_new": batch / t_insert,
+        },
+        "ratios": {
+            "lookup_vs_np_take": t_take / t_lookup,
+            "adagrad_vs_numpy": t_np_adagrad / t_apply,
+            "memory_vs_raw": table.memory_bytes() / raw_bytes,
+        },
+        "memory_bytes": table.memory_bytes(),
+        "raw_bytes": raw_bytes,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--batch", type=int, default=100_000)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--dims", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                      "table_bench.json"))
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    results = [bench_dim(d, args.rows, args.batch, args.repeat, rng) for d in args.dims]
+
+    print(f"{'dim':>4} {'metric':<28} {'kvsparse Mkeys/s':>17} {'numpy Mkeys/s':>14} {'ratio':>7}")
+    for r in results:
+        k = r["keys_per_second"]
+        print(f"{r['dim']:>4} {'lookup existing / np.take':<28} {k['lookup_existing']/1e6:>17.1f} "
+              f"{k['np_take']/1e6:>14.1f} {r['ratios']['lookup_vs_np_take']:>6.2f}x")
+        print(f"{r['dim']:>4} {'Adagrad apply / numpy':<28} "
+              f"{k['apply_gradients_adagrad']/1e6:>17.1f} {k['numpy_adagrad']/1e6:>14.1f} "
+              f"{r['ratios']['adagrad_vs_numpy']:>6.2f}x")
+        print(f"{r['dim']:>4} {'lookup_or_insert new keys':<28} "
+              f"{k['lookup_or_insert_new']/1e6:>17.1f} {'-':>14} {'':>7}")
+        print(f"{r['dim']:>4} {'memory / raw bytes':<28} {r['memory_bytes']/2**20:>14.1f}MiB "
+              f"{r['raw_bytes']/2**20:>11.1f}MiB {r['ratios']['memory_vs_raw']:>6.2f}x")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "results": results},
+                  f, indent=2)
+    print(f"wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
