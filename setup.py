@@ -42,6 +42,8 @@ setup(
         [core],
         compiler_directives=directives,
         include_path=["cython_src"],
-        force=DEBUG,
+        # One folder per mode: Cython's timestamp check ignores directives, so
+        # a debug-generated _core.cpp must never be reused by a release build.
+        build_dir=os.path.join("build", "cython-debug" if DEBUG else "cython-release"),
     ),
 )
