@@ -46,6 +46,11 @@ Status ValidateOptimizer(const OptimizerConfig& c) {
   if (!(c.alpha >= 0.0)) return Invalid("alpha must be >= 0");
   if (!(c.initial_accumulator_value >= 0.0))
     return Invalid("initial_accumulator_value must be >= 0");
+  if (c.mxnet_formula && c.kind != OptimizerKind::kAdam && c.kind != OptimizerKind::kAdagrad &&
+      c.kind != OptimizerKind::kRmsProp)
+    return Invalid("formula 'mxnet' exists for adam, adagrad and rmsprop only");
+  if (c.mxnet_formula && c.kind == OptimizerKind::kAdagrad && c.lr_decay != 0.0)
+    return Invalid("MXNet's AdaGrad has no lr_decay");
   if (c.kind == OptimizerKind::kFtrl) {
     if (!(c.lr_power <= 0.0)) return Invalid("FTRL lr_power must be <= 0");
     if (!(c.l1 >= 0.0) || !(c.l2 >= 0.0)) return Invalid("FTRL l1 and l2 must be >= 0");
@@ -78,14 +83,19 @@ void Optimizer::Update(float* w, float* slots, const float* grad, int64_t n, int
   const float clip = static_cast<float>(c.clip_gradient);
   const float lr = static_cast<float>(c.learning_rate);
   const float wd = static_cast<float>(c.weight_decay);
+  // MXNet's Adam and RMSProp add weight decay before clipping.
+  const bool wd_before_clip = c.mxnet_formula && c.kind != OptimizerKind::kAdagrad;
   // MXNet order: rescale, clip, then (for L2-style optimizers) weight decay.
   for (int64_t i = 0; i < n; ++i) {
     float x = grad[i] * rescale;
+    if (wd_before_clip) x += wd * w[i];
     if (clip > 0.0f) x = std::min(std::max(x, -clip), clip);
     g[i] = x;
   }
-  const bool l2_in_grad = c.kind == OptimizerKind::kSgd || c.kind == OptimizerKind::kAdagrad ||
-                          c.kind == OptimizerKind::kAdam || c.kind == OptimizerKind::kRmsProp;
+  const bool l2_in_grad = !c.mxnet_formula && (c.kind == OptimizerKind::kSgd ||
+                                               c.kind == OptimizerKind::kAdagrad ||
+                                               c.kind == OptimizerKind::kAdam ||
+                                               c.kind == OptimizerKind::kRmsProp);
   if (l2_in_grad && wd != 0.0f) {
     for (int64_t i = 0; i < n; ++i) g[i] += wd * w[i];
   }
@@ -116,6 +126,13 @@ void Optimizer::Update(float* w, float* slots, const float* grad, int64_t n, int
           static_cast<float>(c.learning_rate / (1.0 + static_cast<double>(step - 1) * c.lr_decay));
       const float eps = static_cast<float>(c.epsilon);
       float* sum = slots;
+      if (c.mxnet_formula) {
+        for (int64_t i = 0; i < n; ++i) {
+          sum[i] += g[i] * g[i];
+          w[i] -= clr * (g[i] / std::sqrt(sum[i] + eps) + wd * w[i]);
+        }
+        return;
+      }
       for (int64_t i = 0; i < n; ++i) {
         sum[i] += g[i] * g[i];
         w[i] -= clr * g[i] / (std::sqrt(sum[i]) + eps);
@@ -137,6 +154,16 @@ void Optimizer::Update(float* w, float* slots, const float* grad, int64_t n, int
       const float eps = static_cast<float>(c.epsilon);
       float* m = slots;
       float* v = slots + n;
+      if (c.mxnet_formula) {
+        // MXNet folds both corrections into the learning rate; eps stays uncorrected.
+        const float corrected_lr = step_size * bc2_sqrt;
+        for (int64_t i = 0; i < n; ++i) {
+          m[i] = b1 * m[i] + (1.0f - b1) * g[i];
+          v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+          w[i] -= corrected_lr * m[i] / (std::sqrt(v[i]) + eps);
+        }
+        return;
+      }
       for (int64_t i = 0; i < n; ++i) {
         m[i] += (g[i] - m[i]) * (1.0f - b1);  // torch's lerp_
         v[i] = v[i] * b2 + (1.0f - b2) * g[i] * g[i];
@@ -164,9 +191,10 @@ void Optimizer::Update(float* w, float* slots, const float* grad, int64_t n, int
         float avg;
         if (grad_avg != nullptr) {
           grad_avg[i] += (g[i] - grad_avg[i]) * (1.0f - alpha);
-          avg = std::sqrt(square_avg[i] - grad_avg[i] * grad_avg[i]) + eps;
+          const float var = square_avg[i] - grad_avg[i] * grad_avg[i];
+          avg = c.mxnet_formula ? std::sqrt(var + eps) : std::sqrt(var) + eps;
         } else {
-          avg = std::sqrt(square_avg[i]) + eps;
+          avg = c.mxnet_formula ? std::sqrt(square_avg[i] + eps) : std::sqrt(square_avg[i]) + eps;
         }
         if (buf != nullptr) {
           buf[i] = buf[i] * mom + g[i] / avg;

@@ -71,6 +71,14 @@ struct OptimizerConfig {
   double alpha = 0.99;                     // RMSProp smoothing
   bool centered = false;                   // RMSProp
   StepMode step_mode = StepMode::kPerRow;
+  // Adam, Adagrad, RMSProp only: MXNet 1.x's formulas instead of torch.optim's, so
+  // that MXNet's optimizers run unchanged on the servers (adapters/mxnet.py):
+  //   Adam     g = clip(rescale*g + wd*w); w -= lr*sqrt(1-b2^t)/(1-b1^t) * m/(sqrt(v)+eps)
+  //   Adagrad  g = clip(rescale*g); h += g^2; w -= lr*(g/sqrt(h+eps) + wd*w)
+  //   RMSProp  g = clip(rescale*g + wd*w); n = a*n + (1-a)*g^2;
+  //            w -= lr*g/sqrt(n+eps), or centered (Graves) with momentum:
+  //            buf = m*buf + g/sqrt(n - gavg^2 + eps); w -= lr*buf
+  bool mxnet_formula = false;
 };
 
 Status ValidateOptimizer(const OptimizerConfig& config);

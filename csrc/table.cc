@@ -295,10 +295,10 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
       const float* gj = g + j * dim;
       if (bad >= 0 && FirstNonFiniteRow(gj, 1, dim) >= 0) continue;
       const int64_t row = rows[j];
-      int64_t* step = steps_.Row(row);
+      uint32_t* step = steps_.Row(row);
       *step += 1;
       optimizer_.Update(values_.Row(row), slots_.Row(row), gj, dim,
-                        per_table ? table_step : *step, scratch.data());
+                        per_table ? table_step : static_cast<int64_t>(*step), scratch.data());
       ++count;
     }
     applied_total += count;
@@ -363,13 +363,19 @@ Status EmbeddingTable::ReadState(const int64_t* keys, int64_t n, float* values, 
     if (slot_floats > 0) {
       std::memcpy(slots + i * slot_floats, slots_.Row(row), sizeof(float) * slot_floats);
     }
-    steps[i] = *steps_.Row(row);
+    steps[i] = static_cast<int64_t>(*steps_.Row(row));
   }
   return Status::Ok();
 }
 
 Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* values,
                                   const float* slots, const int64_t* steps) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (steps[i] < 0 || steps[i] > static_cast<int64_t>(UINT32_MAX)) {
+      return Status(StatusCode::kInvalidArgument,
+                    "step counter of id " + KeyText(keys[i]) + " is out of range");
+    }
+  }
   Status s = Reserve(size_ + n);
   if (!s.ok()) return s;
   const int64_t dim = config_.dim;
@@ -382,7 +388,7 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
     if (slot_floats > 0) {
       std::memcpy(slots_.Row(row), slots + i * slot_floats, sizeof(float) * slot_floats);
     }
-    *steps_.Row(row) = steps[i];
+    *steps_.Row(row) = static_cast<uint32_t>(steps[i]);
   }
   return Status::Ok();
 }

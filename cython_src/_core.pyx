@@ -44,7 +44,7 @@ _OPTIMIZER_KINDS = {
 _OPTIMIZER_FIELDS = (
     "learning_rate", "weight_decay", "rescale_grad", "clip_gradient", "momentum", "nesterov",
     "lr_decay", "epsilon", "initial_accumulator_value", "beta1", "beta2", "lr_power", "l1",
-    "l2", "beta", "alpha", "centered", "step_mode", "kind",
+    "l2", "beta", "alpha", "centered", "step_mode", "kind", "formula",
 )
 
 
@@ -115,14 +115,41 @@ cdef OptimizerConfig _optimizer_config(spec) except *:
         c_config.step_mode = StepMode.kPerTable
     else:
         raise errors.InvalidArgument(f"step_mode must be 'row' or 'table', got {step_mode!r}")
+    formula = spec.get("formula", "torch")
+    if formula not in ("torch", "mxnet"):
+        raise errors.InvalidArgument(f"formula must be 'torch' or 'mxnet', got {formula!r}")
+    c_config.mxnet_formula = formula == "mxnet"
     _check(ValidateOptimizer(c_config))
     return c_config
+
+
+cdef object _arg(obj, dtype, int ndim, str name, bint output=False):
+    """obj as a C-contiguous ndarray of dtype and ndim, or a kvsparse error naming it.
+
+    Inputs that are not contiguous are copied; outputs must be contiguous and
+    writable, since a copy would silently drop the results.
+    """
+    if not isinstance(obj, np.ndarray):
+        if output:
+            raise errors.DTypeError(f"{name} must be a NumPy array, got {type(obj).__name__}")
+        obj = np.asarray(obj)
+    if obj.dtype != dtype:
+        raise errors.DTypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {obj.dtype}")
+    if obj.ndim != ndim:
+        raise errors.ShapeError(f"{name} must be {ndim}-D, got shape {obj.shape}")
+    if not obj.flags.c_contiguous:
+        if output:
+            raise errors.ShapeError(f"{name} must be C-contiguous")
+        obj = np.ascontiguousarray(obj)
+    if output and not obj.flags.writeable:
+        raise errors.InvalidArgument(f"{name} is read-only")
+    return obj
 
 
 def _rows_out(out, int64_t n, int64_t dim):
     if out is None:
         return np.empty((n, dim), dtype=np.float32)
-    return out
+    return _arg(out, np.float32, 2, "out", output=True)
 
 
 cdef class Table:
@@ -198,8 +225,9 @@ cdef class Table:
                 f"{what} must have shape ({n}, {self.c_dim}), got "
                 f"({rows.shape[0]}, {rows.shape[1]})")
 
-    def lookup(self, const int64_t[::1] keys, out=None):
+    def lookup(self, keys_arg, out=None):
         """Rows of keys into out (n x dim); missing ids get their initial value, not stored."""
+        cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
         cdef int64_t c_n = keys.shape[0]
         out = _rows_out(out, c_n, self.c_dim)
         cdef float[:, ::1] c_out = out
@@ -211,8 +239,9 @@ cdef class Table:
         _check(c_status)
         return out
 
-    def lookup_or_insert(self, const int64_t[::1] keys, out=None):
+    def lookup_or_insert(self, keys_arg, out=None):
         """Like lookup, but missing ids are inserted with their initial value."""
+        cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
         cdef int64_t c_n = keys.shape[0]
         out = _rows_out(out, c_n, self.c_dim)
         cdef float[:, ::1] c_out = out
@@ -224,8 +253,9 @@ cdef class Table:
         _check(c_status)
         return out
 
-    def initial_values(self, const int64_t[::1] keys, out=None):
+    def initial_values(self, keys_arg, out=None):
         """The initial rows of keys, without touching the table."""
+        cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
         cdef int64_t c_n = keys.shape[0]
         out = _rows_out(out, c_n, self.c_dim)
         cdef float[:, ::1] c_out = out
@@ -235,7 +265,7 @@ cdef class Table:
                 self.c_table.get().InitialValues(&keys[0], c_n, &c_out[0, 0])
         return out
 
-    def apply_gradients(self, const int64_t[::1] keys, const float[:, ::1] grads,
+    def apply_gradients(self, keys_arg, grads_arg,
                         bint skip_nonfinite=False):
         """Applies the optimizer to the rows of keys (duplicates summed first).
 
@@ -243,6 +273,8 @@ cdef class Table:
         (and changes nothing) on a NaN/inf unless skip_nonfinite, which leaves
         such rows untouched instead.
         """
+        cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
+        cdef const float[:, ::1] grads = _arg(grads_arg, np.float32, 2, "grads")
         cdef int64_t c_n = keys.shape[0]
         self._check_rows(grads, c_n, "gradients")
         cdef int64_t c_applied = 0
@@ -257,8 +289,10 @@ cdef class Table:
         _check(c_status)
         return c_applied
 
-    def assign(self, const int64_t[::1] keys, const float[:, ::1] values):
+    def assign(self, keys_arg, values_arg):
         """Sets the rows of keys to values, inserting missing ids."""
+        cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
+        cdef const float[:, ::1] values = _arg(values_arg, np.float32, 2, "values")
         cdef int64_t c_n = keys.shape[0]
         self._check_rows(values, c_n, "values")
         cdef Status c_status
@@ -268,8 +302,9 @@ cdef class Table:
             c_status = self.c_table.get().Assign(&keys[0], c_n, &values[0, 0])
         _check(c_status)
 
-    def remove(self, const int64_t[::1] keys):
+    def remove(self, keys_arg):
         """Removes the ids that exist; returns how many were removed."""
+        cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
         cdef int64_t c_n = keys.shape[0]
         cdef int64_t c_removed = 0
         if c_n:
@@ -277,8 +312,9 @@ cdef class Table:
                 c_removed = self.c_table.get().Remove(&keys[0], c_n)
         return c_removed
 
-    def read_state(self, const int64_t[::1] keys):
+    def read_state(self, keys_arg):
         """(values n x dim, slots n x num_slots x dim, steps n) of existing ids."""
+        cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
         cdef int64_t c_n = keys.shape[0]
         cdef int c_slots = self.c_table.get().num_slots()
         values = np.empty((c_n, self.c_dim), np.float32)
@@ -296,9 +332,13 @@ cdef class Table:
             _check(c_status)
         return values, slots, steps
 
-    def write_state(self, const int64_t[::1] keys, const float[:, ::1] values,
-                    const float[:, :, ::1] slots, const int64_t[::1] steps):
+    def write_state(self, keys_arg, values_arg,
+                    slots_arg, steps_arg):
         """Sets values, slots and step counters of ids (inserting them)."""
+        cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
+        cdef const float[:, ::1] values = _arg(values_arg, np.float32, 2, "values")
+        cdef const float[:, :, ::1] slots = _arg(slots_arg, np.float32, 3, "slots")
+        cdef const int64_t[::1] steps = _arg(steps_arg, np.int64, 1, "steps")
         cdef int64_t c_n = keys.shape[0]
         cdef int c_slots = self.c_table.get().num_slots()
         self._check_rows(values, c_n, "values")
@@ -367,9 +407,12 @@ cdef class Optimizer:
             self.c_optimizer.InitSlots(&c_slots[0, 0], n)
         return slots
 
-    def update(self, float[::1] weights, float[:, ::1] slots, const float[::1] grad,
+    def update(self, weights_arg, slots_arg, grad_arg,
                int64_t step):
         """Applies one step to weights in place (slots: num_slots x n)."""
+        cdef float[::1] weights = _arg(weights_arg, np.float32, 1, "weights", output=True)
+        cdef float[:, ::1] slots = _arg(slots_arg, np.float32, 2, "slots", output=True)
+        cdef const float[::1] grad = _arg(grad_arg, np.float32, 1, "grad")
         cdef int64_t c_n = weights.shape[0]
         if grad.shape[0] != c_n:
             raise errors.ShapeError(f"gradient has {grad.shape[0]} values, weights have {c_n}")
@@ -386,8 +429,9 @@ cdef class Optimizer:
                                     &c_scratch[0])
 
 
-def unique_inverse(const int64_t[::1] ids):
+def unique_inverse(ids_arg):
     """(unique ids in order of first appearance, inverse) with ids == unique[inverse]."""
+    cdef const int64_t[::1] ids = _arg(ids_arg, np.int64, 1, "ids")
     cdef int64_t c_n = ids.shape[0]
     cdef vector[int64_t] c_unique
     inverse = np.empty(c_n, np.int64)
@@ -413,13 +457,14 @@ cdef Partitioner _partitioner(int64_t num_shards, boundaries) except *:
     return c_partitioner
 
 
-def plan_batch(const int64_t[::1] ids, int64_t num_shards, boundaries=None):
+def plan_batch(ids_arg, int64_t num_shards, boundaries=None):
     """Groups a batch of ids by shard.
 
     Returns (keys, offsets, slot): the unique ids grouped by shard (shard s
     gets keys[offsets[s]:offsets[s+1]]) and, per input position i, the index
     of ids[i] in keys.
     """
+    cdef const int64_t[::1] ids = _arg(ids_arg, np.int64, 1, "ids")
     cdef Partitioner c_partitioner = _partitioner(num_shards, boundaries)
     cdef BatchPlan c_plan
     cdef int64_t c_n = ids.shape[0]
@@ -433,8 +478,9 @@ def plan_batch(const int64_t[::1] ids, int64_t num_shards, boundaries=None):
     return keys, offsets, slot
 
 
-def shard_of(const int64_t[::1] keys, int64_t num_shards, boundaries=None):
+def shard_of(keys_arg, int64_t num_shards, boundaries=None):
     """Shard index of each key under hash (or range) partitioning."""
+    cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
     cdef Partitioner c_partitioner = _partitioner(num_shards, boundaries)
     cdef int64_t c_n = keys.shape[0]
     out = np.empty(c_n, np.int64)
@@ -446,8 +492,10 @@ def shard_of(const int64_t[::1] keys, int64_t num_shards, boundaries=None):
     return out
 
 
-def sum_rows(const float[:, ::1] rows, const int64_t[::1] index, int64_t num_unique, out=None):
+def sum_rows(rows_arg, index_arg, int64_t num_unique, out=None):
     """out[u] = sum of rows[i] with index[i] == u (num_unique x dim)."""
+    cdef const float[:, ::1] rows = _arg(rows_arg, np.float32, 2, "rows")
+    cdef const int64_t[::1] index = _arg(index_arg, np.int64, 1, "index")
     cdef int64_t c_n = rows.shape[0]
     cdef int64_t c_dim = rows.shape[1]
     if index.shape[0] != c_n:
@@ -465,8 +513,9 @@ def sum_rows(const float[:, ::1] rows, const int64_t[::1] index, int64_t num_uni
     return out
 
 
-def first_nonfinite_row(const float[:, ::1] rows):
+def first_nonfinite_row(rows_arg):
     """Index of the first row holding a NaN or inf, or -1."""
+    cdef const float[:, ::1] rows = _arg(rows_arg, np.float32, 2, "rows")
     cdef int64_t c_n = rows.shape[0]
     cdef int64_t c_result = -1
     if c_n and rows.shape[1]:
@@ -475,9 +524,12 @@ def first_nonfinite_row(const float[:, ::1] rows):
     return c_result
 
 
-def gather_from_shards(list shard_rows, const int64_t[::1] offsets, const int64_t[::1] slot,
-                       float[:, ::1] out):
+def gather_from_shards(list shard_rows, offsets_arg, slot_arg,
+                       out_arg):
     """out[i] = the reply row for slot[i]; shard_rows[s] holds shard s's rows."""
+    cdef const int64_t[::1] offsets = _arg(offsets_arg, np.int64, 1, "offsets")
+    cdef const int64_t[::1] slot = _arg(slot_arg, np.int64, 1, "slot")
+    cdef float[:, ::1] out = _arg(out_arg, np.float32, 2, "out", output=True)
     cdef int64_t c_shards = len(shard_rows)
     cdef int64_t c_n = slot.shape[0]
     cdef int64_t c_dim = out.shape[1]
@@ -506,3 +558,6 @@ def gather_from_shards(list shard_rows, const int64_t[::1] offsets, const int64_
         with nogil:
             GatherFromShards(c_ptrs.data(), &offsets[0], c_shards, &slot[0], c_n, c_dim,
                              &out[0, 0])
+
+
+include "dlpack.pxi"
