@@ -45,8 +45,12 @@ def bench_dim(dim: int, rows: int, batch: int, repeat: int, rng) -> dict:
     keys = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=rows, dtype=np.int64)
     keys = np.unique(keys)
     rows = keys.size
-    table = _core.Table(dim, {"kind": "uniform", "a": -0.05, "b": 0.05},
-                        {"kind": "adagrad", "learning_rate": 0.1, "epsilon": 1e-10}, seed=1)
+    table = _core.Table(
+        dim,
+        {"kind": "uniform", "a": -0.05, "b": 0.05},
+        {"kind": "adagrad", "learning_rate": 0.1, "epsilon": 1e-10},
+        seed=1,
+    )
     insert_out = np.empty((batch, dim), np.float32)
     for start in range(0, rows, batch):
         part = keys[start : start + batch]
@@ -65,12 +69,17 @@ def bench_dim(dim: int, rows: int, batch: int, repeat: int, rng) -> dict:
     t_apply = best_time(lambda: table.apply_gradients(batch_keys, grads), repeat)
 
     # New keys: a fresh table each run, so every key is an insert.
-    new_keys = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=batch,
-                            dtype=np.int64)
+    new_keys = rng.integers(
+        np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=batch, dtype=np.int64
+    )
 
     def insert_new():
-        fresh = _core.Table(dim, {"kind": "uniform", "a": -0.05, "b": 0.05},
-                            {"kind": "adagrad", "learning_rate": 0.1}, seed=1)
+        fresh = _core.Table(
+            dim,
+            {"kind": "uniform", "a": -0.05, "b": 0.05},
+            {"kind": "adagrad", "learning_rate": 0.1},
+            seed=1,
+        )
         fresh.lookup_or_insert(new_keys, out)
 
     t_insert = best_time(insert_new, repeat)
@@ -109,8 +118,9 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--dims", type=int, nargs="+", default=[8, 64])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                      "table_bench.json"))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "table_bench.json")
+    )
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     results = [bench_dim(d, args.rows, args.batch, args.repeat, rng) for d in args.dims]
@@ -118,19 +128,28 @@ def main(argv=None):
     print(f"{'dim':>4} {'metric':<28} {'kvsparse Mkeys/s':>17} {'numpy Mkeys/s':>14} {'ratio':>7}")
     for r in results:
         k = r["keys_per_second"]
-        print(f"{r['dim']:>4} {'lookup existing / np.take':<28} {k['lookup_existing']/1e6:>17.1f} "
-              f"{k['np_take']/1e6:>14.1f} {r['ratios']['lookup_vs_np_take']:>6.2f}x")
-        print(f"{r['dim']:>4} {'Adagrad apply / numpy':<28} "
-              f"{k['apply_gradients_adagrad']/1e6:>17.1f} {k['numpy_adagrad']/1e6:>14.1f} "
-              f"{r['ratios']['adagrad_vs_numpy']:>6.2f}x")
-        print(f"{r['dim']:>4} {'lookup_or_insert new keys':<28} "
-              f"{k['lookup_or_insert_new']/1e6:>17.1f} {'-':>14} {'':>7}")
-        print(f"{r['dim']:>4} {'memory / raw bytes':<28} {r['memory_bytes']/2**20:>14.1f}MiB "
-              f"{r['raw_bytes']/2**20:>11.1f}MiB {r['ratios']['memory_vs_raw']:>6.2f}x")
+        print(
+            f"{r['dim']:>4} {'lookup existing / np.take':<28} {k['lookup_existing'] / 1e6:>17.1f} "
+            f"{k['np_take'] / 1e6:>14.1f} {r['ratios']['lookup_vs_np_take']:>6.2f}x"
+        )
+        print(
+            f"{r['dim']:>4} {'Adagrad apply / numpy':<28} "
+            f"{k['apply_gradients_adagrad'] / 1e6:>17.1f} {k['numpy_adagrad'] / 1e6:>14.1f} "
+            f"{r['ratios']['adagrad_vs_numpy']:>6.2f}x"
+        )
+        print(
+            f"{r['dim']:>4} {'lookup_or_insert new keys':<28} "
+            f"{k['lookup_or_insert_new'] / 1e6:>17.1f} {'-':>14} {'':>7}"
+        )
+        print(
+            f"{r['dim']:>4} {'memory / raw bytes':<28} {r['memory_bytes'] / 2**20:>14.1f}MiB "
+            f"{r['raw_bytes'] / 2**20:>11.1f}MiB {r['ratios']['memory_vs_raw']:>6.2f}x"
+        )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "results": results},
-                  f, indent=2)
+        json.dump(
+            {"machine": platform.machine(), "cpus": os.cpu_count(), "results": results}, f, indent=2
+        )
     print(f"wrote {args.out}")
     return results
 

@@ -165,8 +165,8 @@ void Optimizer::Update(float* w, float* slots, const float* grad, int64_t n, int
         return;
       }
       for (int64_t i = 0; i < n; ++i) {
-        m[i] += (g[i] - m[i]) * (1.0f - b1);  // torch's lerp_
-        v[i] = v[i] * b2 + (1.0f - b2) * g[i] * g[i];
+        m[i] += (g[i] - m[i]) * static_cast<float>(1.0 - c.beta1);  // torch's lerp_
+        v[i] = v[i] * b2 + static_cast<float>(1.0 - c.beta2) * g[i] * g[i];
         const float denom = std::sqrt(v[i]) / bc2_sqrt + eps;
         w[i] -= step_size * m[i] / denom;
       }
@@ -177,6 +177,8 @@ void Optimizer::Update(float* w, float* slots, const float* grad, int64_t n, int
       const float alpha = static_cast<float>(c.alpha);
       const float eps = static_cast<float>(c.epsilon);
       const float mom = static_cast<float>(c.momentum);
+      const float one_minus_alpha =
+          c.mxnet_formula ? 1.0f - alpha : static_cast<float>(1.0 - c.alpha);
       float* square_avg = slots;
       float* next = slots + n;
       float* buf = nullptr;
@@ -187,10 +189,10 @@ void Optimizer::Update(float* w, float* slots, const float* grad, int64_t n, int
       }
       if (c.centered) grad_avg = next;
       for (int64_t i = 0; i < n; ++i) {
-        square_avg[i] = square_avg[i] * alpha + (1.0f - alpha) * g[i] * g[i];
+        square_avg[i] = square_avg[i] * alpha + one_minus_alpha * g[i] * g[i];
         float avg;
         if (grad_avg != nullptr) {
-          grad_avg[i] += (g[i] - grad_avg[i]) * (1.0f - alpha);
+          grad_avg[i] += (g[i] - grad_avg[i]) * one_minus_alpha;
           const float var = square_avg[i] - grad_avg[i] * grad_avg[i];
           avg = c.mxnet_formula ? std::sqrt(var + eps) : std::sqrt(var) + eps;
         } else {

@@ -296,7 +296,7 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
       if (bad >= 0 && FirstNonFiniteRow(gj, 1, dim) >= 0) continue;
       const int64_t row = rows[j];
       uint32_t* step = steps_.Row(row);
-      *step += 1;
+      if (*step < UINT32_MAX) *step += 1;  // saturate: a wrap to 0 would break Adam
       optimizer_.Update(values_.Row(row), slots_.Row(row), gj, dim,
                         per_table ? table_step : static_cast<int64_t>(*step), scratch.data());
       ++count;

@@ -157,8 +157,14 @@ class KVStore:
                         f"boundaries for {self._backend.num_shards} servers"
                     )
                 spec = v.to_dict()
-                info = KeyInfo(k, table_id_of(k), True, dim=v.dim, boundaries=spec["boundaries"],
-                               nonfinite=v.nonfinite)
+                info = KeyInfo(
+                    k,
+                    table_id_of(k),
+                    True,
+                    dim=v.dim,
+                    boundaries=spec["boundaries"],
+                    nonfinite=v.nonfinite,
+                )
                 prepared.append((info, spec))
             else:
                 array = as_float32(v, what=f"value of key {k!r}")
@@ -222,12 +228,16 @@ class KVStore:
                 if target.dtype != np.float32:
                     raise errors.DTypeError(f"out of key {k!r} must be float32, got {target.dtype}")
                 if target.shape != shape and target.size != int(np.prod(shape)):
-                    raise errors.ShapeError(f"out of key {k!r} must have shape {shape}, got {target.shape}")
+                    raise errors.ShapeError(
+                        f"out of key {k!r} must have shape {shape}, got {target.shape}"
+                    )
             plan = _core.plan_batch(flat_ids(ids), self._backend.num_shards, info.boundaries)
             items.append((info, plan))
             results.append(result)
             targets.append(target)
-        shard_rows = self._backend.pull_sparse([(info.table_id, plan[0], plan[1]) for info, plan in items])
+        shard_rows = self._backend.pull_sparse(
+            [(info.table_id, plan[0], plan[1]) for info, plan in items]
+        )
         for (info, (_, offsets, slot)), rows, target in zip(items, shard_rows, targets):
             if target.flags.c_contiguous:
                 _core.gather_from_shards(rows, offsets, slot, target.reshape(-1, info.dim))
@@ -249,7 +259,9 @@ class KVStore:
             ids = flat_ids(as_ids(pair[0], key=info.key))
             grads = as_float32(pair[1], what=f"rows pushed to key {info.key!r}")
             id_parts.append(ids)
-            grad_parts.append(rows_view(grads, ids.size, info.dim, what=f"rows pushed to key {info.key!r}"))
+            grad_parts.append(
+                rows_view(grads, ids.size, info.dim, what=f"rows pushed to key {info.key!r}")
+            )
         ids = id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts)
         grads = grad_parts[0] if len(grad_parts) == 1 else np.concatenate(grad_parts)
         keys, offsets, slot = _core.plan_batch(ids, self._backend.num_shards, info.boundaries)
@@ -307,7 +319,8 @@ class KVStore:
             array = as_float32(part, what=f"value pushed to key {info.key!r}")
             if array.size != info.size:
                 raise errors.ShapeError(
-                    f"value pushed to key {info.key!r} must have shape {info.shape}, got {array.shape}"
+                    f"value pushed to key {info.key!r} must have shape {info.shape}, "
+                    f"got {array.shape}"
                 )
             array = array.reshape(-1)
             total = np.array(array, copy=True) if total is None else total + array
@@ -434,8 +447,12 @@ class KVStore:
                     slots, steps = data[f"k{index}_slots"][order], data[f"k{index}_steps"][order]
                     for s in range(self._backend.num_shards):
                         a, b = offsets[s], offsets[s + 1]
-                        state = {"keys": plan_keys[a:b], "slots": slots[a:b], "steps": steps[a:b],
-                                 "table_step": step}
+                        state = {
+                            "keys": plan_keys[a:b],
+                            "slots": slots[a:b],
+                            "steps": steps[a:b],
+                            "table_step": step,
+                        }
                         loads.append((s, info.table_id, state))
                 else:
                     slots = data[f"k{index}_slots"]
@@ -471,5 +488,7 @@ class KVStore:
         self.close()
 
     def __repr__(self):
-        return (f"<kvsparse.KVStore type={self.type} rank={self.rank} "
-                f"num_workers={self.num_workers} servers={self.num_servers}>")
+        return (
+            f"<kvsparse.KVStore type={self.type} rank={self.rank} "
+            f"num_workers={self.num_workers} servers={self.num_servers}>"
+        )

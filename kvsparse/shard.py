@@ -204,7 +204,8 @@ class ShardState:
         entry = self.dense_entry(table_id)
         if values.size != entry.values.size:
             raise errors.ShapeError(
-                f"key {entry.name!r}: this shard holds {entry.values.size} values, got {values.size}"
+                f"key {entry.name!r}: this shard holds {entry.values.size} values, "
+                f"got {values.size}"
             )
         entry.values[...] = values.reshape(-1)
 

@@ -70,7 +70,13 @@ def test_dense_key_push_pull_pushpull_broadcast(kv):
 
 def test_push_without_optimizer_replaces_rows(kv):
     kv.init("t", sparse(2))
-    kv.push("t", [(np.array([5, 5]), np.ones((2, 2), np.float32)), (np.array([5]), np.ones((1, 2), np.float32))])
+    kv.push(
+        "t",
+        [
+            (np.array([5, 5]), np.ones((2, 2), np.float32)),
+            (np.array([5]), np.ones((1, 2), np.float32)),
+        ],
+    )
     np.testing.assert_array_equal(kv.row_sparse_pull("t", row_ids=np.array([5])), [[3, 3]])
     kv.push("t", (np.array([5]), np.full((1, 2), 7, np.float32)))
     np.testing.assert_array_equal(kv.row_sparse_pull("t", row_ids=np.array([5])), [[7, 7]])
@@ -97,17 +103,27 @@ def test_pull_of_unseen_ids_does_not_store(kv):
 def test_initial_value_depends_only_on_seed_and_id():
     a, b = kvsparse.create("local"), kvsparse.create("local")
     for store in (a, b):
-        store.init("t", kvsparse.SparseTable(dim=16, initializer=initializers.Normal(0, 1), seed=11))
+        store.init(
+            "t", kvsparse.SparseTable(dim=16, initializer=initializers.Normal(0, 1), seed=11)
+        )
     ids = np.array([9, -4, 2**60])
     a.row_sparse_pull("t", row_ids=ids[::-1])
     b.push("t", (np.array([777]), np.zeros((1, 16), np.float32)))
-    np.testing.assert_array_equal(a.row_sparse_pull("t", row_ids=ids), b.row_sparse_pull("t", row_ids=ids))
+    np.testing.assert_array_equal(
+        a.row_sparse_pull("t", row_ids=ids), b.row_sparse_pull("t", row_ids=ids)
+    )
 
 
 def test_fused_multi_key_calls(kv):
     kv.init(["a", "b"], [sparse(2), sparse(5)])
     kv.set_optimizer(optimizers.SGD(learning_rate=1.0))
-    kv.push(["a", "b"], [(np.array([1]), np.ones((1, 2), np.float32)), (np.array([1, 2]), np.ones((2, 5), np.float32))])
+    kv.push(
+        ["a", "b"],
+        [
+            (np.array([1]), np.ones((1, 2), np.float32)),
+            (np.array([1, 2]), np.ones((2, 5), np.float32)),
+        ],
+    )
     ra, rb = kv.row_sparse_pull(["a", "b"], row_ids=[np.array([1]), np.array([2, 1, 3])])
     np.testing.assert_array_equal(ra, [[-1, -1]])
     np.testing.assert_array_equal(rb, [[-1] * 5, [-1] * 5, [0] * 5])
@@ -165,16 +181,27 @@ def test_nonfinite_rejected_atomically_across_keys(kv):
     with pytest.raises(errors.NonFiniteGradient, match=r"key 'b'.*id 8"):
         kv.push(["a", "b"], [good, bad])
     assert kv.stats()["tables"]["a"]["rows"] == 0  # 'a' was not applied either
-    kv.init(5 if False else "c", sparse(2, nonfinite="skip", optimizer=optimizers.SGD(learning_rate=1.0)))
+    kv.init(
+        5 if False else "c",
+        sparse(2, nonfinite="skip", optimizer=optimizers.SGD(learning_rate=1.0)),
+    )
     kv.push("c", bad)
-    np.testing.assert_array_equal(kv.row_sparse_pull("c", row_ids=np.array([7, 8])), [[-1, -1], [0, 0]])
+    np.testing.assert_array_equal(
+        kv.row_sparse_pull("c", row_ids=np.array([7, 8])), [[-1, -1], [0, 0]]
+    )
     assert kv.stats()["tables"]["c"]["rows"] == 1
 
 
 def test_shape_error_in_one_key_changes_no_key(kv):
     kv.init(["a", "b"], [sparse(2), sparse(3)])
     with pytest.raises(errors.ShapeError):
-        kv.push(["a", "b"], [(np.array([1]), np.ones((1, 2), np.float32)), (np.array([1]), np.ones((1, 2), np.float32))])
+        kv.push(
+            ["a", "b"],
+            [
+                (np.array([1]), np.ones((1, 2), np.float32)),
+                (np.array([1]), np.ones((1, 2), np.float32)),
+            ],
+        )
     assert kv.stats()["tables"]["a"]["rows"] == 0
 
 
@@ -212,11 +239,17 @@ def test_optimizer_states_roundtrip(kv, tmp_path):
                 continue
             # Row 9 was inserted after the save: its state is new, the rest restored.
             if name.endswith("_slots") and a[name].ndim == 3:
-                keys_a, keys_b = a[name.replace("_slots", "_keys")], b[name.replace("_slots", "_keys")]
+                keys_a, keys_b = (
+                    a[name.replace("_slots", "_keys")],
+                    b[name.replace("_slots", "_keys")],
+                )
                 pos = {int(k): i for i, k in enumerate(keys_b)}
                 np.testing.assert_array_equal(a[name], b[name][[pos[int(k)] for k in keys_a]])
             elif name.endswith("_steps"):
-                keys_a, keys_b = a[name.replace("_steps", "_keys")], b[name.replace("_steps", "_keys")]
+                keys_a, keys_b = (
+                    a[name.replace("_steps", "_keys")],
+                    b[name.replace("_steps", "_keys")],
+                )
                 pos = {int(k): i for i, k in enumerate(keys_b)}
                 np.testing.assert_array_equal(a[name], b[name][[pos[int(k)] for k in keys_a]])
             else:
@@ -269,7 +302,9 @@ def test_local_store_matches_numpy_model(case):
     tables = {
         "a": kvsparse.SparseTable(dim=dims["a"], initializer=initializers.Uniform(-1, 1), seed=5),
         "b": kvsparse.SparseTable(
-            dim=dims["b"], initializer=initializers.TruncatedNormal(0, 0.5), seed=9,
+            dim=dims["b"],
+            initializer=initializers.TruncatedNormal(0, 0.5),
+            seed=9,
             optimizer=optimizers.Adagrad(learning_rate=0.2),
         ),
     }
@@ -295,7 +330,10 @@ def test_local_store_matches_numpy_model(case):
             _, key, ids, _ = op
             ids = np.array(ids, np.int64)
             np.testing.assert_allclose(
-                kv.row_sparse_pull(key, row_ids=ids), ref.row_sparse_pull(key, ids), rtol=1e-5, atol=1e-6
+                kv.row_sparse_pull(key, row_ids=ids),
+                ref.row_sparse_pull(key, ids),
+                rtol=1e-5,
+                atol=1e-6,
             )
         elif op[0] == "dense":
             grads = [np.full((2, 3), op[1], np.float32), np.ones((2, 3), np.float32)]
@@ -308,7 +346,10 @@ def test_local_store_matches_numpy_model(case):
     for key in ("a", "b"):
         ids = np.array(sorted(seen[key]) + [424242], np.int64)
         np.testing.assert_allclose(
-            kv.row_sparse_pull(key, row_ids=ids), ref.row_sparse_pull(key, ids), rtol=1e-5, atol=1e-6
+            kv.row_sparse_pull(key, row_ids=ids),
+            ref.row_sparse_pull(key, ids),
+            rtol=1e-5,
+            atol=1e-6,
         )
         assert kv.stats()["tables"][key]["rows"] == len(ref.tables[key][0])
     np.testing.assert_allclose(kv.pull("w"), ref.pull("w"), rtol=1e-5, atol=1e-6)

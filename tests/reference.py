@@ -1,0 +1,850 @@
+"""A plain NumPy reference model of the kvsparse C++ core.
+
+Everything here is written from the formulas documented in ``csrc/*.h``
+(torch.optim for SGD/Adagrad/Adam/AdamW/RMSprop, TF/Keras for FTRL, MXNet's
+rescale-then-clip order) and never calls ``kvsparse._core``. Tests run the
+same operations on a ``kvsparse._core.Table`` and on a ``ReferenceTable`` and
+compare the results; the distributed-store tests build their reference model
+of the whole KVStore from the same pieces.
+
+Arithmetic is float32 element-wise, in the operand order of the reference
+formulas; scalar hyperparameter expressions (``1 - beta2``, ``1 - lr * wd``,
+bias corrections, Adagrad's decayed rate) are computed in float64 and then
+rounded to float32, as torch.optim does them in Python. FTRL runs in float64
+like TF's double-precision path. Tests compare with a tight tolerance
+(rtol ~1e-5), not equality: ``log``/``cos``/``pow`` may differ in the last ulp
+between NumPy and libm, and operand order may differ in the last bit.
+
+Public API:
+
+* Hashing and placement: ``mix64``, ``hash_shard_of``, ``range_shard_of``,
+  ``shard_of``, ``unique_inverse``, ``plan_batch``.
+* Initializers: ``uniform_at``, ``normal_at``, ``initial_row``,
+  ``initial_rows``, ``normalize_initializer``, ``validate_initializer``.
+* Optimizers: ``OPTIMIZER_DEFAULTS``, ``normalize_optimizer``,
+  ``validate_optimizer``, ``ReferenceOptimizer`` (the flat-span
+  ``Optimizer.update`` of the core).
+* ``ReferenceTable``: the semantics of ``kvsparse._core.Table``.
+
+Example:
+    >>> import numpy as np
+    >>> from reference import ReferenceTable
+    >>> ref = ReferenceTable(4, {"kind": "constant", "a": 1.0},
+    ...                      {"kind": "sgd", "learning_rate": 0.5})
+    >>> ref.apply_gradients(np.array([7]), np.ones((1, 4), np.float32))
+    1
+    >>> float(ref.lookup(np.array([7]))[0, 0])
+    0.5
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+from kvsparse import errors
+
+MASK64 = (1 << 64) - 1
+MAX_DIM = 4096
+# Largest row step counter write_state accepts (the core stores 32-bit counters).
+MAX_STEP = 2**32 - 1
+
+# Constants of csrc/hash.h and csrc/initializer.cc (part of the on-disk and
+# on-wire contract: a change here means a change of every shard and row).
+_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX_MULTIPLIER_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_MULTIPLIER_2 = np.uint64(0x94D049BB133111EB)
+_SHARD_SALT = np.uint64(0x5851F42D4C957F2D)
+_COUNTER_MULTIPLIER = np.uint64(0xD1B54A32D192ED03)
+_TWO_PI = 6.283185307179586476925286766559
+_REDRAW_STRIDE = 1 << 32
+_TRUNCATION_STDDEVS = 2.0
+
+
+# --------------------------------------------------------------------------
+# 64-bit hashing
+# --------------------------------------------------------------------------
+
+
+def as_uint64(values: Any) -> np.ndarray:
+    """Reinterprets integers (int64 ids, Python ints of any sign) as uint64 bits.
+
+    Negative ids become their two's-complement bit pattern, as a C++
+    ``static_cast<uint64_t>(int64_t)`` does. Always returns an array (0-d for
+    a scalar input).
+
+    Example:
+        >>> int(as_uint64(-1))
+        18446744073709551615
+    """
+    array = np.asarray(values)
+    if array.dtype.kind == "i":
+        return array.astype(np.int64).view(np.uint64)
+    if array.dtype.kind == "u":
+        return array.astype(np.uint64)
+    if array.dtype.kind == "b":
+        return array.astype(np.uint64)
+    if array.dtype == object:
+        flat = [int(v) & MASK64 for v in array.ravel()]
+        return np.array(flat, dtype=np.uint64).reshape(array.shape)
+    raise errors.DTypeError(f"expected integer ids, got dtype {array.dtype}")
+
+
+def mix64(values: Any) -> np.ndarray:
+    """splitmix64's finalizer (csrc/hash.h ``Mix64``) on uint64 arrays, wrapping mod 2**64.
+
+    Args:
+        values: ints or an integer array (negative values are taken as their
+            64-bit two's complement).
+
+    Returns:
+        A uint64 array of the same shape (0-d for a scalar).
+
+    Example:
+        >>> hex(int(mix64(0)))
+        '0xe220a8397b1dcdaf'
+    """
+    x = as_uint64(values).copy()
+    with np.errstate(over="ignore"):
+        x = x + _GOLDEN_GAMMA
+        x = (x ^ (x >> np.uint64(30))) * _MIX_MULTIPLIER_1
+        x = (x ^ (x >> np.uint64(27))) * _MIX_MULTIPLIER_2
+        return x ^ (x >> np.uint64(31))
+
+
+def hash_shard_of(keys: Any, num_shards: int) -> Any:
+    """Shard of ids under hash partitioning (csrc/hash.h ``HashShardOf``).
+
+    ``(Mix64(key ^ salt) * num_shards) >> 64`` with the 128-bit product done in
+    Python ints, so it is exact for any number of shards.
+
+    Args:
+        keys: one int (returns an int) or an array of ids (returns int64 array).
+        num_shards: >= 1.
+
+    Example:
+        >>> 0 <= hash_shard_of(42, 8) < 8
+        True
+    """
+    if num_shards < 1:
+        raise errors.InvalidArgument("num_shards must be >= 1")
+    hashed = mix64(as_uint64(keys) ^ _SHARD_SALT)
+    if hashed.ndim == 0:
+        return (int(hashed) * num_shards) >> 64
+    shards = [(h * num_shards) >> 64 for h in hashed.ravel().tolist()]
+    return np.array(shards, dtype=np.int64).reshape(hashed.shape)
+
+
+def range_shard_of(keys: Any, boundaries: list[int]) -> Any:
+    """Shard of ids under range partitioning: shard s holds [boundaries[s-1], boundaries[s])."""
+    if np.ndim(keys) == 0:
+        return bisect.bisect_right(boundaries, int(keys))
+    array = np.asarray(keys, dtype=np.int64)
+    return np.array(
+        [bisect.bisect_right(boundaries, k) for k in array.ravel().tolist()], dtype=np.int64
+    ).reshape(array.shape)
+
+
+def validate_partitioner(num_shards: int, boundaries: Optional[list[int]] = None) -> None:
+    """Raises InvalidArgument for a partitioner that csrc/batch.cc would refuse."""
+    if num_shards < 1:
+        raise errors.InvalidArgument("num_shards must be >= 1")
+    if boundaries:
+        if len(boundaries) != num_shards - 1:
+            raise errors.InvalidArgument("a range partitioner needs num_shards - 1 boundaries")
+        if any(a >= b for a, b in zip(boundaries, boundaries[1:])):
+            raise errors.InvalidArgument("range partitioner boundaries must be strictly ascending")
+
+
+def shard_of(keys: Any, num_shards: int, boundaries: Optional[list[int]] = None) -> Any:
+    """Shard of ids: hash partitioning, or range partitioning when boundaries are given."""
+    validate_partitioner(num_shards, boundaries)
+    if boundaries:
+        return range_shard_of(keys, list(boundaries))
+    return hash_shard_of(keys, num_shards)
+
+
+# --------------------------------------------------------------------------
+# Batch planning
+# --------------------------------------------------------------------------
+
+
+def unique_inverse(ids: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(unique ids in order of first appearance, inverse) with ``ids == unique[inverse]``.
+
+    Example:
+        >>> u, inv = unique_inverse([5, 3, 5, 9])
+        >>> u.tolist(), inv.tolist()
+        ([5, 3, 9], [0, 1, 0, 2])
+    """
+    positions: dict[int, int] = {}
+    inverse = []
+    for key in np.asarray(ids, dtype=np.int64).ravel().tolist():
+        inverse.append(positions.setdefault(key, len(positions)))
+    unique = np.array(list(positions), dtype=np.int64)
+    return unique, np.array(inverse, dtype=np.int64)
+
+
+def plan_batch(
+    ids: Any, num_shards: int, boundaries: Optional[list[int]] = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Groups a batch by shard, as csrc/batch.cc ``PlanBatch`` does.
+
+    Returns:
+        (keys, offsets, slot): the unique ids grouped by shard, each shard's
+        keys in order of first appearance; shard s owns
+        ``keys[offsets[s]:offsets[s + 1]]``; ``ids[i] == keys[slot[i]]``.
+    """
+    unique, inverse = unique_inverse(ids)
+    shards = shard_of(unique, num_shards, boundaries) if len(unique) else np.zeros(0, np.int64)
+    # A stable sort by shard keeps the first-appearance order within a shard.
+    order = np.argsort(shards, kind="stable")
+    keys = unique[order]
+    position = np.empty(len(unique), dtype=np.int64)
+    position[order] = np.arange(len(unique), dtype=np.int64)
+    counts = np.bincount(shards, minlength=num_shards) if len(unique) else np.zeros(num_shards)
+    offsets = np.zeros(num_shards + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(counts)
+    return keys, offsets, position[inverse]
+
+
+def sum_rows(rows: np.ndarray, index: Any, num_unique: int) -> np.ndarray:
+    """out[u] = float32 sum of rows[i] with index[i] == u, added in input order."""
+    rows = np.asarray(rows, dtype=np.float32)
+    out = np.zeros((num_unique, rows.shape[1]), dtype=np.float32)
+    for i, u in enumerate(np.asarray(index, dtype=np.int64).tolist()):
+        out[u] += rows[i]
+    return out
+
+
+def first_nonfinite_row(rows: np.ndarray) -> int:
+    """Index of the first row holding a NaN or inf, or -1."""
+    bad = np.flatnonzero(~np.isfinite(np.asarray(rows)).all(axis=1))
+    return int(bad[0]) if len(bad) else -1
+
+
+# --------------------------------------------------------------------------
+# Initializers
+# --------------------------------------------------------------------------
+
+INITIALIZER_KINDS = ("zeros", "constant", "uniform", "normal", "truncated_normal")
+
+
+def normalize_initializer(spec: Optional[dict]) -> dict:
+    """The initializer dict with defaults filled in: {"kind", "a", "b"}."""
+    spec = dict(spec or {"kind": "zeros"})
+    kind = spec.get("kind", "zeros")
+    if kind not in INITIALIZER_KINDS:
+        raise errors.InvalidArgument(f"unknown initializer kind {kind!r}")
+    return {"kind": kind, "a": float(spec.get("a", 0.0)), "b": float(spec.get("b", 0.0))}
+
+
+def validate_initializer(spec: Optional[dict]) -> dict:
+    """Returns the normalized initializer, or raises InvalidArgument like the core."""
+    spec = normalize_initializer(spec)
+    if spec["kind"] == "uniform" and not spec["a"] <= spec["b"]:
+        raise errors.InvalidArgument("uniform initializer needs low <= high")
+    if spec["kind"] in ("normal", "truncated_normal") and not spec["b"] >= 0.0:
+        raise errors.InvalidArgument("normal initializer needs stddev >= 0")
+    return spec
+
+
+def uniform_at(seed: int, key: Any, counter: Any) -> np.ndarray:
+    """Uniform doubles in [0, 1) from counter(s) of the stream of (seed, key).
+
+    Bit-exact with csrc/initializer.cc ``UniformAt``: 53 random bits of
+    ``Mix64(Mix64(seed ^ Mix64(key)) + counter * 0xD1B54A32D192ED03)``.
+    key and counter broadcast against each other.
+    """
+    with np.errstate(over="ignore"):
+        stream = mix64(as_uint64(seed) ^ mix64(key))
+        bits = mix64(stream + as_uint64(counter) * _COUNTER_MULTIPLIER)
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+
+
+def normal_at(seed: int, key: Any, counter: Any) -> np.ndarray:
+    """Standard normals by Box-Muller from counters (2c, 2c + 1); u1 mapped to (0, 1]."""
+    counter = as_uint64(counter)
+    with np.errstate(over="ignore"):
+        first = counter * np.uint64(2)
+        u1 = 1.0 - uniform_at(seed, key, first)
+        u2 = uniform_at(seed, key, first + np.uint64(1))
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(_TWO_PI * u2)
+
+
+def initial_rows(initializer: Optional[dict], keys: Any, dim: int, seed: int = 0) -> np.ndarray:
+    """Initial values (n x dim float32) of ids under a table's initializer and seed.
+
+    A pure function of (seed, key, element index), as csrc/initializer.cc
+    ``FillInitialRow``; a truncated normal redraws element j beyond 2 stddev
+    from counter ``j + attempt * 2**32``.
+    """
+    spec = normalize_initializer(initializer)
+    key_array = np.asarray(keys, dtype=np.int64).reshape(-1, 1)
+    n = key_array.shape[0]
+    columns = np.arange(dim, dtype=np.uint64).reshape(1, -1)
+    kind, a, b = spec["kind"], spec["a"], spec["b"]
+    if kind == "zeros":
+        return np.zeros((n, dim), dtype=np.float32)
+    if kind == "constant":
+        return np.full((n, dim), np.float32(a), dtype=np.float32)
+    if kind == "uniform":
+        u = uniform_at(seed, key_array, columns)
+        return (a + (b - a) * u).astype(np.float32)
+    z = normal_at(seed, key_array, columns)
+    if kind == "truncated_normal":
+        key_grid = np.broadcast_to(key_array, z.shape)
+        column_grid = np.broadcast_to(columns, z.shape)
+        attempt = 1
+        bad = np.abs(z) > _TRUNCATION_STDDEVS
+        while bad.any():
+            counters = column_grid[bad] + np.uint64(attempt * _REDRAW_STRIDE)
+            z[bad] = normal_at(seed, key_grid[bad], counters)
+            attempt += 1
+            bad = np.abs(z) > _TRUNCATION_STDDEVS
+    return (a + b * z).astype(np.float32)
+
+
+def initial_row(initializer: Optional[dict], key: int, dim: int, seed: int = 0) -> np.ndarray:
+    """Initial value (dim float32) of one id; see ``initial_rows``."""
+    return initial_rows(initializer, [key], dim, seed)[0]
+
+
+# --------------------------------------------------------------------------
+# Optimizers
+# --------------------------------------------------------------------------
+
+OPTIMIZER_KINDS = (None, "sgd", "adagrad", "adam", "adamw", "ftrl", "rmsprop")
+
+# csrc/optimizer.h OptimizerConfig defaults.
+OPTIMIZER_DEFAULTS: dict[str, Any] = {
+    "kind": None,
+    "learning_rate": 0.01,
+    "weight_decay": 0.0,
+    "rescale_grad": 1.0,
+    "clip_gradient": -1.0,
+    "momentum": 0.0,
+    "nesterov": False,
+    "lr_decay": 0.0,
+    "epsilon": 1e-8,
+    "initial_accumulator_value": 0.0,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "lr_power": -0.5,
+    "l1": 0.0,
+    "l2": 0.0,
+    "beta": 0.0,
+    "alpha": 0.99,
+    "centered": False,
+    "step_mode": "row",
+    # "torch" (the default) or "mxnet": MXNet 1.x's Adam / AdaGrad / RMSProp.
+    "formula": "torch",
+}
+
+
+def normalize_optimizer(spec: Optional[dict]) -> dict:
+    """The optimizer dict with every field present (defaults of csrc/optimizer.h).
+
+    ``kind`` "none" becomes None; ``clip_gradient`` None becomes -1 (off).
+    """
+    spec = dict(spec or {})
+    unknown = set(spec) - set(OPTIMIZER_DEFAULTS)
+    if unknown:
+        raise errors.InvalidArgument(f"unknown optimizer settings {sorted(unknown)}")
+    full = dict(OPTIMIZER_DEFAULTS)
+    full.update(spec)
+    if full["kind"] == "none":
+        full["kind"] = None
+    if full["kind"] not in OPTIMIZER_KINDS:
+        raise errors.InvalidArgument(f"unknown optimizer {full['kind']!r}")
+    if full["clip_gradient"] is None:
+        full["clip_gradient"] = -1.0
+    if full["step_mode"] not in ("row", "table"):
+        raise errors.InvalidArgument("step_mode must be 'row' or 'table'")
+    if full["formula"] not in ("torch", "mxnet"):
+        raise errors.InvalidArgument("formula must be 'torch' or 'mxnet'")
+    for name, value in full.items():
+        if name not in ("kind", "nesterov", "centered", "step_mode", "formula"):
+            full[name] = float(value)
+    full["nesterov"] = bool(full["nesterov"])
+    full["centered"] = bool(full["centered"])
+    return full
+
+
+def validate_optimizer(spec: Optional[dict]) -> dict:
+    """Returns the normalized optimizer, or raises InvalidArgument as ValidateOptimizer does."""
+    c = normalize_optimizer(spec)
+
+    def invalid(message: str) -> None:
+        raise errors.InvalidArgument(message)
+
+    if not (c["learning_rate"] >= 0.0 and math.isfinite(c["learning_rate"])):
+        invalid("learning_rate must be a finite number >= 0")
+    if not c["weight_decay"] >= 0.0:
+        invalid("weight_decay must be >= 0")
+    if not math.isfinite(c["rescale_grad"]):
+        invalid("rescale_grad must be finite")
+    if not c["momentum"] >= 0.0:
+        invalid("momentum must be >= 0")
+    if c["nesterov"] and not c["momentum"] > 0.0:
+        invalid("nesterov needs momentum > 0")
+    if not c["epsilon"] >= 0.0:
+        invalid("epsilon must be >= 0")
+    if not 0.0 <= c["beta1"] < 1.0:
+        invalid("beta1 must be in [0, 1)")
+    if not 0.0 <= c["beta2"] < 1.0:
+        invalid("beta2 must be in [0, 1)")
+    if not c["alpha"] >= 0.0:
+        invalid("alpha must be >= 0")
+    if not c["initial_accumulator_value"] >= 0.0:
+        invalid("initial_accumulator_value must be >= 0")
+    if c["formula"] == "mxnet":
+        if c["kind"] not in ("adam", "adagrad", "rmsprop"):
+            invalid("formula 'mxnet' exists for adam, adagrad and rmsprop only")
+        if c["kind"] == "adagrad" and c["lr_decay"] != 0.0:
+            invalid("MXNet's AdaGrad has no lr_decay")
+    if c["kind"] == "ftrl":
+        if not c["lr_power"] <= 0.0:
+            invalid("FTRL lr_power must be <= 0")
+        if not (c["l1"] >= 0.0 and c["l2"] >= 0.0):
+            invalid("FTRL l1 and l2 must be >= 0")
+        if not c["learning_rate"] > 0.0:
+            invalid("FTRL learning_rate must be > 0")
+        if c["weight_decay"] != 0.0:
+            invalid("FTRL has no weight_decay; use l2")
+        if c["lr_power"] < 0.0 and c["initial_accumulator_value"] == 0.0 and c["lr_power"] != -0.5:
+            invalid("FTRL with lr_power other than -0.5 needs initial_accumulator_value > 0")
+    return c
+
+
+def _f32(value: float) -> np.float32:
+    return np.float32(value)
+
+
+class ReferenceOptimizer:
+    """One optimizer applied to a flat span of float32 weights, with its own slots.
+
+    The semantics of ``kvsparse._core.Optimizer``: ``update`` works in place
+    on ``weights`` (n,) and ``slots`` (num_slots, n) float32 arrays. The
+    gradient is first rescaled and clipped (MXNet order), then L2 weight decay
+    is added for SGD/Adagrad/Adam/RMSprop, then the reference formula runs:
+
+    * sgd: torch.optim.SGD (momentum, nesterov, dampening 0)
+    * adagrad: torch.optim.Adagrad (lr_decay, initial_accumulator_value)
+    * adam / adamw: torch.optim.Adam / AdamW (amsgrad off)
+    * rmsprop: torch.optim.RMSprop (alpha, centered, momentum)
+    * ftrl: TF ApplyFtrl / Keras Ftrl (lr_power, l1, l2, beta), in float64
+    * None: the (rescaled, clipped) pushed value replaces the weights
+
+    With ``formula="mxnet"``, Adam / Adagrad / RMSprop follow MXNet 1.x
+    instead (csrc/optimizer.h): Adam and RMSprop add weight decay to the
+    rescaled gradient *before* clipping; Adam folds both bias corrections
+    into the learning rate and adds eps to sqrt(v) uncorrected; AdaGrad
+    computes ``w -= lr * (g / sqrt(h + eps) + wd * w)``; RMSprop puts eps
+    inside the square root. MXNet's kernels take beta1/beta2/alpha as float32
+    and form ``1 - beta`` in float32, and so does this model.
+
+    Slot layout (slot-major, as the core): sgd [momentum_buffer if momentum];
+    adagrad [state_sum]; adam(w) [exp_avg, exp_avg_sq]; ftrl [z, accumulator];
+    rmsprop [square_avg, momentum_buffer if momentum, grad_avg if centered].
+
+    Example:
+        >>> opt = ReferenceOptimizer({"kind": "sgd", "learning_rate": 0.5})
+        >>> w = np.ones(2, np.float32)
+        >>> opt.update(w, opt.initial_slots(2), np.ones(2, np.float32), step=1)
+        >>> w.tolist()
+        [0.5, 0.5]
+    """
+
+    def __init__(self, spec: Optional[dict]):
+        self.config = validate_optimizer(spec)
+
+    @property
+    def kind(self) -> Optional[str]:
+        return self.config["kind"]
+
+    @property
+    def num_slots(self) -> int:
+        c = self.config
+        if c["kind"] is None:
+            return 0
+        if c["kind"] == "sgd":
+            return 1 if c["momentum"] > 0.0 else 0
+        if c["kind"] == "adagrad":
+            return 1
+        if c["kind"] in ("adam", "adamw", "ftrl"):
+            return 2
+        return 1 + int(c["momentum"] > 0.0) + int(c["centered"])  # rmsprop
+
+    def initial_slots(self, n: int) -> np.ndarray:
+        """Slot arrays (num_slots x n float32) at their initial values."""
+        slots = np.zeros((self.num_slots, n), dtype=np.float32)
+        accumulator = _f32(self.config["initial_accumulator_value"])
+        if self.kind == "adagrad":
+            slots[0] = accumulator
+        elif self.kind == "ftrl":
+            slots[1] = accumulator
+        return slots
+
+    def update(self, weights: np.ndarray, slots: np.ndarray, grad: np.ndarray, step: int) -> None:
+        """Applies one step in place. step is 1 on the span's first update."""
+        c = self.config
+        w = weights
+        kind = c["kind"]
+        mxnet = c["formula"] == "mxnet"
+        lr = _f32(c["learning_rate"])
+        wd = _f32(c["weight_decay"])
+        g = np.asarray(grad, dtype=np.float32) * _f32(c["rescale_grad"])
+        if mxnet and kind in ("adam", "rmsprop"):
+            g = g + wd * w  # MXNet: weight decay before clipping
+        clip = _f32(c["clip_gradient"])
+        if clip > 0:
+            g = np.minimum(np.maximum(g, -clip), clip)
+        if not mxnet and kind in ("sgd", "adagrad", "adam", "rmsprop") and wd != 0:
+            g = g + wd * w
+        if kind is None:
+            w[...] = g
+        elif kind == "sgd":
+            self._sgd(w, slots, g, lr)
+        elif kind == "adagrad":
+            clr = _f32(c["learning_rate"] / (1.0 + float(step - 1) * c["lr_decay"]))
+            eps = _f32(c["epsilon"])
+            slots[0] += g * g
+            if mxnet:
+                w -= clr * (g / np.sqrt(slots[0] + eps) + wd * w)
+            else:
+                w -= clr * g / (np.sqrt(slots[0]) + eps)
+        elif kind == "adam" and mxnet:
+            self._adam_mxnet(w, slots, g, step)
+        elif kind in ("adam", "adamw"):
+            self._adam(w, slots, g, lr, wd, step)
+        elif kind == "rmsprop":
+            self._rmsprop(w, slots, g, lr)
+        else:
+            self._ftrl(w, slots, g)
+
+    def _sgd(self, w, slots, g, lr):
+        momentum = self.config["momentum"]
+        if momentum > 0.0:
+            m = _f32(momentum)
+            buf = slots[0]
+            buf[...] = m * buf + g
+            direction = g + m * buf if self.config["nesterov"] else buf
+            w -= lr * direction
+        else:
+            w -= lr * g
+
+    def _adam(self, w, slots, g, lr, wd, step):
+        c = self.config
+        # Scalars in float64 as torch computes them in Python, then used in float32.
+        if self.kind == "adamw" and wd != 0:
+            w *= _f32(1.0 - c["learning_rate"] * c["weight_decay"])
+        b2 = _f32(c["beta2"])
+        step_size = _f32(c["learning_rate"] / (1.0 - math.pow(c["beta1"], float(step))))
+        bc2_sqrt = _f32(math.sqrt(1.0 - math.pow(c["beta2"], float(step))))
+        m, v = slots[0], slots[1]
+        m += (g - m) * _f32(1.0 - c["beta1"])  # exp_avg.lerp_(grad, 1 - beta1)
+        v[...] = v * b2 + _f32(1.0 - c["beta2"]) * g * g
+        denom = np.sqrt(v) / bc2_sqrt + _f32(c["epsilon"])
+        w -= step_size * m / denom
+
+    def _adam_mxnet(self, w, slots, g, step):
+        c = self.config
+        b1 = _f32(c["beta1"])
+        b2 = _f32(c["beta2"])
+        step_size = _f32(c["learning_rate"] / (1.0 - math.pow(c["beta1"], float(step))))
+        bc2_sqrt = _f32(math.sqrt(1.0 - math.pow(c["beta2"], float(step))))
+        corrected_lr = step_size * bc2_sqrt
+        m, v = slots[0], slots[1]
+        m[...] = b1 * m + (_f32(1) - b1) * g
+        v[...] = b2 * v + (_f32(1) - b2) * g * g
+        w -= corrected_lr * m / (np.sqrt(v) + _f32(c["epsilon"]))
+
+    def _rmsprop(self, w, slots, g, lr):
+        c = self.config
+        alpha = _f32(c["alpha"])
+        eps = _f32(c["epsilon"])
+        square_avg = slots[0]
+        index = 1
+        buf = None
+        grad_avg = None
+        if c["momentum"] > 0.0:
+            buf = slots[index]
+            index += 1
+        if c["centered"]:
+            grad_avg = slots[index]
+        mxnet = c["formula"] == "mxnet"
+        if mxnet:
+            one_minus_alpha = _f32(1) - alpha  # MXNet's kernel: float32 gamma1
+        else:
+            one_minus_alpha = _f32(1.0 - c["alpha"])  # torch: float64, as in Python
+        square_avg[...] = square_avg * alpha + one_minus_alpha * g * g
+        if grad_avg is not None:
+            grad_avg += (g - grad_avg) * one_minus_alpha
+            variance = square_avg - grad_avg * grad_avg
+        else:
+            variance = square_avg
+        avg = np.sqrt(variance + eps) if mxnet else np.sqrt(variance) + eps
+        if buf is not None:
+            buf[...] = buf * _f32(c["momentum"]) + g / avg
+            w -= lr * buf
+        else:
+            w -= lr * g / avg
+
+    def _ftrl(self, w, slots, g):
+        # TF ApplyFtrl in float64, the accumulator before and after the step.
+        c = self.config
+        p = -c["lr_power"]
+        eta = c["learning_rate"]
+        z, acc = slots[0], slots[1]
+        gi = g.astype(np.float64)
+        acc_old = acc.astype(np.float64)
+        acc_new = acc_old + gi * gi
+        pow_new = np.sqrt(acc_new) if p == 0.5 else np.power(acc_new, p)
+        pow_old = np.sqrt(acc_old) if p == 0.5 else np.power(acc_old, p)
+        sigma = (pow_new - pow_old) / eta
+        zi = z.astype(np.float64) + gi - sigma * w.astype(np.float64)
+        z[...] = zi.astype(np.float32)
+        acc[...] = acc_new.astype(np.float32)
+        quadratic = (c["beta"] + pow_new) / eta + 2.0 * c["l2"]
+        shrunk = (np.where(zi > 0, 1.0, -1.0) * c["l1"] - zi) / quadratic
+        w[...] = np.where(np.abs(zi) > c["l1"], shrunk, 0.0).astype(np.float32)
+
+
+# --------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------
+
+
+def _keys_list(keys: Any) -> list[int]:
+    array = np.asarray(keys)
+    if array.dtype.kind not in "iu" and array.size:
+        raise errors.DTypeError(f"ids must be integers, got dtype {array.dtype}")
+    return [int(k) for k in array.astype(np.int64).ravel().tolist()]
+
+
+class ReferenceTable:
+    """A dict-based model of ``kvsparse._core.Table`` (one shard's table).
+
+    State: ``rows[key]`` (dim float32), ``slots[key]`` (num_slots x dim
+    float32), ``steps[key]`` (int, the row's update count) and
+    ``table_step`` (non-empty pushes applied to the table).
+
+    Semantics mirrored from csrc/table.h:
+
+    * ``lookup`` returns stored rows and initial values for missing ids,
+      without inserting; ``lookup_or_insert`` inserts missing ids.
+    * ``apply_gradients`` sums duplicate ids' gradients (float32, in input
+      order), then checks them: a NaN/inf rejects the whole batch
+      (NonFiniteGradient, nothing changed) or, with ``skip_nonfinite``, leaves
+      those ids untouched (not even inserted). Otherwise the table step is
+      bumped once, and each distinct id is inserted if missing, its step
+      counter bumped and the optimizer applied with that step (or the table
+      step in step_mode "table"). An empty batch changes nothing.
+    * ``assign`` sets rows (last duplicate wins); slots and steps are kept,
+      inserted rows get initial slots and step 0.
+    * ``remove`` forgets ids; a re-inserted id starts again from its initial
+      value, initial slots and step 0.
+    * ``set_optimizer`` resets every row's slots and step and the table step.
+
+    Example:
+        >>> ref = ReferenceTable(2, {"kind": "zeros"}, {"kind": "adagrad"})
+        >>> ref.apply_gradients(np.array([1, 1]), np.ones((2, 2), np.float32))
+        1
+        >>> ref.steps[1], ref.table_step
+        (1, 1)
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        initializer: Optional[dict] = None,
+        optimizer: Optional[dict] = None,
+        seed: int = 0,
+    ):
+        if not 1 <= dim <= MAX_DIM:
+            raise errors.InvalidArgument(f"dim must be in [1, {MAX_DIM}], got {dim}")
+        self.dim = dim
+        self.initializer = validate_initializer(initializer)
+        self.seed = seed
+        self.optimizer = ReferenceOptimizer(optimizer)
+        self.rows: dict[int, np.ndarray] = {}
+        self.slots: dict[int, np.ndarray] = {}
+        self.steps: dict[int, int] = {}
+        self.table_step = 0
+
+    # -- inspection --------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return self.optimizer.num_slots
+
+    def size(self) -> int:
+        """Number of rows stored."""
+        return len(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, key: int) -> bool:
+        return int(key) in self.rows
+
+    def keys(self) -> np.ndarray:
+        """Stored ids, sorted (int64)."""
+        return np.array(sorted(self.rows), dtype=np.int64)
+
+    def state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(keys sorted, values n x dim, slots n x num_slots x dim, steps n) of every row."""
+        keys = self.keys()
+        values, slots, steps = self.read_state(keys)
+        return keys, values, slots, steps
+
+    def copy(self) -> ReferenceTable:
+        """A deep copy."""
+        other = ReferenceTable.__new__(ReferenceTable)
+        other.dim = self.dim
+        other.initializer = dict(self.initializer)
+        other.seed = self.seed
+        other.optimizer = self.optimizer
+        other.rows = {k: v.copy() for k, v in self.rows.items()}
+        other.slots = {k: v.copy() for k, v in self.slots.items()}
+        other.steps = dict(self.steps)
+        other.table_step = self.table_step
+        return other
+
+    # -- helpers -----------------------------------------------------------
+
+    def _check_rows(self, rows: Any, n: int, what: str) -> np.ndarray:
+        array = np.asarray(rows)
+        if array.dtype != np.float32:
+            raise errors.DTypeError(f"{what} must be float32, got {array.dtype}")
+        if array.shape != (n, self.dim):
+            raise errors.ShapeError(f"{what} must have shape ({n}, {self.dim}), got {array.shape}")
+        return array
+
+    def initial_values(self, keys: Any) -> np.ndarray:
+        """Initial rows of ids (n x dim), without touching the table."""
+        return initial_rows(self.initializer, _keys_list(keys), self.dim, self.seed)
+
+    def _insert(self, key: int) -> None:
+        self.rows[key] = initial_row(self.initializer, key, self.dim, self.seed)
+        self.slots[key] = self.optimizer.initial_slots(self.dim)
+        self.steps[key] = 0
+
+    # -- operations --------------------------------------------------------
+
+    def lookup(self, keys: Any) -> np.ndarray:
+        """Rows of ids (n x dim); missing ids get their initial value and are not stored."""
+        key_list = _keys_list(keys)
+        out = self.initial_values(key_list)
+        for i, key in enumerate(key_list):
+            if key in self.rows:
+                out[i] = self.rows[key]
+        return out
+
+    def lookup_or_insert(self, keys: Any) -> np.ndarray:
+        """Like lookup, but missing ids are inserted with their initial value."""
+        key_list = _keys_list(keys)
+        for key in key_list:
+            if key not in self.rows:
+                self._insert(key)
+        return self.lookup(key_list)
+
+    def apply_gradients(self, keys: Any, grads: Any, skip_nonfinite: bool = False) -> int:
+        """Applies the optimizer to ids' rows; returns the number of distinct rows updated.
+
+        Raises:
+            kvsparse.errors.NonFiniteGradient: a summed gradient holds NaN/inf
+                and skip_nonfinite is False (nothing changed).
+        """
+        key_list = _keys_list(keys)
+        grads = self._check_rows(grads, len(key_list), "gradients")
+        if not key_list:
+            return 0
+        unique, inverse = unique_inverse(key_list)
+        summed = sum_rows(grads, inverse, len(unique)) if len(unique) != len(key_list) else grads
+        finite = np.isfinite(summed).all(axis=1)
+        if not finite.all() and not skip_nonfinite:
+            bad = int(unique[np.flatnonzero(~finite)[0]])
+            raise errors.NonFiniteGradient(f"gradient for id {bad} has a NaN or inf value")
+        self.table_step += 1
+        per_table = self.optimizer.config["step_mode"] == "table"
+        applied = 0
+        for j, key in enumerate(unique.tolist()):
+            if not finite[j]:
+                continue
+            if key not in self.rows:
+                self._insert(key)
+            self.steps[key] += 1
+            step = self.table_step if per_table else self.steps[key]
+            self.optimizer.update(self.rows[key], self.slots[key], summed[j], step)
+            applied += 1
+        return applied
+
+    def assign(self, keys: Any, values: Any) -> None:
+        """Sets ids' rows to values (last duplicate wins), inserting missing ids."""
+        key_list = _keys_list(keys)
+        values = self._check_rows(values, len(key_list), "values")
+        for i, key in enumerate(key_list):
+            if key not in self.rows:
+                self._insert(key)
+            self.rows[key] = values[i].copy()
+
+    def remove(self, keys: Any) -> int:
+        """Removes the ids that exist; returns how many were removed."""
+        removed = 0
+        for key in _keys_list(keys):
+            if key in self.rows:
+                del self.rows[key], self.slots[key], self.steps[key]
+                removed += 1
+        return removed
+
+    def read_state(self, keys: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(values n x dim, slots n x num_slots x dim, steps n) of existing ids.
+
+        Raises:
+            kvsparse.errors.InvalidArgument: an id is not in the table.
+        """
+        key_list = _keys_list(keys)
+        n = len(key_list)
+        values = np.empty((n, self.dim), dtype=np.float32)
+        slots = np.empty((n, self.num_slots, self.dim), dtype=np.float32)
+        steps = np.empty(n, dtype=np.int64)
+        for i, key in enumerate(key_list):
+            if key not in self.rows:
+                raise errors.InvalidArgument(f"id {key} is not in the table")
+            values[i] = self.rows[key]
+            slots[i] = self.slots[key]
+            steps[i] = self.steps[key]
+        return values, slots, steps
+
+    def write_state(self, keys: Any, values: Any, slots: Any, steps: Any) -> None:
+        """Sets values, slots and step counters of ids, inserting them."""
+        key_list = _keys_list(keys)
+        values = self._check_rows(values, len(key_list), "values")
+        slots = np.asarray(slots, dtype=np.float32)
+        if slots.shape != (len(key_list), self.num_slots, self.dim):
+            raise errors.ShapeError(
+                f"slots must have shape ({len(key_list)}, {self.num_slots}, {self.dim}), "
+                f"got {slots.shape}"
+            )
+        steps = np.asarray(steps, dtype=np.int64)
+        if steps.shape != (len(key_list),):
+            raise errors.ShapeError(f"steps must have {len(key_list)} entries, got {steps.shape}")
+        if len(steps) and (steps.min() < 0 or steps.max() > MAX_STEP):
+            raise errors.InvalidArgument(f"step counters must be in [0, {MAX_STEP}]")
+        for i, key in enumerate(key_list):
+            self.rows[key] = values[i].copy()
+            self.slots[key] = slots[i].copy()
+            self.steps[key] = int(steps[i])
+
+    def set_optimizer(self, optimizer: Optional[dict]) -> None:
+        """Replaces the optimizer: every row's slots and step restart; the table step is 0."""
+        self.optimizer = ReferenceOptimizer(optimizer)
+        self.table_step = 0
+        for key in self.rows:
+            self.slots[key] = self.optimizer.initial_slots(self.dim)
+            self.steps[key] = 0
