@@ -38,6 +38,7 @@ cdef extern from "optimizer.h" namespace "kvsparse" nogil:
         double alpha
         bint centered
         StepMode step_mode
+        bint mxnet_formula
 
     Status ValidateOptimizer(const OptimizerConfig& config)
 

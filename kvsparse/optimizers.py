@@ -15,6 +15,11 @@ Ftrl          tf.keras.optimizers.Ftrl / TF ApplyFtrl (lr_power, l1, l2, beta)
 Before the formula the gradient is scaled and clipped as MXNet does:
 ``g = clip(rescale_grad * g, -clip_gradient, clip_gradient)``.
 
+Adam, Adagrad and RMSProp take ``formula='mxnet'`` for MXNet 1.x's variants
+(epsilon inside the square root or outside Adam's bias correction, weight decay
+before clipping, outside Adagrad's history; see csrc/optimizer.h), which the MXNet
+adapter uses so that MXNet's optimizers give MXNet's results.
+
 Adam/AdamW's bias correction counts each row's own updates
 (``step_mode='row'``, the default, truly lazy); ``step_mode='table'`` counts
 pushes to the table instead, like torch.optim.SparseAdam and TF's LazyAdam.
@@ -50,6 +55,8 @@ class Optimizer:
             spec[_WIRE_NAMES.get(name, name)] = value
         if spec.get("clip_gradient") is None:
             spec["clip_gradient"] = -1.0
+        if spec.get("formula") == "torch":
+            del spec["formula"]  # the default: specs without the field mean the same
         return spec
 
     @property
@@ -79,7 +86,10 @@ class SGD(Optimizer):
 
 
 class Adagrad(Optimizer):
-    """torch.optim.Adagrad (eps added outside the square root, default 1e-10)."""
+    """torch.optim.Adagrad (eps added outside the square root, default 1e-10).
+
+    formula='mxnet': MXNet's AdaGrad (eps inside the root, wd outside the history).
+    """
 
     kind = "adagrad"
     defaults = {
@@ -88,11 +98,15 @@ class Adagrad(Optimizer):
         "weight_decay": 0.0,
         "initial_accumulator_value": 0.0,
         "eps": 1e-10,
+        "formula": "torch",
     }
 
 
 class Adam(Optimizer):
-    """torch.optim.Adam (lazy: only touched rows, each with its own step)."""
+    """torch.optim.Adam (lazy: only touched rows, each with its own step).
+
+    formula='mxnet': MXNet's Adam (eps outside the bias correction, wd before clipping).
+    """
 
     kind = "adam"
     defaults = {
@@ -102,6 +116,7 @@ class Adam(Optimizer):
         "eps": 1e-8,
         "weight_decay": 0.0,
         "step_mode": "row",
+        "formula": "torch",
     }
 
 
@@ -113,7 +128,10 @@ class AdamW(Adam):
 
 
 class RMSProp(Optimizer):
-    """torch.optim.RMSprop."""
+    """torch.optim.RMSprop.
+
+    formula='mxnet': MXNet's RMSProp (eps inside the root, wd before clipping).
+    """
 
     kind = "rmsprop"
     defaults = {
@@ -123,6 +141,7 @@ class RMSProp(Optimizer):
         "weight_decay": 0.0,
         "momentum": 0.0,
         "centered": False,
+        "formula": "torch",
     }
 
 

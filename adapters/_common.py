@@ -1,0 +1,87 @@
+"""What every adapter needs: creating a table on first use, and one lock per store.
+
+Plain Python with no framework import, so that each adapter can share it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from kvsparse import errors
+from kvsparse.table import SparseTable
+
+# One lock per store, shared by all adapters: a KVStore is not meant to be
+# called from two threads at once, and adapters call it from threads of their
+# own (a prefetch) or of the framework (JAX and TensorFlow host callbacks).
+_store_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_store_locks_guard = threading.Lock()
+
+
+def store_lock(kv) -> threading.Lock:
+    """The lock the adapters take around every call to `kv`.
+
+    Take it yourself if you call `kv` from another thread while an adapter
+    may be using it (a prefetch in flight, a host callback running).
+
+    Example:
+        >>> with store_lock(kv):
+        ...     rows = kv.row_sparse_pull('user', row_ids=ids)
+    """
+    with _store_locks_guard:
+        lock = _store_locks.get(kv)
+        if lock is None:
+            lock = _store_locks[kv] = threading.Lock()
+        return lock
+
+
+def ensure_table(
+    kv,
+    key,
+    embedding_dim=None,
+    *,
+    initializer=None,
+    optimizer=None,
+    seed: int = 0,
+    partitioner=None,
+    nonfinite: str = "raise",
+) -> int:
+    """Creates sparse table `key` on `kv` unless it exists; returns its dim.
+
+    Args:
+        kv: a kvsparse.KVStore.
+        key: the table's key.
+        embedding_dim: row width; needed when the table does not exist yet,
+            checked against it when it does.
+        initializer, optimizer, seed, partitioner, nonfinite: passed to
+            kvsparse.SparseTable when the table is created (ignored otherwise).
+
+    Raises:
+        kvsparse.errors.UnknownKey: no table and no embedding_dim.
+        kvsparse.errors.ShapeError: the table exists with another dim.
+        kvsparse.errors.InvalidArgument: `key` is a dense key.
+
+    Example:
+        >>> ensure_table(kv, 'user', 16, optimizer=kvsparse.optimizers.Adagrad(0.05))
+        16
+    """
+    with store_lock(kv):
+        if key in kv:
+            info = kv.key_info(key)
+            if not info.sparse:
+                raise errors.InvalidArgument(f"key {key!r} is a dense key, not a sparse table")
+            if embedding_dim is not None and int(embedding_dim) != info.dim:
+                raise errors.ShapeError(
+                    f"table {key!r} has dim {info.dim}, but embedding_dim={embedding_dim} was asked"
+                )
+            return info.dim
+        if embedding_dim is None:
+            raise errors.UnknownKey(
+                f"table {key!r} does not exist; pass embedding_dim= to create it, "
+                "or kv.init it first"
+            )
+        settings = {"dim": int(embedding_dim), "optimizer": optimizer, "seed": seed}
+        if initializer is not None:
+            settings["initializer"] = initializer
+        kv.init(key, SparseTable(partitioner=partitioner, nonfinite=nonfinite, **settings))
+        return int(embedding_dim)

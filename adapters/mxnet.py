@@ -1,0 +1,926 @@
+"""kvsparse stores behind MXNet 1.9's KVStore API, for Gluon's Trainer.
+
+Importing this module registers two store types with MXNet's KVStore registry,
+so that ``mx.kv.create('dist_sparse')`` and ``mx.kv.create('dist_sparse_async')``
+return kvsparse stores (`Dist_Sparse`, `Dist_Sparse_Async`; MXNet names a
+registered store by its lower-cased class name and looks the registry up before
+its own C++ stores). With no arguments they connect to the servers that
+``kvsparse launch`` (or the ``KVSPARSE_*`` / ``DMLC_*`` variables) describe;
+`create` takes the configuration explicitly, and ``create('local')`` serves the
+same API from one in-process shard.
+
+A Gluon ``Trainer(params, optimizer, kvstore='dist_sparse')`` trains through
+them: ``row_sparse`` parameters (``Parameter(stype='row_sparse',
+grad_stype='row_sparse')``) and dense-weight embeddings with sparse gradients
+(``gluon.nn.Embedding(..., sparse_grad=True)``) become kvsparse sparse tables
+(``dim = shape[1]``); every other parameter becomes a dense key. The optimizer
+the Trainer hands to `set_optimizer` runs on the servers (`optimizer_from_mxnet`
+maps it; see there what maps exactly and what differs).
+
+Semantics (MXNet's, with the differences said):
+- ``init``: a table's rows start as the value MXNet gives (all rows of a dense
+  value, the stored rows of a row_sparse one); with several workers rank 0's value
+  wins. Rows never given start at zero (a row_sparse array's missing rows are
+  zero). A table grows past the Parameter's declared rows when ids beyond them are
+  pushed or pulled with dense outputs or ``(ids, rows)`` pairs: the declared shape
+  only bounds what fits in a RowSparseNDArray.
+- ``push``: a pushed list is summed; with an optimizer the sum is a gradient and
+  only the rows it touches are updated (lazy, as MXNet's ``lazy_update=True``);
+  without one it replaces those rows. (MXNet's own store without an updater
+  replaces the whole row_sparse value, dropping rows not pushed; kvsparse keeps
+  them: a table has no "whole value".)
+- ``row_sparse_pull``: row_ids of any shape, int or float (whole numbers; float32
+  holds ids exactly only below 2**24), unsorted, duplicated. A RowSparseNDArray
+  ``out`` receives the unique sorted rows (MXNet); a dense ``out`` of shape
+  ``row_ids.shape + (dim,)`` receives one row per id, written in place (kvsparse).
+- Keys are all int or all str. Writes into outputs happen under
+  ``mx.autograd.pause()``.
+
+Zero-copy: NDArrays cross through DLPack (``to_dlpack_for_read/for_write`` ->
+``kvsparse._core.from_dlpack``): pushed gradients (dense arrays, and the stored
+rows of a RowSparseNDArray) are read where MXNet keeps them, and dense outputs
+are filled where MXNet keeps them. Not zero-copy: a RowSparseNDArray's indices
+(MXNet only hands out a copy, 8 bytes per row), and a RowSparseNDArray ``out``:
+the rows land in a fresh row_sparse buffer that MXNet then copies into ``out``
+(MXNet offers no way to resize ``out``'s storage in place). CPU NDArrays only.
+
+Example:
+    >>> import mxnet as mx
+    >>> import kvsparse.adapters.mxnet  # registers 'dist_sparse'
+    >>> kv = kvsparse.adapters.mxnet.create('local')
+    >>> kv.init(0, mx.nd.ones((10, 4)).tostype('row_sparse'))
+    >>> kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5))
+    >>> grad = mx.nd.sparse.row_sparse_array(
+    ...     (mx.nd.ones((1, 4)), mx.nd.array([3], dtype='int64')), shape=(10, 4))
+    >>> kv.push(0, grad)
+    >>> out = mx.nd.sparse.zeros('row_sparse', (10, 4))
+    >>> kv.row_sparse_pull(0, out=out, row_ids=mx.nd.array([3, 3, 1]))
+    >>> out.indices.asnumpy(), out.data.asnumpy()[:, 0]
+    (array([1, 3]), array([1. , 0.5], dtype=float32))
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+
+import numpy as np
+
+import kvsparse
+from kvsparse import _core, errors, initializers, optimizers
+
+if "bool" not in vars(np):
+    # MXNet 1.9.1 still says np.bool, which NumPy 1.24 removed (2.0 brought it back).
+    # vars(), not hasattr(): NumPy 1.24-1.26 warn on any attempt to read np.bool.
+    np.bool = bool
+
+if os.environ.get("DMLC_ROLE") in ("server", "scheduler"):
+    # With this variable `import mxnet` turns the process into a ps-lite node and never
+    # returns control to the caller; say why instead of hanging.
+    raise ImportError(
+        f"DMLC_ROLE={os.environ['DMLC_ROLE']} makes `import mxnet` start an MXNet ps-lite "
+        "node; kvsparse servers are `kvsparse server` processes. Unset DMLC_ROLE (and PORT) "
+        "for processes that run training code."
+    )
+
+import mxnet as mx  # noqa: E402 - needs np.bool first
+from mxnet.base import _LIB, check_call  # noqa: E402
+from mxnet.kvstore import KVStore as _NativeKVStore  # noqa: E402
+from mxnet.kvstore import KVStoreBase  # noqa: E402
+from mxnet.ndarray.sparse import RowSparseNDArray, _new_alloc_handle  # noqa: E402
+
+__all__ = [
+    "Dist_Sparse",
+    "Dist_Sparse_Async",
+    "KVSparseStore",
+    "as_numpy",
+    "create",
+    "optimizer_from_mxnet",
+]
+
+
+# -- arrays ------------------------------------------------------------------------------------
+
+
+def as_numpy(array, *, writable: bool = False) -> np.ndarray:
+    """A NumPy view of a CPU NDArray's memory, through DLPack (no copy).
+
+    For a RowSparseNDArray the view covers its stored rows, shape (nnz, dim).
+
+    Args:
+        array: an mx.nd.NDArray on the CPU.
+        writable: False waits for pending writes and gives a read-only view
+            (``to_dlpack_for_read``); True also waits for pending reads and
+            gives a writeable view whose writes show in ``array``.
+
+    Raises:
+        kvsparse.errors.DTypeError: not an NDArray.
+        kvsparse.errors.InvalidArgument: an NDArray on a GPU.
+
+    Example:
+        >>> a = mx.nd.zeros((2, 3))
+        >>> as_numpy(a, writable=True)[0, 0] = 5.0
+        >>> a[0, 0].asscalar()
+        5.0
+    """
+    if not isinstance(array, mx.nd.NDArray):
+        raise errors.DTypeError(f"expected an mx.nd.NDArray, got {type(array).__name__}")
+    capsule = array.to_dlpack_for_write() if writable else array.to_dlpack_for_read()
+    return _core.from_dlpack(capsule, writable=writable)
+
+
+def _row_ids(array, *, key) -> np.ndarray:
+    """Row ids as an int64 NumPy array (any shape); float ids must be whole numbers."""
+    if isinstance(array, mx.nd.NDArray):
+        if array.stype != "default":
+            raise errors.DTypeError(f"row ids of key {key!r} must be a dense NDArray")
+        ids = as_numpy(array)
+    else:
+        ids = np.asarray(array)
+    if ids.dtype.kind == "f":
+        # MXNet's default dtype is float32, so Gluon code passes float ids.
+        if ids.size and (
+            not np.isfinite(ids).all()
+            or (ids != np.trunc(ids)).any()
+            or np.abs(ids).max() >= 2.0**63
+        ):
+            raise errors.InvalidArgument(
+                f"row ids of key {key!r} must be whole numbers within int64, got {ids.dtype} "
+                "values that are not"
+            )
+        return ids.astype(np.int64)
+    if ids.dtype.kind not in "iu":
+        raise errors.DTypeError(f"row ids of key {key!r} must be integers, got dtype {ids.dtype}")
+    return ids
+
+
+def _is_sparse_value(value) -> bool:
+    """Whether MXNet treats this value as a row_sparse weight or a weight with sparse grads."""
+    if value.stype == "row_sparse":
+        return True
+    grad = value.grad
+    return grad is not None and grad.stype == "row_sparse"
+
+
+def _ndarray_of(array: np.ndarray, ctx):
+    """An NDArray over a NumPy array's memory (no copy), for MXNet calls that need one."""
+    if ctx.device_type != "cpu":
+        raise errors.InvalidArgument(f"kvsparse's MXNet adapter works on CPU arrays, got {ctx}")
+    return mx.nd.from_dlpack(_core.to_dlpack(np.ascontiguousarray(array)))
+
+
+def _new_row_sparse(shape, num_rows: int, ctx) -> RowSparseNDArray:
+    """A RowSparseNDArray with storage for num_rows rows (values and indices not set)."""
+    handle = _new_alloc_handle(
+        "row_sparse", shape, ctx, False, np.float32, [np.int64], [(num_rows,)]
+    )
+    return RowSparseNDArray(handle)
+
+
+def _set_indices(target: RowSparseNDArray, unique_ids: np.ndarray) -> None:
+    source = _ndarray_of(unique_ids, target.context)
+    # Copies into the aux (indices) array allocated by _new_row_sparse; same size, no realloc.
+    check_call(_LIB.MXNDArraySyncCopyFromNDArray(target.handle, source.handle, ctypes.c_int(0)))
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _values_of(value) -> list:
+    """One key's values: a list (of devices' values, summed) or a single value."""
+    return list(value) if isinstance(value, list) else [value]
+
+
+# -- optimizers --------------------------------------------------------------------------------
+
+_UNSUPPORTED_HINT = "kvsparse runs SGD, NAG, Adam, AdaGrad, RMSProp and Ftrl on its servers"
+
+
+def _clip(optimizer) -> float | None:
+    clip = optimizer.clip_gradient
+    return float(clip) if clip and clip > 0 else None  # MXNet: falsy or negative = no clipping
+
+
+def optimizer_from_mxnet(optimizer) -> optimizers.Optimizer:
+    """The kvsparse server optimizer for an MXNet optimizer (same name, same settings).
+
+    ============  ==========================================================  ===============
+    MXNet         kvsparse                                                    formula
+    ============  ==========================================================  ===============
+    SGD, ccSGD    SGD(learning_rate, momentum, weight_decay=wd)               MXNet's
+    NAG           SGD(..., nesterov=True) (plain SGD when momentum is 0)      MXNet's if wd=0
+    Adam          Adam(beta1, beta2, eps=epsilon, weight_decay=wd,            MXNet's
+                  step_mode='table', formula='mxnet')
+    AdaGrad       Adagrad(eps=eps, weight_decay=wd, formula='mxnet')          MXNet's
+    RMSProp       RMSProp(alpha=gamma1, eps=epsilon, weight_decay=wd,         MXNet's
+                  centered, momentum=gamma2 if centered, formula='mxnet')
+    Ftrl          Ftrl(lr_power=-0.5, initial_accumulator_value=0,            MXNet's
+                  l1=lamda1, l2=wd/2, beta)
+    ============  ==========================================================  ===============
+
+    Every one also gets learning_rate, rescale_grad and clip_gradient (a falsy or
+    negative clip_gradient means none, as in MXNet). "MXNet's" means MXNet 1.9's update
+    rule, equal up to float32 rounding: the tests run MXNet's own updaters next to the
+    store. kvsparse's defaults are torch.optim's formulas; ``formula='mxnet'`` selects
+    MXNet's where they differ (Adam: epsilon outside the bias correction; AdaGrad and
+    RMSProp: epsilon inside the square root; AdaGrad: wd outside the history; Adam and
+    RMSProp: wd added before clipping). Adam's ``t`` counts updates of the key in both
+    (``step_mode='table'``).
+
+    What still differs:
+
+    - NAG with wd != 0: MXNet's in-place kernel takes the momentum's decay term from the
+      weight it has just updated; kvsparse uses the weight before the step (torch's
+      nesterov SGD).
+    - Laziness. kvsparse updates only the rows a push touches, always. MXNet does the
+      same (its ``lazy_update=True``) for SGD, Adam, AdaGrad and, on row_sparse weights,
+      Ftrl; it has no sparse kernels for NAG and RMSProp, nor Ftrl on a dense weight with
+      sparse gradients (``Embedding(sparse_grad=True)``): there it updates every row, so
+      momentum moves rows absent from the batch and Ftrl zeroes them. ``lazy_update=False``
+      gets a warning.
+
+    Refused: learning-rate schedulers (the servers keep a fixed rate), ``clip_weights``,
+    Adam's ``begin_num_update``, and the other MXNet optimizers. As on MXNet's dist
+    stores, the servers keep the settings they were sent: later changes to the MXNet
+    optimizer (a new learning rate, another rescale_grad) are not seen, and the store
+    warns when it notices one.
+
+    Args:
+        optimizer: an mx.optimizer.Optimizer, or a kvsparse.optimizers.Optimizer
+            (returned as is).
+
+    Raises:
+        kvsparse.errors.InvalidArgument: an optimizer or setting kvsparse cannot run.
+
+    Example:
+        >>> optimizer_from_mxnet(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+        SGD(rescale_grad=1.0, clip_gradient=None, learning_rate=0.1, momentum=0.9, ...)
+    """
+    return _map_optimizer(optimizer, warn=True)
+
+
+def _map_optimizer(optimizer, *, warn: bool) -> optimizers.Optimizer:
+    if isinstance(optimizer, optimizers.Optimizer):
+        return optimizer
+    if not isinstance(optimizer, mx.optimizer.Optimizer):
+        raise errors.InvalidArgument(
+            f"set_optimizer takes an mx.optimizer.Optimizer, got {type(optimizer).__name__}"
+        )
+    name = type(optimizer).__name__
+    if optimizer.lr_scheduler is not None:
+        raise errors.InvalidArgument(
+            f"{name}: learning-rate schedulers cannot run on kvsparse servers; "
+            "give the optimizer a fixed learning_rate"
+        )
+    common = {
+        "rescale_grad": float(optimizer.rescale_grad),
+        "clip_gradient": _clip(optimizer),
+    }
+    lr = float(optimizer.lr)
+    wd = float(optimizer.wd)
+    if warn and getattr(optimizer, "lazy_update", True) is False:
+        warnings.warn(
+            f"{name}(lazy_update=False): kvsparse updates only the rows a push touches "
+            "(lazy updates) on sparse tables",
+            stacklevel=3,
+        )
+    kind = name.lower()
+    if kind in ("sgd", "ccsgd"):
+        return optimizers.SGD(
+            learning_rate=lr, momentum=float(optimizer.momentum), weight_decay=wd, **common
+        )
+    if kind == "nag":
+        momentum = float(optimizer.momentum)
+        return optimizers.SGD(
+            learning_rate=lr, momentum=momentum, nesterov=momentum > 0, weight_decay=wd, **common
+        )
+    if kind == "adam":
+        if optimizer.begin_num_update:
+            raise errors.InvalidArgument(
+                "Adam(begin_num_update != 0): kvsparse counts Adam's steps from 1"
+            )
+        return optimizers.Adam(
+            learning_rate=lr,
+            beta1=float(optimizer.beta1),
+            beta2=float(optimizer.beta2),
+            eps=float(optimizer.epsilon),
+            weight_decay=wd,
+            step_mode="table",
+            formula="mxnet",
+            **common,
+        )
+    if kind == "adagrad":
+        return optimizers.Adagrad(
+            learning_rate=lr,
+            eps=float(optimizer.float_stable_eps),
+            weight_decay=wd,
+            formula="mxnet",
+            **common,
+        )
+    if kind == "rmsprop":
+        if optimizer.clip_weights:
+            raise errors.InvalidArgument("RMSProp(clip_weights=...) is not supported by kvsparse")
+        centered = bool(optimizer.centered)
+        return optimizers.RMSProp(
+            learning_rate=lr,
+            alpha=float(optimizer.gamma1),
+            eps=float(optimizer.epsilon),
+            weight_decay=wd,
+            centered=centered,
+            momentum=float(optimizer.gamma2) if centered else 0.0,
+            formula="mxnet",
+            **common,
+        )
+    if kind == "ftrl":
+        return optimizers.Ftrl(
+            learning_rate=lr,
+            lr_power=-0.5,
+            initial_accumulator_value=0.0,
+            l1=float(optimizer.lamda1),
+            l2=wd / 2.0,  # MXNet adds wd to the denominator; TF's FTRL adds 2 * l2
+            beta=float(optimizer.beta),
+            **common,
+        )
+    raise errors.InvalidArgument(f"optimizer {name} is not supported: {_UNSUPPORTED_HINT}")
+
+
+def _settings_of(optimizer) -> tuple:
+    """What the servers were told, to notice later changes on the worker."""
+    return (optimizer.lr, optimizer.wd, optimizer.rescale_grad, optimizer.clip_gradient)
+
+
+class _Updater:
+    """What Gluon's Trainer.load_states reads back: ``kvstore._updater.optimizer``."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
+# -- the store ---------------------------------------------------------------------------------
+
+
+class KVSparseStore(_NativeKVStore):
+    """MXNet's KVStore API over a kvsparse store.
+
+    It derives from MXNet's native ``KVStore`` class (without its C++ handle)
+    because Gluon's Trainer only accepts a store object with row_sparse weights, and
+    only trains sparse-gradient embeddings, when ``isinstance(kv, mx.kv.KVStore)``.
+
+    Args:
+        store: a kvsparse.KVStore (``kvsparse.create(...)``).
+        kind: what ``type`` reports: the registered name ('dist_sparse',
+            'dist_sparse_async') or 'local'.
+
+    Example:
+        >>> kv = KVSparseStore(kvsparse.create('local'), 'local')
+        >>> kv.is_capable('optimizer')
+        True
+    """
+
+    def __init__(self, store, kind: str):
+        # MXNet's KVStore.__init__ wants a C++ handle; there is none.
+        self.handle = None
+        self._store = store
+        self._kind = kind
+        self._async = "async" in kind
+        self._updater = None
+        self._updater_func = None
+        self._str_updater_func = None
+        self._is_p3 = False
+        self._mx_optimizer = None
+        self._pending_optimizer = None  # set, not yet sent to the servers
+        self._sent_settings = None
+        self._warned_change = False
+        self._started = False  # a push happened: the store's optimizer is in force
+        self._keys: list = []  # in init order
+
+    def __del__(self):
+        pass  # no native handle to free; close() releases the kvsparse store
+
+    # -- properties -------------------------------------------------------------------
+
+    @property
+    def type(self) -> str:
+        """'dist_sparse', 'dist_sparse_async' or 'local'."""
+        return self._kind
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank."""
+        return self._store.rank
+
+    @property
+    def num_workers(self) -> int:
+        """How many workers share the store."""
+        return self._store.num_workers
+
+    @property
+    def num_servers(self) -> int:
+        """How many servers (shards) hold the tables."""
+        return self._store.num_servers
+
+    @property
+    def store(self):
+        """The kvsparse.KVStore underneath."""
+        return self._store
+
+    def is_capable(self, capability: str) -> bool:
+        """MXNet's query: the optimizer runs on the servers ('optimizer' -> True).
+
+        Raises:
+            ValueError: an unknown capability (as MXNet).
+        """
+        if capability.lower() == KVStoreBase.OPTIMIZER:
+            return True
+        raise ValueError(f"Unknown capability: {capability}")
+
+    # -- keys -----------------------------------------------------------------------------
+
+    def _pairs(self, key, value, what: str) -> list:
+        """[(key, [values])] in MXNet's forms; int and str keys are never mixed."""
+        if isinstance(key, (list, tuple)):
+            if not isinstance(value, (list, tuple)) or len(value) != len(key):
+                raise errors.InvalidArgument(f"{what}: {len(key)} keys need as many values")
+            pairs = [(k, _values_of(v)) for k, v in zip(key, value)]
+        else:
+            pairs = [(key, _values_of(value))]
+        kinds = set()
+        for k, _ in pairs:
+            if isinstance(k, bool) or not isinstance(k, (int, str, np.integer)):
+                raise errors.KeyTypeError(f"keys must be int or str, got {type(k).__name__}")
+            kinds.add(str if isinstance(k, str) else int)
+        if len(kinds) > 1:
+            raise errors.KeyTypeError(f"{what}: int and str keys cannot be mixed")
+        return [(k if isinstance(k, str) else int(k), v) for k, v in pairs]
+
+    # -- init -------------------------------------------------------------------------------
+
+    def init(self, key, value):
+        """Initializes key(s) from NDArrays; with several workers rank 0's value wins.
+
+        A row_sparse value, or a dense one whose attached gradient is row_sparse,
+        makes a sparse table of ``dim = shape[1]`` holding the value's rows; anything
+        else makes a dense key.
+
+        Raises:
+            DuplicateKey: the key exists. KeyTypeError: int and str keys mixed.
+            InvalidArgument: a table initialized after training began (its rows could
+                not be set without the optimizer treating them as a gradient).
+        """
+        pairs = self._pairs(key, value, "init")
+        for k, values in pairs:
+            if len(values) != 1:
+                raise errors.InvalidArgument(f"init of key {k!r} takes one value")
+            if k in self._store:
+                raise errors.DuplicateKey(f"key {k!r} is already initialized")
+            if not isinstance(values[0], mx.nd.NDArray):
+                raise errors.DTypeError(f"init of key {k!r} takes an NDArray")
+        for k, values in pairs:
+            self._init_one(k, values[0])
+
+    def _init_one(self, k, value) -> None:
+        if _is_sparse_value(value):
+            if len(value.shape) != 2:
+                raise errors.ShapeError(
+                    f"key {k!r}: a sparse weight must be 2-D (rows, dim), got {value.shape}"
+                )
+            if self._in_force():
+                raise errors.InvalidArgument(
+                    f"key {k!r}: sparse tables must be initialized before the first push "
+                    "(its rows are set by a push without optimizer)"
+                )
+            self._check_multipliers([k])
+            table = kvsparse.SparseTable(dim=int(value.shape[1]), initializer=initializers.Zeros())
+            self._store.init(k, table)
+            self._keys.append(k)
+            if value.stype == "row_sparse":
+                ids = as_numpy(value.indices).astype(np.int64)
+                rows = as_numpy(value)  # the stored rows, where MXNet keeps them
+            else:
+                ids = np.arange(value.shape[0], dtype=np.int64)
+                rows = as_numpy(value)
+            self._assign(k, (ids, rows), lambda: (ids, np.zeros_like(rows)))
+            return
+        if value.stype != "default":
+            raise errors.DTypeError(f"key {k!r}: {value.stype} values are not supported")
+        self._check_multipliers([k])
+        self._store.init(k, as_numpy(value))  # kvsparse keeps rank 0's values of a dense key
+        self._keys.append(k)
+
+    def _assign(self, k, value, zeros) -> None:
+        """Sets key k to rank 0's value with a push while no optimizer is in force.
+
+        BSP (dist_sparse) sums one push per worker: rank 0 sends the value, the
+        others zeros. Async stores apply pushes as they come: only rank 0 pushes.
+        """
+        if self.num_workers == 1:
+            self._store.push(k, value)
+            return
+        if self._async:
+            if self.rank == 0:
+                self._store.push(k, value)
+        else:
+            self._store.push(k, value if self.rank == 0 else zeros())
+        self._store.barrier()
+
+    # -- optimizer ----------------------------------------------------------------------
+
+    def set_optimizer(self, optimizer):
+        """Runs `optimizer` (MXNet's, or a kvsparse one) on the servers for every key.
+
+        It is sent at the first push (so that init can still set rows), or at once
+        when pushes happened already; slots then restart from zero. See
+        `optimizer_from_mxnet` for the mapping.
+
+        Raises:
+            kvsparse.errors.InvalidArgument: an optimizer kvsparse cannot run.
+        """
+        if optimizer is not None:
+            optimizer_from_mxnet(optimizer)  # refuse what cannot run before anything changes
+        self._mx_optimizer = optimizer if isinstance(optimizer, mx.optimizer.Optimizer) else None
+        self._updater = _Updater(optimizer)
+        self._pending_optimizer = optimizer
+        self._sent_settings = None
+        if optimizer is None:
+            self._store.set_optimizer(None)
+            return
+        if self._started:
+            self._send_optimizer()
+
+    def _in_force(self) -> bool:
+        return self._started or self._store.optimizer is not None
+
+    def _check_multipliers(self, keys) -> None:
+        """One optimizer serves every key: per-parameter lr/wd multipliers must be 1."""
+        optimizer = self._mx_optimizer
+        if optimizer is None:
+            return
+        for k in keys:
+            lr, wd = optimizer._get_lr(k), optimizer._get_wd(k)
+            if lr != optimizer.lr or wd != optimizer.wd:
+                raise errors.InvalidArgument(
+                    f"key {k!r} has its own learning rate {lr} or weight decay {wd} "
+                    f"(lr_mult/wd_mult); kvsparse runs one optimizer, with lr={optimizer.lr} "
+                    f"and wd={optimizer.wd}, for every key of an MXNet store"
+                )
+
+    def _send_optimizer(self) -> None:
+        if self._pending_optimizer is None:
+            return
+        self._check_multipliers(self._keys)
+        # Mapped now, not in set_optimizer: Gluon's Trainer sets rescale_grad = 1/batch_size
+        # after handing the optimizer over and before the first push.
+        self._store.set_optimizer(_map_optimizer(self._pending_optimizer, warn=False))
+        self._pending_optimizer = None
+        if self._mx_optimizer is not None:
+            self._sent_settings = _settings_of(self._mx_optimizer)
+        if self.num_workers > 1:
+            self._store.barrier()  # no worker pushes a gradient before all have set it
+
+    def _start(self) -> None:
+        if not self._started:
+            self._send_optimizer()
+            self._started = True
+        elif self._pending_optimizer is not None:
+            self._send_optimizer()
+        if (
+            self._sent_settings is not None
+            and not self._warned_change
+            and _settings_of(self._mx_optimizer) != self._sent_settings
+        ):
+            self._warned_change = True
+            warnings.warn(
+                "the MXNet optimizer changed (learning rate, wd, rescale_grad or clipping) "
+                "after it was sent to the kvsparse servers; they keep the settings they got "
+                "(call kv.set_optimizer again to send new ones; slots restart)",
+                stacklevel=3,
+            )
+
+    # -- push ---------------------------------------------------------------------------
+
+    def _sparse_part(self, k, value, dim):
+        """(ids, rows) of one value pushed to a sparse key."""
+        if isinstance(value, tuple):
+            if len(value) != 2:
+                raise errors.InvalidArgument(f"a push to key {k!r} takes (ids, rows) pairs")
+            rows = as_numpy(value[1]) if isinstance(value[1], mx.nd.NDArray) else value[1]
+            return (_row_ids(value[0], key=k), rows)
+        if not isinstance(value, mx.nd.NDArray):
+            raise errors.DTypeError(
+                f"a push to key {k!r} takes NDArrays, got {type(value).__name__}"
+            )
+        if len(value.shape) != 2 or value.shape[1] != dim:
+            raise errors.ShapeError(
+                f"a push to key {k!r} needs shape (rows, {dim}), got {value.shape}"
+            )
+        if value.stype == "row_sparse":
+            return (as_numpy(value.indices).astype(np.int64), as_numpy(value))
+        if value.stype != "default":
+            raise errors.DTypeError(f"key {k!r}: {value.stype} values are not supported")
+        return (np.arange(value.shape[0], dtype=np.int64), as_numpy(value))
+
+    def _dense_part(self, k, value):
+        if not isinstance(value, mx.nd.NDArray):
+            raise errors.DTypeError(
+                f"a push to key {k!r} takes NDArrays, got {type(value).__name__}"
+            )
+        if value.stype != "default":
+            value = value.tostype("default")
+        return as_numpy(value)
+
+    def _prepare_push(self, pairs):
+        keys, values = [], []
+        for k, vals in pairs:
+            info = self._store.key_info(k)
+            if info.sparse:
+                parts = [self._sparse_part(k, v, info.dim) for v in vals]
+            else:
+                parts = [self._dense_part(k, v) for v in vals]
+            keys.append(k)
+            values.append(parts[0] if len(parts) == 1 else parts)
+        return keys, values
+
+    def push(self, key, value, priority=0):
+        """Pushes gradients (values, without an optimizer); a pushed list is summed.
+
+        Args:
+            key: a key or a list of keys (all go out in one request per server).
+            value: per key an NDArray, a RowSparseNDArray, a list of them (summed), or
+                a kvsparse ``(ids, rows)`` pair (any int64 ids; rows ids.shape + (dim,)).
+            priority: accepted for MXNet compatibility; requests go out in call order.
+
+        Raises:
+            UnknownKey, ShapeError, DTypeError, NonFiniteGradient (nothing applied).
+        """
+        del priority
+        pairs = self._pairs(key, value, "push")
+        keys, values = self._prepare_push(pairs)  # all checks before anything is sent
+        self._start()
+        self._store.push(keys, values)
+
+    # -- pull ----------------------------------------------------------------------------
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        """Pulls dense keys into out; sparse keys fill a dense (rows, dim) out with rows
+        0..rows-1 and, with ignore_sparse=False, a RowSparseNDArray out with all rows.
+
+        Raises:
+            UnknownKey, ShapeError.
+        """
+        del priority
+        if out is None:
+            raise errors.InvalidArgument("pull needs out (an NDArray or a list of them)")
+        pairs = self._pairs(key, out, "pull")
+        with mx.autograd.pause():
+            dense_keys, dense_outs, sparse_requests = [], [], []
+            for k, outs in pairs:
+                info = self._store.key_info(k)
+                if not info.sparse:
+                    dense_keys.append(k)
+                    dense_outs.append([as_numpy(o, writable=True) for o in outs])
+                    continue
+                for o in outs:
+                    if o.stype == "row_sparse" and ignore_sparse:
+                        continue
+                    ids = np.arange(o.shape[0], dtype=np.int64)
+                    sparse_requests.append((k, ids, [o]))
+            if dense_keys:
+                self._store.pull(dense_keys, out=dense_outs)
+            if sparse_requests:
+                self._row_sparse_requests(sparse_requests)
+
+    def pushpull(self, key, value, out=None, priority=0):
+        """push(key, value), then pull the result into out (or into value when out is None).
+
+        For a sparse key a RowSparseNDArray target receives the rows this push touched,
+        a dense (rows, dim) target all its rows.
+        """
+        del priority
+        pairs = self._pairs(key, value, "pushpull")
+        keys, values = self._prepare_push(pairs)
+        targets = pairs if out is None else self._pairs(key, out, "pushpull")
+        self._start()
+        self._store.push(keys, values)
+        with mx.autograd.pause():
+            dense_keys, dense_outs, sparse_requests = [], [], []
+            for (k, outs), pushed in zip(targets, values):
+                if not self._store.key_info(k).sparse:
+                    dense_keys.append(k)
+                    dense_outs.append([as_numpy(o, writable=True) for o in outs])
+                    continue
+                parts = pushed if isinstance(pushed, list) else [pushed]
+                touched = np.unique(np.concatenate([p[0].reshape(-1) for p in parts]))
+                for o in outs:
+                    if o.stype == "row_sparse":
+                        sparse_requests.append((k, touched, [o]))
+                    else:
+                        sparse_requests.append((k, np.arange(o.shape[0], dtype=np.int64), [o]))
+            if dense_keys:
+                self._store.pull(dense_keys, out=dense_outs)
+            if sparse_requests:
+                self._row_sparse_requests(sparse_requests)
+
+    def broadcast(self, key, value, out, priority=0):
+        """init(key, value) (rank 0's value wins), then pull(key, out).
+
+        Raises:
+            DuplicateKey: the key was initialized already (as MXNet's stores).
+        """
+        self.init(key, value)
+        self.pull(key, out=out, priority=priority, ignore_sparse=False)
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        """Pulls the rows of row_ids from sparse key(s).
+
+        Args:
+            key: a key or a list of keys (one request per server for all of them).
+            out: per key a RowSparseNDArray (gets the unique sorted rows, MXNet), a
+                dense NDArray of shape row_ids.shape + (dim,) (filled in place, one row
+                per id), a list of those, or None (a new dense NDArray is returned).
+            row_ids: an NDArray (int or float, any shape, duplicates allowed) or a list
+                of them, one per key; one NDArray serves every out of a single key.
+
+        Returns:
+            The filled out (or list of them, for a list of keys).
+
+        Raises:
+            UnknownKey, ShapeError, InvalidArgument (ids outside a RowSparseNDArray's
+            rows, fractional ids), DTypeError.
+        """
+        del priority
+        if row_ids is None:
+            raise errors.InvalidArgument("row_sparse_pull needs row_ids")
+        single = not isinstance(key, (list, tuple))
+        keys = _as_list(key)
+        id_list = [row_ids] if single else _as_list(row_ids)
+        if single:
+            outs_list = [out]
+        elif out is None:
+            outs_list = [None] * len(keys)
+        else:
+            outs_list = _as_list(out)
+        if len(id_list) != len(keys) or len(outs_list) != len(keys):
+            raise errors.InvalidArgument("row_sparse_pull: keys, row_ids and out differ in length")
+        self._pairs(keys, [None] * len(keys), "row_sparse_pull")  # key types
+        requests, results = [], []
+        for k, ids, outs in zip(keys, id_list, outs_list):
+            info = self._store.key_info(k)
+            if not info.sparse:
+                raise errors.InvalidArgument(f"key {k!r} is dense; use pull")
+            ids = _row_ids(ids, key=k)
+            if outs is None:
+                outs = mx.nd.empty(ids.shape + (info.dim,))
+            results.append(outs)
+            requests.append((k, ids, _values_of(outs)))
+        with mx.autograd.pause():
+            self._row_sparse_requests(requests)
+        return results[0] if single else results
+
+    def _row_sparse_requests(self, requests) -> None:
+        """requests: [(key, int64 ids, [outs])] -> one row_sparse_pull for all of them."""
+        keys, ids_list, buffers, finish = [], [], [], []
+        for k, ids, outs in requests:
+            dim = self._store.key_info(k).dim
+            sparse_outs = [o for o in outs if o.stype == "row_sparse"]
+            for o in outs:
+                if o.stype == "row_sparse":
+                    continue
+                if o.stype != "default":
+                    raise errors.DTypeError(f"out of key {k!r}: {o.stype} is not supported")
+                if tuple(o.shape) != ids.shape + (dim,):
+                    raise errors.ShapeError(
+                        f"a dense out of key {k!r} must have shape row_ids.shape + ({dim},) "
+                        f"= {ids.shape + (dim,)}, got {o.shape}"
+                    )
+                keys.append(k)
+                ids_list.append(ids)
+                buffers.append(as_numpy(o, writable=True))  # rows land in MXNet's memory
+            if not sparse_outs:
+                continue
+            first = sparse_outs[0]
+            for o in sparse_outs:
+                if len(o.shape) != 2 or o.shape[1] != dim or o.shape != first.shape:
+                    raise errors.ShapeError(
+                        f"a RowSparseNDArray out of key {k!r} must have shape (rows, {dim}), "
+                        f"got {o.shape}"
+                    )
+            unique = np.unique(ids)
+            if unique.size and (unique[0] < 0 or unique[-1] >= first.shape[0]):
+                raise errors.InvalidArgument(
+                    f"row ids of key {k!r} must lie in [0, {first.shape[0]}) for a "
+                    f"RowSparseNDArray out of shape {first.shape}; use a dense out of shape "
+                    "row_ids.shape + (dim,) for ids beyond the declared rows"
+                )
+            staging = _new_row_sparse(first.shape, unique.size, first.context)
+            keys.append(k)
+            ids_list.append(unique)
+            buffers.append(as_numpy(staging, writable=True))
+            finish.append((staging, unique, sparse_outs))
+        if keys:
+            self._store.row_sparse_pull(keys, out=buffers, row_ids=ids_list)
+        for staging, unique, sparse_outs in finish:
+            _set_indices(staging, unique)
+            for o in sparse_outs:
+                staging.copyto(o)
+
+    # -- the rest of MXNet's API ----------------------------------------------------------
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        """Writes every key's optimizer slots (kvsparse's .npz format)."""
+        self._send_optimizer()
+        self._store.save_optimizer_states(fname, dump_optimizer=dump_optimizer)
+
+    def load_optimizer_states(self, fname):
+        """Restores what save_optimizer_states wrote."""
+        self._send_optimizer()
+        self._store.load_optimizer_states(fname)
+
+    def set_gradient_compression(self, compression_params):
+        """Not supported: kvsparse sends float32 gradients.
+
+        Raises:
+            kvsparse.errors.InvalidArgument: always.
+        """
+        raise errors.InvalidArgument("kvsparse does not compress gradients")
+
+    def _set_updater(self, updater):
+        raise errors.InvalidArgument(
+            "kvsparse runs optimizers on its servers; a Python updater cannot run there: "
+            "use set_optimizer"
+        )
+
+    def _send_command_to_servers(self, head, body):
+        raise errors.InvalidArgument("kvsparse servers take no MXNet commands")
+
+    def _barrier(self):
+        self._store.barrier()
+
+    def barrier(self):
+        """Blocks until every worker reaches the barrier."""
+        self._store.barrier()
+
+    def close(self):
+        """Releases the kvsparse store (connections, or the local tables)."""
+        self._store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (
+            f"<kvsparse.adapters.mxnet store type={self.type} rank={self.rank} "
+            f"num_workers={self.num_workers} servers={self.num_servers}>"
+        )
+
+
+@KVStoreBase.register
+class Dist_Sparse(KVSparseStore):  # noqa: N801 - MXNet's registry key is the lower-cased name
+    """``mx.kv.create('dist_sparse')``: kvsparse servers, BSP (a step's pushes summed).
+
+    Args:
+        **kwargs: kvsparse.create's dist options (servers=, rank=, num_workers=,
+            timeout=); none: the launcher's or the environment's configuration.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(kvsparse.create("dist_sparse", **kwargs), "dist_sparse")
+
+
+@KVStoreBase.register
+class Dist_Sparse_Async(KVSparseStore):  # noqa: N801
+    """``mx.kv.create('dist_sparse_async')``: kvsparse servers, pushes applied on arrival."""
+
+    def __init__(self, **kwargs):
+        super().__init__(kvsparse.create("dist_sparse_async", **kwargs), "dist_sparse_async")
+
+
+def create(name: str = "dist_sparse", **kwargs) -> KVSparseStore:
+    """A kvsparse store with MXNet's KVStore API, with explicit configuration.
+
+    Args:
+        name: 'dist_sparse', 'dist_sparse_async', or 'local' (one in-process shard).
+        **kwargs: for dist kinds, kvsparse.create's options (servers=, rank=,
+            num_workers=, timeout=).
+
+    Raises:
+        kvsparse.errors.InvalidArgument: an unknown name.
+
+    Example:
+        >>> kv = create('dist_sparse', servers=['tcp://127.0.0.1:7000'])  # doctest: +SKIP
+        >>> trainer = mx.gluon.Trainer(params, 'adam', kvstore=kv)  # doctest: +SKIP
+    """
+    kind = name.lower()
+    if kind == "local":
+        return KVSparseStore(kvsparse.create("local", **kwargs), "local")
+    if kind == "dist_sparse":
+        return Dist_Sparse(**kwargs)
+    if kind == "dist_sparse_async":
+        return Dist_Sparse_Async(**kwargs)
+    raise errors.InvalidArgument(
+        f"unknown store {name!r}; use 'dist_sparse', 'dist_sparse_async' or 'local'"
+    )

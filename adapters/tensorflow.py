@@ -1,0 +1,455 @@
+"""TensorFlow adapter: a Keras embedding layer whose table lives on kvsparse servers.
+
+`Embedding` is a Keras layer that holds no table. Its forward pulls the rows of
+the batch's ids from the store; its gradient function pushes (ids, d loss /
+d rows) back, and the table's own optimizer (``SparseTable(optimizer=...)``)
+updates those rows on the servers. The Keras optimizer only sees the dense
+weights. It works eagerly, inside `tf.function` and in `model.fit`.
+
+How the gradient reaches the store: TensorFlow never differentiates through
+integer ids, so each layer owns one float32 scalar weight, ``push_trigger``, fed
+to a `tf.custom_gradient` lookup. Asking the tape for the gradient of the
+layer's trainable weights (``model.trainable_variables`` does) runs the gradient
+function, which pushes and returns the push's result (a zero) as the trigger's
+gradient: the push is a data dependency of the optimizer step, so graph pruning
+cannot drop it. The trigger is created with ``overwrite_with_gradient=True``:
+Keras optimizers assign it that zero, keep no slots for it and never decay it.
+In graph mode (tf.function, model.fit) pull and push run inside
+`tf.py_function`; TensorFlow runs stateful ops without resource inputs in
+program order, so pulls and pushes reach the store in the same order on every
+worker.
+
+Zero-copy (CPU tensors), checked by pointer in tests/test_adapter_tensorflow.py:
+
+- Pull: the store gathers the rows straight into a fresh 64-byte-aligned NumPy
+  buffer (``row_sparse_pull(..., out=buffer)``), which TensorFlow adopts through
+  a DLPack capsule (``_core.to_dlpack`` -> ``tf.experimental.dlpack.from_dlpack``);
+  the layer's output tensor is that buffer, eagerly and through py_function.
+  The alignment matters: TensorFlow kernels abort on a tensor whose data is not
+  aligned to 64 bytes, and DLPack import does not realign.
+- Push: the gradient tensor (and the ids) are viewed read-only through DLPack
+  (``tf.experimental.dlpack.to_dlpack`` -> ``_core.from_dlpack``); the store
+  reads them in place and sums the rows of duplicate ids into its own buffer.
+- Copies that do happen: a gradient that arrives as `tf.IndexedSlices` is made
+  dense; ids of another integer dtype are cast to int64; `average_gradients`
+  packs the dense gradients into one buffer for a single push (the pulled
+  average comes back zero-copy).
+
+Dense weights with several workers: wrap the Keras optimizer in
+`DistributedOptimizer` (or call `average_gradients` in a custom loop). It sums
+the dense gradients over workers through one dense key of the store (no
+optimizer on it, so a BSP push leaves the sum of all workers' pushes), divides
+by ``kv.num_workers`` and lets the Keras optimizer step locally. Start every
+worker from the same dense weights (same seed).
+
+Rules worth knowing:
+
+- One gradient computation = one push per layer call. A second
+  ``tape.gradient`` on a persistent tape pushes again; a layer called twice in
+  one step pushes twice (look up all fields in one call to push once).
+- The tape's sources must include the layer's ``push_trigger`` (they do when
+  you pass ``model.trainable_variables``), or nothing is pushed.
+- With several workers every worker must run the same number of steps: a BSP
+  step waits for all of them.
+- Gradient clipping by the Keras optimizer (``clipnorm`` ...) does not reach
+  the table; use the table optimizer's ``clip_gradient``.
+- ``jit_compile`` (XLA) cannot run py_function: the layer sets
+  ``supports_jit = False``, so ``model.compile(jit_compile='auto')`` stays off XLA.
+- Saving a Keras model does not save the table: save the store.
+
+Matching a Keras optimizer on the table (tests/test_adapter_tensorflow.py checks
+these against tf.keras.layers.Embedding, which is Keras 3 in TF >= 2.16):
+
+- ``keras.optimizers.SGD(lr)`` = ``kvsparse.optimizers.SGD(learning_rate=lr)``.
+- ``keras.optimizers.Adagrad(lr)`` ~ ``kvsparse.optimizers.Adagrad(learning_rate=lr,
+  initial_accumulator_value=0.1, eps=1e-7)`` (Keras' defaults). Keras 3 divides by
+  ``sqrt(acc + epsilon)``, kvsparse (like torch and Keras 2 / TF's ApplyAdagradV2)
+  by ``sqrt(acc) + eps``; with acc >= 0.1 the two differ by under 2e-7 relative.
+  Keras 3 also applies Adagrad to an IndexedSlices gradient occurrence by
+  occurrence: an id seen k times in a batch adds sum(g_i^2) to its accumulator,
+  where kvsparse (and torch, TF1) first sums the rows and adds (sum g_i)^2.
+  The two agree on batches without repeated ids, and on repeated ids when the
+  Keras side is given the dense gradient.
+- With several workers, a BSP push applies the sum of the workers' gradients:
+  ``rescale_grad=1/num_workers`` on the table optimizer makes it their mean, as
+  `average_gradients` does for the dense weights.
+
+Example:
+    >>> import numpy as np, tensorflow as tf, kvsparse
+    >>> from kvsparse.adapters.tensorflow import Embedding
+    >>> kv = kvsparse.create('local')
+    >>> emb = Embedding(kv, 'user', embedding_dim=4,
+    ...                 optimizer=kvsparse.optimizers.SGD(learning_rate=0.1))
+    >>> ids = tf.constant([[3, 7], [7, 9]], tf.int64)
+    >>> with tf.GradientTape() as tape:
+    ...     loss = tf.reduce_sum(emb(ids))
+    >>> _ = tape.gradient(loss, emb.trainable_variables)  # pushes; SGD runs on the store
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kvsparse import _core, errors
+from kvsparse.adapters._common import ensure_table, store_lock
+
+# TensorFlow's CPU kernels check that tensor data is aligned to
+# EIGEN_MAX_ALIGN_BYTES (64 with AVX-512) and abort otherwise; NumPy only
+# aligns to 16.
+_ALIGNMENT = 64
+_FLOATS_PER_ALIGNMENT = _ALIGNMENT // 4
+
+
+# -- tensors <-> arrays ---------------------------------------------------------------------
+
+
+def aligned_empty(shape, dtype=np.float32) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data is 64-byte aligned.
+
+    TensorFlow can adopt it through DLPack without a copy (see module docstring).
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+    start = (-raw.ctypes.data) % _ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def tensor_to_numpy(tensor: tf.Tensor) -> np.ndarray:
+    """A read-only NumPy view of an eager CPU tensor, through DLPack (no copy).
+
+    Tensors on another device, and empty ones, are copied (DLPack export would
+    refuse them or hand out no buffer).
+    """
+    if tensor.shape.num_elements() == 0:
+        return np.empty(tuple(tensor.shape), tensor.dtype.as_numpy_dtype)
+    if "CPU" not in tensor.device.upper():
+        with tf.device("CPU:0"):
+            tensor = tf.identity(tensor)
+    return _core.from_dlpack(tf.experimental.dlpack.to_dlpack(tensor))
+
+
+def numpy_to_tensor(array: np.ndarray) -> tf.Tensor:
+    """An eager tensor adopting `array`'s buffer through DLPack (no copy).
+
+    The array must be writeable and 64-byte aligned (`aligned_empty`); TF then
+    owns a reference to it. Never write to the array afterwards: TF tensors are
+    immutable.
+    """
+    if array.size == 0:
+        return tf.zeros(array.shape, tf.as_dtype(array.dtype))
+    if array.ctypes.data % _ALIGNMENT or not array.flags.c_contiguous:
+        raise errors.InvalidArgument(
+            "numpy_to_tensor needs a C-contiguous, 64-byte aligned array (use aligned_empty)"
+        )
+    return tf.experimental.dlpack.from_dlpack(_core.to_dlpack(array))
+
+
+def _dense(gradient) -> tf.Tensor:
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.convert_to_tensor(gradient)
+    return gradient
+
+
+# -- the embedding layer --------------------------------------------------------------------
+
+
+class Embedding(keras.layers.Layer):
+    """A Keras embedding layer backed by a kvsparse table: output ids.shape + (dim,).
+
+    Args:
+        kv: a kvsparse.KVStore ('local' or 'dist_sparse' ...).
+        key: the table's key on the store (str or int).
+        embedding_dim: row width; the table is created with it if `key` does
+            not exist yet (checked against the table otherwise).
+        initializer, optimizer, seed, partitioner, nonfinite: settings of the
+            kvsparse.SparseTable created when the table does not exist yet;
+            `optimizer` (a kvsparse.optimizers object) runs on the servers.
+            Ignored for an existing table.
+        **kwargs: keras.layers.Layer arguments (name, ...).
+
+    Call:
+        ids: an integer tensor of any shape (int64 is used as it is, other
+        integer dtypes are cast). Floating-point ids are refused: a float
+        cannot hold 64-bit hashed ids (use ``keras.Input(..., dtype='int64')``).
+
+    Raises:
+        kvsparse.errors.ShapeError: an existing table with another dim.
+        kvsparse.errors.DTypeError: non-integer ids.
+
+    Example:
+        >>> ids = keras.Input((9,), dtype='int64')
+        >>> rows = Embedding(kv, 'fm_embed', 16, optimizer=kvsparse.optimizers.Adagrad(0.05))(ids)
+        >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(rows)))
+        >>> model.compile(optimizer='adam', loss='mse')  # the table's Adagrad runs on the store
+    """
+
+    def __init__(
+        self,
+        kv,
+        key,
+        embedding_dim=None,
+        *,
+        initializer=None,
+        optimizer=None,
+        seed: int = 0,
+        partitioner=None,
+        nonfinite: str = "raise",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.kv = kv
+        self.key = key
+        self.embedding_dim = ensure_table(
+            kv,
+            key,
+            embedding_dim,
+            initializer=initializer,
+            optimizer=optimizer,
+            seed=seed,
+            partitioner=partitioner,
+            nonfinite=nonfinite,
+        )
+        # py_function cannot be compiled by XLA.
+        self.supports_jit = False
+        self.push_trigger = self.add_weight(
+            shape=(),
+            initializer="zeros",
+            dtype="float32",
+            trainable=True,
+            overwrite_with_gradient=True,
+            name="push_trigger",
+        )
+        self.built = True
+        self.pushes = 0  # counted in Python, so graph-mode pushes count too
+
+    # The store-facing halves; they take and return eager tensors.
+
+    def _pull_eager(self, ids: tf.Tensor) -> tf.Tensor:
+        host_ids = tensor_to_numpy(ids)
+        out = aligned_empty(host_ids.shape + (self.embedding_dim,))
+        with store_lock(self.kv):
+            self.kv.row_sparse_pull(self.key, out=out, row_ids=host_ids)
+        return numpy_to_tensor(out)
+
+    def _push_eager(self, ids: tf.Tensor, gradient: tf.Tensor) -> tf.Tensor:
+        host_ids = tensor_to_numpy(ids)
+        rows = tensor_to_numpy(gradient)
+        with store_lock(self.kv):
+            self.kv.push(self.key, (host_ids, rows))
+        self.pushes += 1
+        return tf.zeros((), tf.float32)
+
+    def call(self, ids):
+        ids = tf.convert_to_tensor(ids)
+        if not ids.dtype.is_integer:
+            raise errors.DTypeError(
+                f"{self.name}: ids must be an integer tensor, got {ids.dtype.name} "
+                "(declare inputs with keras.Input(..., dtype='int64'))"
+            )
+        if ids.dtype != tf.int64:
+            ids = tf.cast(ids, tf.int64)
+        out_shape = ids.shape.concatenate([self.embedding_dim])
+
+        @tf.custom_gradient
+        def lookup(trigger):
+            del trigger  # only carries the gradient to the push
+            if tf.executing_eagerly():
+                rows = self._pull_eager(ids)
+            else:
+                rows = tf.py_function(self._pull_eager, [ids], tf.float32, name="kvsparse_pull")
+                rows.set_shape(out_shape)
+
+            def push(upstream):
+                upstream = tf.cast(_dense(upstream), tf.float32)
+                if tf.executing_eagerly():
+                    return self._push_eager(ids, upstream)
+                done = tf.py_function(
+                    self._push_eager, [ids, upstream], tf.float32, name="kvsparse_push"
+                )
+                done.set_shape(())
+                return done
+
+            return rows, push
+
+        rows = lookup(tf.convert_to_tensor(self.push_trigger))
+        if self.compute_dtype != "float32":
+            rows = tf.cast(rows, self.compute_dtype)
+        return rows
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape) + (self.embedding_dim,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"key": self.key, "embedding_dim": self.embedding_dim})
+        return config
+
+
+# -- dense gradients over workers ------------------------------------------------------------
+
+
+class _GradientAverager:
+    """Sums a fixed list of dense gradients over workers through one dense store key."""
+
+    def __init__(self, key):
+        self.key = key
+        self.layout = None  # [(offset, shape)], offsets 64-byte aligned in the flat buffer
+        self.size = 0
+
+    def _plan(self, shapes):
+        layout, offset = [], 0
+        for shape in shapes:
+            layout.append((offset, shape))
+            count = int(np.prod(shape, dtype=np.int64))
+            offset += -(-count // _FLOATS_PER_ALIGNMENT) * _FLOATS_PER_ALIGNMENT
+        return layout, offset
+
+    def average_eager(self, kv, *gradients):
+        shapes = [tuple(g.shape) for g in gradients]
+        if self.layout is None:
+            self.layout, self.size = self._plan(shapes)
+            with store_lock(kv):
+                if self.key not in kv:
+                    kv.init(self.key, np.zeros(max(self.size, 1), np.float32))
+                elif kv.key_info(self.key).size != max(self.size, 1):
+                    raise errors.ShapeError(
+                        f"dense key {self.key!r} exists with another size; "
+                        "use one key per optimizer"
+                    )
+        elif shapes != [shape for _, shape in self.layout]:
+            raise errors.ShapeError(
+                f"gradients changed shape: {shapes} after {[s for _, s in self.layout]}"
+            )
+        total = np.zeros(max(self.size, 1), np.float32)
+        for (offset, shape), gradient in zip(self.layout, gradients):
+            count = int(np.prod(shape, dtype=np.int64))
+            total[offset : offset + count] = tensor_to_numpy(gradient).reshape(-1)
+        summed = aligned_empty(total.shape)
+        with store_lock(kv):
+            kv.push(self.key, total)
+            kv.pull(self.key, out=summed)
+        summed /= kv.num_workers
+        results = []
+        for offset, shape in self.layout:
+            count = int(np.prod(shape, dtype=np.int64))
+            results.append(numpy_to_tensor(summed[offset : offset + count].reshape(shape)))
+        return results
+
+    def __call__(self, kv, gradients):
+        gradients = [tf.cast(_dense(g), tf.float32) for g in gradients]
+        if tf.executing_eagerly():
+            return self.average_eager(kv, *gradients)
+        results = tf.py_function(
+            lambda *g: self.average_eager(kv, *g),
+            gradients,
+            [tf.float32] * len(gradients),
+            name="kvsparse_average",
+        )
+        for result, gradient in zip(results, gradients):
+            result.set_shape(gradient.shape)
+        return list(results)
+
+
+# kv -> {key: _GradientAverager}; weak, so a closed store's entries go with it.
+_averagers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def average_gradients(kv, gradients, key: str = "kvsparse_tf_dense_gradients"):
+    """The mean of each dense gradient over all workers, through the store.
+
+    All workers must call it at the same step with gradients of the same
+    shapes; each push to the dense `key` (which has no optimizer) leaves the
+    sum of the workers' pushes, which is divided by ``kv.num_workers``. With
+    one worker the gradients are returned unchanged. None entries stay None;
+    `tf.IndexedSlices` are made dense. Works eagerly and in graph mode.
+
+    Args:
+        kv: a kvsparse.KVStore.
+        gradients: a list of gradient tensors (or None).
+        key: the dense key holding the packed gradients; created on first use.
+            Use one key per list of variables.
+
+    Returns:
+        A list like `gradients`, float32.
+
+    Raises:
+        kvsparse.errors.ShapeError: shapes changed since the first call for `key`.
+
+    Example:
+        >>> grads = tape.gradient(loss, dense_variables)
+        >>> optimizer.apply(average_gradients(kv, grads), dense_variables)
+    """
+    if kv.num_workers == 1:
+        return list(gradients)
+    present = [i for i, g in enumerate(gradients) if g is not None]
+    if not present:
+        return list(gradients)
+    per_store = _averagers.setdefault(kv, {})
+    averager = per_store.get(key)
+    if averager is None:
+        averager = per_store[key] = _GradientAverager(key)
+    averaged = averager(kv, [gradients[i] for i in present])
+    result = list(gradients)
+    for i, gradient in zip(present, averaged):
+        result[i] = gradient
+    return result
+
+
+def DistributedOptimizer(optimizer, kv, key: str = "kvsparse_tf_dense_gradients"):  # noqa: N802
+    """A copy of a Keras optimizer that averages dense gradients over workers first.
+
+    Like Horovod's: the returned optimizer is an instance of a subclass of
+    ``type(optimizer)`` built from ``optimizer.get_config()``, whose ``apply``
+    passes the gradients through `average_gradients` (except those of
+    `Embedding` push triggers, which must stay as they are). Use it in
+    ``model.compile`` or a custom loop; with one worker it changes nothing.
+
+    Args:
+        optimizer: a keras.optimizers.Optimizer, not yet used.
+        kv: the kvsparse.KVStore the workers share.
+        key: the dense store key for the packed gradients.
+
+    Example:
+        >>> model.compile(optimizer=DistributedOptimizer(keras.optimizers.Adam(1e-3), kv),
+        ...               loss='binary_crossentropy')
+    """
+    base = type(optimizer)
+
+    class _Distributed(base):
+        def apply(self, grads, trainable_variables=None):
+            variables = (
+                list(trainable_variables)
+                if trainable_variables is not None
+                else list(getattr(self, "_trainable_variables", []))
+            )
+            grads = list(grads)
+            dense = [
+                i
+                for i, v in enumerate(variables)
+                if not getattr(v, "overwrite_with_gradient", False)
+            ]
+            averaged = average_gradients(kv, [grads[i] for i in dense], key=key)
+            for i, gradient in zip(dense, averaged):
+                grads[i] = gradient
+            return super().apply(grads, trainable_variables)
+
+    _Distributed.__name__ = base.__name__
+    _Distributed.__qualname__ = base.__qualname__
+    return _Distributed.from_config(optimizer.get_config())
+
+
+__all__ = [
+    "DistributedOptimizer",
+    "Embedding",
+    "aligned_empty",
+    "average_gradients",
+    "ensure_table",
+    "numpy_to_tensor",
+    "store_lock",
+    "tensor_to_numpy",
+]
