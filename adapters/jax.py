@@ -1,0 +1,201 @@
+"""JAX adapter: an embedding lookup whose table lives on kvsparse servers.
+
+`embedding_lookup(kv, key, ids)` pulls the rows of `ids`; its custom VJP
+pushes the gradient of those rows to the store, where the table's own
+optimizer (``SparseTable(optimizer=...)``) updates them. Dense parameters stay
+with your JAX optimizer.
+
+jax.grad only differentiates values that depend on an argument it
+differentiates, and ids are integers. So that a gradient reaches the table,
+pass ``anchor=``: a float32 array (zero-size: `make_anchor()`) kept among the
+parameters you differentiate. Its own gradient is an empty array; the push is
+the side effect. Without an anchor the lookup is a plain read.
+
+What works where:
+
+- Eager (``jax.grad`` without jit): pull and push run when called.
+- ``jax.jit``: works. The pull is a ``jax.pure_callback`` and the push an
+  ``io_callback`` (an effect jit keeps), run each time the compiled function
+  runs. Only ids passed through JAX are traced: with jax_enable_x64 off (JAX's
+  default) JAX holds them as int32, so for 64-bit hashed ids either enable
+  x64 or pass the ids as a NumPy array from outside the jitted function
+  (NumPy ids are never converted by JAX: they stay int64 on the host).
+- ``jax.vmap`` works, of the lookup and of its gradient (the pushes of the
+  batch are applied one after another).
+- The push runs as a host callback, possibly after jax.grad has returned
+  (asynchronous dispatch). Computations run in dispatch order, each with its
+  callbacks, so a step pulls what the step before pushed (tested); but call
+  ``jax.effects_barrier()`` before reading the table yourself
+  (kv.row_sparse_pull) right after a step. Callbacks call the store under
+  `kvsparse.adapters._common.store_lock`, so they never overlap another
+  adapter's call.
+- Rows cross host <-> JAX by copy (JAX callbacks copy their operands and
+  results); the PyTorch adapter is the zero-copy one.
+
+Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, kvsparse
+    >>> from kvsparse.adapters.jax import embedding_lookup, make_anchor
+    >>> kv = kvsparse.create('local')
+    >>> params = {'user': make_anchor(), 'w': jnp.ones(4)}
+    >>> def loss(params, ids):
+    ...     rows = embedding_lookup(kv, 'user', ids, embedding_dim=4, anchor=params['user'],
+    ...                             optimizer=kvsparse.optimizers.SGD(learning_rate=0.1))
+    ...     return (rows @ params['w']).sum()
+    >>> grads = jax.grad(loss)(params, np.array([3, 7, 3]))  # SGD ran on rows 3 and 7
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from kvsparse import errors
+from kvsparse.adapters._common import ensure_table, store_lock
+
+
+def make_anchor():
+    """A zero-size float32 array to pass as ``anchor=`` and differentiate with respect to."""
+    return jnp.zeros((0,), jnp.float32)
+
+
+class _Table:
+    """What the callbacks need: the store, the key, the row width (static to JAX)."""
+
+    def __init__(self, kv, key, dim: int):
+        self.kv = kv
+        self.key = key
+        self.dim = dim
+
+    # JAX may run callbacks on a thread of its own, while the caller's thread
+    # goes on (asynchronous dispatch): the store is only called under its lock.
+    def pull(self, ids) -> np.ndarray:
+        with store_lock(self.kv):
+            return self.kv.row_sparse_pull(self.key, row_ids=np.asarray(ids))
+
+    def push(self, ids, grad) -> None:
+        with store_lock(self.kv):
+            self.kv.push(self.key, (np.asarray(ids), np.asarray(grad, np.float32)))
+
+
+def _pull_callback(table: _Table, ids):
+    shape = jax.ShapeDtypeStruct(tuple(ids.shape) + (table.dim,), jnp.float32)
+    return jax.pure_callback(table.pull, shape, ids, vmap_method="expand_dims")
+
+
+# ids passed through JAX (traced under jit).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _lookup(table, anchor, ids):
+    del anchor
+    return _pull_callback(table, ids)
+
+
+def _lookup_forward(table, anchor, ids):
+    return _lookup(table, anchor, ids), (anchor, ids)
+
+
+def _lookup_backward(table, residuals, grad):
+    anchor, ids = residuals
+    io_callback(table.push, None, ids, grad)
+    return jnp.zeros_like(anchor), None
+
+
+_lookup.defvjp(_lookup_forward, _lookup_backward)
+
+
+class _HostIds:
+    """NumPy ids kept on the host, so JAX never narrows them to int32."""
+
+    def __init__(self, ids: np.ndarray):
+        self.ids = ids
+
+
+# ids held on the host (NumPy), closed over by the callbacks.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _lookup_host(table, host, anchor):
+    del anchor
+    shape = jax.ShapeDtypeStruct(host.ids.shape + (table.dim,), jnp.float32)
+    return jax.pure_callback(lambda: table.pull(host.ids), shape)
+
+
+def _lookup_host_forward(table, host, anchor):
+    return _lookup_host(table, host, anchor), anchor
+
+
+def _lookup_host_backward(table, host, anchor, grad):
+    io_callback(lambda g: table.push(host.ids, g), None, grad)
+    return (jnp.zeros_like(anchor),)
+
+
+_lookup_host.defvjp(_lookup_host_forward, _lookup_host_backward)
+
+
+def embedding_lookup(
+    kv,
+    key,
+    ids,
+    embedding_dim=None,
+    *,
+    anchor=None,
+    initializer=None,
+    optimizer=None,
+    seed: int = 0,
+    partitioner=None,
+    nonfinite: str = "raise",
+):
+    """The rows of `ids` in table `key`; differentiating pushes their gradient.
+
+    Args:
+        kv: a kvsparse.KVStore.
+        key: the table's key; created if missing and embedding_dim is given.
+        ids: integer ids of any shape: a NumPy array (stays int64 on the
+            host) or a JAX array (traced under jit; int32 unless x64 is on).
+        embedding_dim: row width (needed to create the table; checked otherwise).
+        anchor: a float32 array you differentiate with respect to (see
+            `make_anchor`); without it no gradient is pushed.
+        initializer, optimizer, seed, partitioner, nonfinite: the table's
+            settings (kvsparse.SparseTable) when this creates it.
+
+    Returns:
+        float32 array of shape ids.shape + (dim,).
+
+    Raises:
+        kvsparse.errors.UnknownKey: no table and no embedding_dim.
+        kvsparse.errors.ShapeError: embedding_dim differs from the table's.
+        kvsparse.errors.DTypeError: non-integer ids, or a non-float32 anchor.
+
+    Example:
+        >>> rows = embedding_lookup(kv, 'item', np.array([[1, 2], [3, 4]]), embedding_dim=8)
+        >>> rows.shape
+        (2, 2, 8)
+    """
+    dim = ensure_table(
+        kv,
+        key,
+        embedding_dim,
+        initializer=initializer,
+        optimizer=optimizer,
+        seed=seed,
+        partitioner=partitioner,
+        nonfinite=nonfinite,
+    )
+    if anchor is None:
+        anchor = make_anchor()
+    elif jnp.result_type(anchor) != jnp.float32:
+        raise errors.DTypeError(f"anchor must be float32, got {jnp.result_type(anchor)}")
+    table = _Table(kv, key, dim)
+    if isinstance(ids, jax.Array):
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise errors.DTypeError(f"ids of table {key!r} must be integers, got {ids.dtype}")
+        return _lookup(table, anchor, ids)
+    # A copy: the push runs at backward, and must see the ids the forward saw.
+    host = np.array(ids)
+    if host.dtype.kind not in "iu":
+        raise errors.DTypeError(f"ids of table {key!r} must be integers, got {host.dtype}")
+    return _lookup_host(table, _HostIds(host), anchor)
+
+
+__all__ = ["embedding_lookup", "ensure_table", "make_anchor"]

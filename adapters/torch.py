@@ -1,0 +1,483 @@
+"""PyTorch adapter: embedding modules whose tables live on kvsparse servers.
+
+`Embedding` and `EmbeddingBag` are `torch.nn.Module`s that hold no table:
+on forward they pull the rows of the batch's ids into a fresh tensor, on
+backward they push the gradient of those rows to the store, where the table's
+own optimizer (``SparseTable(optimizer=...)``) updates them. Dense parameters
+stay with `torch.optim`; `DenseGradientSync` averages their gradients over the
+workers through the store, the MXNet way.
+
+Tensors cross without copies on the CPU: rows are pulled straight into the
+output tensor through DLPack (``row_sparse_pull(..., out=tensor)``), and a
+contiguous gradient is handed to the store as it is (the store then sums the
+rows of duplicate ids in C++, into a buffer of its own).
+
+Rules worth knowing:
+
+- One backward = one push. Calling a module twice in one step (two fields
+  sharing a table) pushes twice; a table whose optimizer counts pushes
+  (Adam ``step_mode='table'``) then counts two steps. Look up both fields in
+  one call (ids of shape (batch, fields)) to push once.
+- ``backward(retain_graph=True)`` followed by a second backward pushes again.
+- With several workers on a synchronous store (dist_sparse), a push waits for
+  every worker's push of that table: every worker must run backward through
+  each module once per step (an empty batch pushes nothing, and still counts).
+- Ids are any int64 values (hashed ids welcome); ``padding_idx`` is an id
+  value, not an index into a vocabulary.
+- ``module.prefetch(next_ids)`` pulls the next batch's rows on a background
+  thread; the next forward uses them if its ids are equal. Called after this
+  step's backward, the prefetched rows include this step's update. An error of
+  the background pull is raised by the next forward, never in the thread.
+- The adapters call a store under `store_lock(kv)`; take it too if you call
+  the store from another thread while a prefetch may be in flight.
+- ``torch.compile`` works: the pull runs eagerly (a graph break), the layers
+  around it compile.
+- CUDA ids and gradients are moved to the CPU for the store (a copy); the
+  output goes to the ids' device. The zero-copy path is the CPU one.
+
+Example:
+    >>> import torch, kvsparse
+    >>> from kvsparse.adapters.torch import Embedding
+    >>> kv = kvsparse.create('local')
+    >>> emb = Embedding(kv, 'user', embedding_dim=4,
+    ...                 optimizer=kvsparse.optimizers.SGD(learning_rate=0.1))
+    >>> out = emb(torch.tensor([[3, 7], [7, 9]]))
+    >>> out.shape
+    torch.Size([2, 2, 4])
+    >>> out.sum().backward()  # pushes the gradient of ids 3, 7, 9; SGD runs on the store
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as functional
+from torch import nn
+
+from kvsparse import errors
+from kvsparse.adapters._common import ensure_table, store_lock
+
+_BAG_MODES = ("sum", "mean", "max")
+
+
+def _check_ids(ids) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise errors.KeyTypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise errors.DTypeError(f"ids must be an integer tensor, got {ids.dtype}")
+    return ids
+
+
+class _Prefetch:
+    """One background pull; keeps its result or its error, never raises."""
+
+    def __init__(self, pull, ids: torch.Tensor):
+        # A copy: the caller may refill its ids buffer before the next forward.
+        self.ids = ids.detach().clone()
+        self.rows = None
+        self.error = None
+        self._pull = pull
+        self._thread = threading.Thread(target=self._run, name="kvsparse-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        try:
+            self.rows = self._pull(self.ids)
+        except BaseException as exc:  # noqa: BLE001 - stored for the caller, see wait()
+            self.error = exc
+
+    def wait(self):
+        """Waits for the pull; raises its error, if any, in the caller's thread."""
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.rows
+
+    def matches(self, ids: torch.Tensor) -> bool:
+        return (
+            ids.shape == self.ids.shape
+            and ids.device == self.ids.device
+            and torch.equal(ids, self.ids)
+        )
+
+
+class _SparseRows(torch.autograd.Function):
+    """rows = table[ids] on forward; pushes (ids, d loss / d rows) on backward.
+
+    `anchor` is an empty tensor that requires grad: autograd calls backward
+    only for functions with a differentiable input, and ids are integers.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, lookup, ids):
+        del anchor
+        ctx.lookup = lookup
+        # Saved as nn.Embedding saves its indices: ids changed in place before
+        # backward make autograd raise instead of pushing to the wrong rows.
+        ctx.save_for_backward(ids)
+        return lookup.rows_for(ids)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (ids,) = ctx.saved_tensors
+        ctx.lookup.push(ids, grad_rows)
+        return None, None, None
+
+
+class _Lookup:
+    """Pull/push of one table, shared by Embedding and EmbeddingBag."""
+
+    def __init__(self, kv, key, dim: int, padding_idx):
+        self.kv = kv
+        self.key = key
+        self.dim = dim
+        self.padding_idx = padding_idx
+        self.prefetched: _Prefetch | None = None
+        self.prefetch_hits = 0
+        self.prefetch_misses = 0
+
+    def __deepcopy__(self, memo):
+        # A copied module (an EMA copy, say) uses the same table on the same store.
+        return _Lookup(self.kv, self.key, self.dim, self.padding_idx)
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        """table[ids] as a new float32 tensor of shape ids.shape + (dim,), on ids' device."""
+        host_ids = ids if ids.device.type == "cpu" else ids.cpu()
+        out = torch.empty(tuple(host_ids.shape) + (self.dim,), dtype=torch.float32)
+        with store_lock(self.kv):
+            self.kv.row_sparse_pull(self.key, out=out, row_ids=host_ids)
+        if self.padding_idx is not None:
+            out[host_ids == self.padding_idx] = 0.0
+        return out if ids.device.type == "cpu" else out.to(ids.device, non_blocking=True)
+
+    def rows_for(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ids: the prefetched ones if they were for these ids, else a pull."""
+        pending, self.prefetched = self.prefetched, None
+        if pending is not None:
+            rows = pending.wait()
+            if pending.matches(ids):
+                self.prefetch_hits += 1
+                return rows
+            self.prefetch_misses += 1
+        return self.pull(ids)
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        pending, self.prefetched = self.prefetched, None
+        if pending is not None:
+            pending.wait()  # an unused prefetch; its error still reaches the caller
+        self.prefetched = _Prefetch(self.pull, ids)
+
+    def push(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
+        grad = grad_rows.detach()
+        if grad.device.type != "cpu":
+            grad = grad.cpu()
+        if ids.device.type != "cpu":
+            ids = ids.cpu()
+        if grad.dtype != torch.float32:
+            grad = grad.float()
+        # A contiguous gradient reaches the store as the same memory (DLPack);
+        # only an odd layout (an expanded or transposed gradient) is copied.
+        grad = grad.contiguous()
+        if self.padding_idx is not None:
+            keep = ids != self.padding_idx
+            if not bool(keep.all()):
+                ids, grad = ids[keep], grad[keep]
+        with store_lock(self.kv):
+            self.kv.push(self.key, (ids, grad))
+
+
+class _TableModule(nn.Module):
+    def __init__(self, kv, key, embedding_dim, padding_idx, table_settings):
+        super().__init__()
+        dim = ensure_table(kv, key, embedding_dim, **table_settings)
+        if padding_idx is not None:
+            padding_idx = int(padding_idx)
+        self.key = key
+        self.embedding_dim = dim
+        self.padding_idx = padding_idx
+        # Not a submodule or buffer: the store travels with the module, no table does.
+        self._lookup = _Lookup(kv, key, dim, padding_idx)
+
+    @property
+    def kv(self):
+        """The store holding the table."""
+        return self._lookup.kv
+
+    @property
+    def prefetch_hits(self) -> int:
+        """How many forwards used a prefetched pull."""
+        return self._lookup.prefetch_hits
+
+    @property
+    def prefetch_misses(self) -> int:
+        """How many prefetched pulls were thrown away (the ids differed)."""
+        return self._lookup.prefetch_misses
+
+    # torch.compile runs this part eagerly (a graph break): the store is called
+    # from Python, with NumPy views dynamo cannot trace; the layers around it compile.
+    @torch.compiler.disable
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            anchor = torch.empty(0, requires_grad=True)
+            return _SparseRows.apply(anchor, self._lookup, ids)
+        return self._lookup.rows_for(ids)
+
+    @torch.compiler.disable
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Starts pulling the rows of the next batch's ids on a background thread.
+
+        The next forward uses those rows if its ids are equal to `ids` (same
+        shape and values); otherwise it pulls again. The rows are the table as
+        it is when the pull runs: call prefetch after this step's backward for
+        rows that include this step's update (before it, ids shared by both
+        batches see the table one step stale). An error of the background pull
+        is raised by the next forward (or prefetch), never in the thread.
+        """
+        self._lookup.prefetch(self._flat_ids(_check_ids(ids)))
+
+    def _flat_ids(self, ids):
+        return ids
+
+    def extra_repr(self) -> str:
+        text = f"key={self.key!r}, embedding_dim={self.embedding_dim}"
+        if self.padding_idx is not None:
+            text += f", padding_idx={self.padding_idx}"
+        return text
+
+
+class Embedding(_TableModule):
+    """Like torch.nn.Embedding(sparse=True), with the table on a kvsparse store.
+
+    Args:
+        kv: a kvsparse.KVStore.
+        key: the table's key; created on the store if missing.
+        embedding_dim: row width (needed to create the table).
+        padding_idx: an id whose output is all zeros and whose gradient is
+            never pushed (nn.Embedding's padding row, never stored).
+        initializer, optimizer, seed, partitioner, nonfinite: the table's
+            settings (kvsparse.SparseTable) when this creates it. Give the
+            table its optimizer here: it runs on the servers.
+
+    forward(ids): ids is an integer tensor of any shape (int64 values of any
+    size); returns float32 of shape ids.shape + (embedding_dim,).
+
+    Raises:
+        kvsparse.errors.UnknownKey: no table and no embedding_dim.
+        kvsparse.errors.DTypeError: non-integer ids.
+
+    Example:
+        >>> emb = Embedding(kv, 'item', embedding_dim=8,
+        ...                 optimizer=kvsparse.optimizers.Adagrad(learning_rate=0.05))
+        >>> loss = emb(torch.tensor([1, 2, 1])).pow(2).sum()
+        >>> loss.backward()  # Adagrad updates rows 1 and 2 on the store
+    """
+
+    def __init__(
+        self,
+        kv,
+        key,
+        embedding_dim=None,
+        *,
+        padding_idx=None,
+        initializer=None,
+        optimizer=None,
+        seed: int = 0,
+        partitioner=None,
+        nonfinite: str = "raise",
+    ):
+        settings = dict(
+            initializer=initializer,
+            optimizer=optimizer,
+            seed=seed,
+            partitioner=partitioner,
+            nonfinite=nonfinite,
+        )
+        super().__init__(kv, key, embedding_dim, padding_idx, settings)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._rows(_check_ids(ids))
+
+
+class EmbeddingBag(_TableModule):
+    """Like torch.nn.EmbeddingBag(sparse=True), with the table on a kvsparse store.
+
+    Args:
+        kv, key, embedding_dim, initializer, optimizer, seed, partitioner,
+            nonfinite: as for `Embedding`.
+        mode: 'sum', 'mean' or 'max' reduction of each bag.
+        padding_idx: an id left out of every bag (and of a mean's count);
+            its gradient is never pushed.
+        include_last_offset: as nn.EmbeddingBag.
+
+    forward(input, offsets=None, per_sample_weights=None): as
+    nn.EmbeddingBag: `input` (batch, bag) holds fixed-length bags, or a 1-D
+    `input` with the start `offsets` of each bag; `per_sample_weights` (same
+    shape as input, mode 'sum' only) scales each row. Returns
+    (batch, embedding_dim) float32; an empty bag gives zeros.
+
+    Example:
+        >>> bag = EmbeddingBag(kv, 'genre', embedding_dim=8, mode='mean')
+        >>> bag(torch.tensor([4, 5, 6]), offsets=torch.tensor([0, 2])).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(
+        self,
+        kv,
+        key,
+        embedding_dim=None,
+        mode: str = "mean",
+        *,
+        padding_idx=None,
+        include_last_offset: bool = False,
+        initializer=None,
+        optimizer=None,
+        seed: int = 0,
+        partitioner=None,
+        nonfinite: str = "raise",
+    ):
+        if mode not in _BAG_MODES:
+            raise errors.InvalidArgument(f"mode must be one of {_BAG_MODES}, got {mode!r}")
+        settings = dict(
+            initializer=initializer,
+            optimizer=optimizer,
+            seed=seed,
+            partitioner=partitioner,
+            nonfinite=nonfinite,
+        )
+        super().__init__(kv, key, embedding_dim, padding_idx, settings)
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+
+    def _flat_ids(self, ids):
+        return ids.reshape(-1)
+
+    def forward(self, input, offsets=None, per_sample_weights=None):  # noqa: A002 - torch's name
+        ids = _check_ids(input)
+        if ids.dim() == 2:
+            if offsets is not None:
+                raise errors.InvalidArgument("offsets must be None when input is 2-D")
+        elif ids.dim() == 1:
+            if offsets is None:
+                raise errors.InvalidArgument("a 1-D input needs offsets")
+        else:
+            raise errors.ShapeError(f"input must be 1-D or 2-D, got shape {tuple(ids.shape)}")
+        if per_sample_weights is not None:
+            if self.mode != "sum":
+                raise errors.InvalidArgument("per_sample_weights needs mode='sum'")
+            if per_sample_weights.shape != ids.shape:
+                raise errors.ShapeError(
+                    f"per_sample_weights must have the shape of input {tuple(ids.shape)}, "
+                    f"got {tuple(per_sample_weights.shape)}"
+                )
+        flat = ids.reshape(-1)
+        rows = self._rows(flat)
+        # Reduce with torch's own kernel over the pulled rows: position i of
+        # the batch looks up row i. Padding positions all point at the first
+        # of them, which embedding_bag then leaves out as its padding row.
+        positions = torch.arange(flat.numel(), device=rows.device)
+        padding_position = None
+        if self.padding_idx is not None:
+            is_padding = (flat == self.padding_idx).to(rows.device)
+            if bool(is_padding.any()):
+                padding_position = int(torch.nonzero(is_padding)[0, 0])
+                positions[is_padding] = padding_position
+        return functional.embedding_bag(
+            positions.view(ids.shape),
+            rows,
+            offsets,
+            mode=self.mode,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset,
+            padding_idx=padding_position,
+        )
+
+
+class DenseGradientSync:
+    """Averages dense gradients over the workers through the store.
+
+    MXNet's way: one dense key holds all the parameters, flattened. The store
+    has no optimizer for it (give sparse tables their own optimizer; never
+    call kv.set_optimizer), so in a synchronous step a push makes its value
+    the sum of every worker's gradient and a pull reads that sum. Creating the
+    object also makes every worker start from the same weights: the key is
+    initialized with this worker's values (the store keeps one set: rank
+    0's on a distributed store) and pulled back into the parameters.
+
+    Args:
+        kv: a kvsparse.KVStore.
+        parameters: the dense parameters (e.g. model.parameters()); those not
+            requiring grad are left out.
+        key: the dense key to use (str, like the tables' keys).
+        broadcast: pull the initial weights from the store (default True).
+
+    Raises:
+        kvsparse.errors.InvalidArgument: the store has a store-wide optimizer
+            (it would run on this key), or no parameters.
+
+    Example:
+        >>> sync = DenseGradientSync(kv, model.parameters(), key='deepfm/dense')
+        >>> loss.backward(); sync.synchronize(); dense_optimizer.step()
+    """
+
+    def __init__(self, kv, parameters, key: str = "dense", *, broadcast: bool = True):
+        if kv.optimizer is not None:
+            raise errors.InvalidArgument(
+                "DenseGradientSync needs a store without a store-wide optimizer "
+                "(kv.set_optimizer would treat the summed gradients as gradients to apply); "
+                "give sparse tables their own optimizer with SparseTable(optimizer=...)"
+            )
+        self.kv = kv
+        self.key = key
+        self.parameters = [p for p in parameters if p.requires_grad]
+        if not self.parameters:
+            raise errors.InvalidArgument("DenseGradientSync got no parameters that require grad")
+        self._sizes = [p.numel() for p in self.parameters]
+        with torch.no_grad():
+            values = torch.cat([p.detach().reshape(-1).cpu().float() for p in self.parameters])
+        self._flat = values.contiguous()
+        with store_lock(kv):
+            if key not in kv:
+                kv.init(key, self._flat)
+            if broadcast:
+                kv.pull(key, out=self._flat)
+        if broadcast:
+            self._scatter(into_grads=False)
+
+    def _scatter(self, into_grads: bool) -> None:
+        with torch.no_grad():
+            for p, part in zip(self.parameters, torch.split(self._flat, self._sizes)):
+                part = part.view(p.shape).to(device=p.device, dtype=p.dtype)
+                if not into_grads:
+                    p.copy_(part)
+                elif p.grad is None:
+                    p.grad = part.clone()
+                else:
+                    p.grad.copy_(part)
+
+    def synchronize(self) -> None:
+        """Replaces each parameter's .grad by the mean over all workers' .grad.
+
+        Every worker must call it once per step (a parameter without a
+        gradient counts as zeros). Call it after backward, before the dense
+        optimizer's step.
+        """
+        with torch.no_grad():
+            offset = 0
+            for p, size in zip(self.parameters, self._sizes):
+                part = self._flat[offset : offset + size]
+                if p.grad is None:
+                    part.zero_()
+                else:
+                    part.copy_(p.grad.reshape(-1))
+                offset += size
+        with store_lock(self.kv):
+            self.kv.push(self.key, self._flat)
+            self.kv.pull(self.key, out=self._flat)
+        if self.kv.num_workers > 1:
+            self._flat.div_(self.kv.num_workers)
+        self._scatter(into_grads=True)
+
+
+__all__ = ["DenseGradientSync", "Embedding", "EmbeddingBag", "ensure_table", "store_lock"]
