@@ -23,6 +23,10 @@ adapter uses so that MXNet's optimizers give MXNet's results.
 Adam/AdamW's bias correction counts each row's own updates
 (``step_mode='row'``, the default, truly lazy); ``step_mode='table'`` counts
 pushes to the table instead, like torch.optim.SparseAdam and TF's LazyAdam.
+To reproduce torch.optim.SparseAdam exactly, use
+``Adam(step_mode='table', formula='mxnet')``: SparseAdam adds eps before the
+bias correction of the second moment (as MXNet does), torch.optim.Adam after
+(tests/test_adapter_torch.py checks both).
 
 Example:
     >>> import kvsparse
