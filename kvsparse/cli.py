@@ -1,0 +1,231 @@
+"""The ``kvsparse`` command (also ``python -m kvsparse``).
+
+Usage::
+
+    kvsparse launch -s 2 -n 2 -- python train.py   # servers + workers on this host
+    kvsparse server --bind tcp://0.0.0.0:7000       # one server (shard)
+    kvsparse server                                 # bind address from the environment
+
+``kvsparse server`` with no ``--bind`` takes its address from
+`kvsparse.config.server_bind_address` (``KVSPARSE_BIND``,
+``KVSPARSE_SERVER_ID``, ``TF_CONFIG`` task ``ps``, ``DMLC_ROLE=server``).
+
+Exit codes: ``launch`` returns the job's code (see `kvsparse.launch.launch`);
+1 for an error of the launcher itself; 2 for a usage error or a command that
+is not implemented yet (``stats``, ``keys``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from kvsparse import errors
+
+_COMMANDS = {
+    "launch": "start servers and workers on this host and run a training job",
+    "server": "run one server (shard); options are those of python -m kvsparse.server",
+    "stats": "show per-table and per-server statistics (not implemented yet)",
+    "keys": "list the tables the servers hold (not implemented yet)",
+}
+
+
+def _main_parser() -> argparse.ArgumentParser:
+    import kvsparse
+
+    parser = argparse.ArgumentParser(
+        prog="kvsparse",
+        description="kvsparse: a parameter server for huge sparse embedding tables.",
+        epilog="Run `kvsparse COMMAND --help` for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvsparse {kvsparse.__version__}")
+    parser.add_argument(
+        "command",
+        choices=sorted(_COMMANDS),
+        metavar="COMMAND",
+        help="; ".join(f"{name}: {text}" for name, text in _COMMANDS.items()),
+    )
+    return parser
+
+
+def _environment_pair(text: str) -> tuple:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _launch_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvsparse launch",
+        usage="kvsparse launch [options] -- COMMAND [ARGS...]",
+        description=(
+            "Start servers and workers on this host. Each worker runs COMMAND with "
+            "KVSPARSE_SERVERS, KVSPARSE_RANK and KVSPARSE_NUM_WORKERS set, so that "
+            "kvsparse.create('dist_sparse') needs no arguments. Output is prefixed with "
+            "[worker R] / [server S]. The exit code is the first failing worker's (0 if all "
+            "succeed); Ctrl-C stops everything."
+        ),
+    )
+    parser.add_argument(
+        "-s",
+        "--servers",
+        type=_positive_int,
+        default=1,
+        metavar="S",
+        help="number of servers (default: 1)",
+    )
+    parser.add_argument(
+        "-n",
+        "--workers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="number of workers (default: 1)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="interface the servers listen on (default: 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="KVSPARSE_TIMEOUT for the workers: seconds to wait for a server",
+    )
+    parser.add_argument(
+        "--staleness",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="KVSPARSE_STALENESS for the workers (bounded staleness, SSP)",
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        type=_environment_pair,
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a variable for the workers (repeatable)",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="seconds to wait for the servers to answer (default: 60)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds between SIGTERM and SIGKILL when stopping (default: 5)",
+    )
+    return parser
+
+
+def _launch(argv: list) -> int:
+    from kvsparse.launch import launch
+
+    parser = _launch_parser()
+    if "--" in argv:
+        split = argv.index("--")
+        options, command = argv[:split], argv[split + 1 :]
+    else:
+        # Without "--", the command starts at the first argument that is not an option.
+        options, command = _split_without_separator(parser, argv)
+    args = parser.parse_args(options)
+    if not command:
+        parser.error("no worker command; e.g. kvsparse launch -n 2 -- python train.py")
+    try:
+        return launch(
+            command,
+            num_servers=args.servers,
+            num_workers=args.workers,
+            host=args.host,
+            timeout=args.timeout,
+            staleness=args.staleness,
+            env=dict(args.env),
+            startup_timeout=args.startup_timeout,
+            grace_period=args.grace_period,
+        )
+    except errors.KVSparseError as exc:
+        print(f"kvsparse launch: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _split_without_separator(parser: argparse.ArgumentParser, argv: list) -> tuple:
+    """Splits `-n 2 python train.py --lr 1` at the first positional argument."""
+    takes_value = {
+        option
+        for action in parser._actions
+        if action.nargs != 0
+        for option in action.option_strings
+    }
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if not arg.startswith("-") or arg == "-":
+            break
+        index += 1
+        if arg in takes_value:
+            index += 1  # its value
+    return argv[:index], argv[index:]
+
+
+def _server(argv: list) -> int:
+    # kvsparse.server.main reads the bind address from the environment when no --bind is
+    # given (kvsparse.config.server_bind_address), so the command delegates as is.
+    from kvsparse import server
+
+    result = server.main(argv)
+    return 0 if result is None else int(result)
+
+
+def _not_implemented(command: str) -> int:
+    print(
+        f"kvsparse {command}: not implemented yet (planned for a later release); "
+        "KVStore.stats() gives per-table and per-server statistics from Python",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def main(argv: Optional[list] = None) -> int:
+    """Runs the ``kvsparse`` command line.
+
+    Args:
+        argv: the arguments after the program name (default: sys.argv[1:]).
+
+    Returns:
+        The exit code.
+
+    Example:
+        >>> main(['launch', '-s', '2', '-n', '2', '--', 'python', 'train.py'])  # doctest: +SKIP
+        0
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _main_parser()
+    if not argv:
+        parser.print_help(sys.stderr)
+        return 2
+    if argv[0] not in _COMMANDS:
+        parser.parse_args(argv[:1])  # prints help, the version or an error, and exits
+    command, rest = argv[0], argv[1:]
+    if command == "launch":
+        return _launch(rest)
+    if command == "server":
+        return _server(rest)
+    return _not_implemented(command)

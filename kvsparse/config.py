@@ -1,0 +1,666 @@
+"""Cluster configuration: where the servers are, and who this worker is.
+
+This is the one module that reads environment variables (CONVENTIONS habit 6).
+Everything else takes a `ClusterConfig` (or plain arguments) explicitly.
+
+`from_environment()` fills a `ClusterConfig` from the conventions users
+already have. Each field is taken from the first of these sources that sets
+it (precedence, highest first):
+
+1. ``KVSPARSE_*`` (what ``kvsparse launch`` sets):
+   ``KVSPARSE_SERVERS`` (comma-separated ``tcp://host:port``; ``host:port`` is
+   accepted too), ``KVSPARSE_RANK``, ``KVSPARSE_NUM_WORKERS``,
+   ``KVSPARSE_TIMEOUT`` (seconds), ``KVSPARSE_STALENESS`` (steps).
+2. ``TF_CONFIG`` (TensorFlow's JSON): the ``ps`` tasks are the servers, in
+   order; the workers are ``chief`` (or the old name ``master``) followed by
+   ``worker``: the chief is rank 0 and worker ``i`` is rank ``1 + i`` (rank
+   ``i`` when there is no chief, as in TensorFlow where worker 0 is then the
+   chief). ``task.type``/``task.index`` give this process's rank.
+3. ``DMLC_*`` (MXNet / ps-lite): ``DMLC_NUM_WORKER`` workers, rank from
+   ``DMLC_WORKER_ID`` or else ``DMLC_TASK_ID`` (dmlc-tracker numbers the
+   workers first). kvsparse has no scheduler, so the ``DMLC_NUM_SERVER``
+   servers are derived from the scheduler's address: server ``i`` listens on
+   ``tcp://DMLC_PS_ROOT_URI:(DMLC_PS_ROOT_PORT + 1 + i)``, i.e. all servers
+   run on the root host, on the ports right after the root port.
+4. torchrun's ``RANK`` / ``WORLD_SIZE`` (rank and number of workers only:
+   torchrun knows of no parameter servers, so set ``KVSPARSE_SERVERS`` too).
+
+``timeout`` and ``staleness`` come only from ``KVSPARSE_*``. When no source
+gives the number of workers (nor a rank), the process is the only worker
+(rank 0 of 1). An empty variable counts as unset. A malformed value, or no
+server list anywhere, raises `kvsparse.errors.InvalidArgument` naming the
+variable.
+
+`server_bind_address()` answers the same question for a server process
+(used by ``kvsparse server`` when no ``--bind`` is given).
+
+Example:
+    >>> from kvsparse.config import from_environment
+    >>> env = {'KVSPARSE_SERVERS': 'tcp://127.0.0.1:7000,127.0.0.1:7001',
+    ...        'RANK': '1', 'WORLD_SIZE': '2'}
+    >>> config = from_environment(env)
+    >>> config.servers, config.rank, config.num_workers
+    (['tcp://127.0.0.1:7000', 'tcp://127.0.0.1:7001'], 1, 2)
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import operator
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from kvsparse.errors import InvalidArgument
+
+# What `kvsparse launch` sets for its workers; read first.
+SERVERS = "KVSPARSE_SERVERS"
+RANK = "KVSPARSE_RANK"
+NUM_WORKERS = "KVSPARSE_NUM_WORKERS"
+TIMEOUT = "KVSPARSE_TIMEOUT"
+STALENESS = "KVSPARSE_STALENESS"
+# For server processes only.
+BIND = "KVSPARSE_BIND"
+SERVER_ID = "KVSPARSE_SERVER_ID"
+
+# Variables that make MXNet's ps-lite start (DMLC_ROLE, PORT) or that tell
+# TensorFlow to build a cluster (TF_CONFIG): the launcher removes them from
+# the processes it starts.
+FOREIGN_ROLE_VARIABLES = ("DMLC_ROLE", "PORT", "TF_CONFIG")
+
+_DMLC_VARIABLES = (
+    "DMLC_ROLE",
+    "DMLC_NUM_SERVER",
+    "DMLC_NUM_WORKER",
+    "DMLC_PS_ROOT_URI",
+    "DMLC_PS_ROOT_PORT",
+    "DMLC_WORKER_ID",
+    "DMLC_SERVER_ID",
+    "DMLC_TASK_ID",
+)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What a worker needs to reach the servers: an explicit, validated object.
+
+    Attributes:
+        servers: server addresses, ``tcp://host:port``, one per shard, in
+            shard order (every worker must list them in the same order).
+        rank: this worker's rank, ``0 <= rank < num_workers``.
+        num_workers: how many workers share the servers.
+        timeout: seconds to wait for a server's answer, or None for the
+            client's default.
+        staleness: bounded staleness in steps (SSP), or None for the store
+            kind's default.
+        origin: for each field set from the environment, the variable(s) it
+            came from (for messages; not compared).
+
+    Raises:
+        InvalidArgument: an empty server list, a malformed address, a rank
+            out of range, a non-positive timeout or a negative staleness.
+
+    Example:
+        >>> ClusterConfig(servers=['127.0.0.1:7000'], rank=0, num_workers=2).servers
+        ['tcp://127.0.0.1:7000']
+    """
+
+    servers: list
+    rank: int = 0
+    num_workers: int = 1
+    timeout: Optional[float] = None
+    staleness: Optional[int] = None
+    origin: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        origin = self.origin
+        servers = self.servers
+        if isinstance(servers, str) or not isinstance(servers, (list, tuple)):
+            raise InvalidArgument(
+                f"servers must be a list of 'tcp://host:port' addresses, got {servers!r}"
+            )
+        what = origin.get("servers", "servers")
+        if not servers:
+            raise InvalidArgument(f"{what}: the server list is empty")
+        normalized = [parse_server_address(a, what) for a in servers]
+        if len(set(normalized)) != len(normalized):
+            raise InvalidArgument(f"{what}: a server is listed twice in {normalized}")
+        object.__setattr__(self, "servers", normalized)
+        num_workers = _check_int(self.num_workers, origin.get("num_workers", "num_workers"))
+        rank = _check_int(self.rank, origin.get("rank", "rank"))
+        if num_workers < 1:
+            raise InvalidArgument(
+                f"{origin.get('num_workers', 'num_workers')}: the number of workers must be "
+                f">= 1, got {num_workers}"
+            )
+        if not 0 <= rank < num_workers:
+            raise InvalidArgument(
+                f"rank {rank} (from {origin.get('rank', 'rank')}) must be in "
+                f"[0, {num_workers}) for {num_workers} workers "
+                f"(from {origin.get('num_workers', 'num_workers')})"
+            )
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "num_workers", num_workers)
+        if self.timeout is not None:
+            what = origin.get("timeout", "timeout")
+            if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
+                raise InvalidArgument(f"{what} must be a number of seconds, got {self.timeout!r}")
+            if not (math.isfinite(self.timeout) and self.timeout > 0):
+                raise InvalidArgument(
+                    f"{what} must be a positive number of seconds, got {self.timeout!r}"
+                )
+            object.__setattr__(self, "timeout", float(self.timeout))
+        if self.staleness is not None:
+            what = origin.get("staleness", "staleness")
+            staleness = _check_int(self.staleness, what)
+            if staleness < 0:
+                raise InvalidArgument(f"{what} must be >= 0 steps, got {staleness}")
+            object.__setattr__(self, "staleness", staleness)
+
+    @property
+    def num_servers(self) -> int:
+        """How many servers (shards) there are."""
+        return len(self.servers)
+
+    def to_environment(self) -> dict:
+        """The ``KVSPARSE_*`` variables that make `from_environment` return this config.
+
+        Example:
+            >>> env = ClusterConfig(['127.0.0.1:7000'], rank=1, num_workers=2).to_environment()
+            >>> env['KVSPARSE_SERVERS'], env['KVSPARSE_RANK'], env['KVSPARSE_NUM_WORKERS']
+            ('tcp://127.0.0.1:7000', '1', '2')
+        """
+        env = {
+            SERVERS: ",".join(self.servers),
+            RANK: str(self.rank),
+            NUM_WORKERS: str(self.num_workers),
+        }
+        if self.timeout is not None:
+            env[TIMEOUT] = repr(self.timeout)
+        if self.staleness is not None:
+            env[STALENESS] = str(self.staleness)
+        return env
+
+
+# -- parsing helpers --------------------------------------------------------------------------
+
+
+def _check_int(value, what: str) -> int:
+    # operator.index takes int and NumPy integers, and refuses floats and strings.
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgument(f"{what} must be an integer, got {value!r}") from None
+
+
+def _parse_int(text: str, variable: str, minimum: int = 0) -> int:
+    try:
+        value = int(text.strip(), 10)
+    except ValueError:
+        raise InvalidArgument(f"{variable}={text!r} is not an integer") from None
+    if value < minimum:
+        raise InvalidArgument(f"{variable}={text!r} must be >= {minimum}")
+    return value
+
+
+def _parse_port(text: str, variable: str) -> int:
+    port = _parse_int(text, variable, minimum=1)
+    if port > 65535:
+        raise InvalidArgument(f"{variable}={text!r} is not a TCP port (1..65535)")
+    return port
+
+
+def _split_host_port(text: str, variable: str, shown: str) -> tuple[str, str]:
+    """'host:port' or '[v6]:port' -> (host, port text); errors quote `shown`."""
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or text[end + 1 : end + 2] != ":":
+            raise InvalidArgument(f"{variable}: {shown!r} is not 'host:port'")
+        return text[1:end], text[end + 2 :]
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or ":" in host:
+        raise InvalidArgument(
+            f"{variable}: {shown!r} is not 'host:port' (write IPv6 hosts as '[::1]:port')"
+        )
+    return host, port
+
+
+def format_address(host: str, port: int) -> str:
+    """``tcp://host:port``, with brackets around an IPv6 host.
+
+    Example:
+        >>> format_address('::1', 7000)
+        'tcp://[::1]:7000'
+    """
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def parse_server_address(text, variable: str = "server address") -> str:
+    """Checks a server address and returns it as ``tcp://host:port``.
+
+    Args:
+        text: ``tcp://host:port``, ``host:port`` or ``tcp://[v6]:port``.
+        variable: what to name in the error (an environment variable, say).
+
+    Raises:
+        InvalidArgument: not a str, another scheme, no host or a bad port.
+
+    Example:
+        >>> parse_server_address('localhost:7000')
+        'tcp://localhost:7000'
+    """
+    return _parse_address(text, variable, bind=False)
+
+
+def _parse_address(text, variable: str, bind: bool) -> str:
+    """A connect address, or with bind=True a bind address (host '*' and port 0 allowed)."""
+    if not isinstance(text, str):
+        raise InvalidArgument(f"{variable}: a server address must be a str, got {text!r}")
+    address = text.strip()
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        scheme, rest = "tcp", address
+    if scheme.lower() != "tcp":
+        raise InvalidArgument(
+            f"{variable}: {text!r} is not a tcp address (kvsparse servers speak tcp://host:port)"
+        )
+    if not rest:
+        raise InvalidArgument(f"{variable}: {text!r} has no host:port")
+    host, port_text = _split_host_port(rest, variable, text)
+    if any(c.isspace() for c in host) or "/" in host or (host == "*" and not bind):
+        raise InvalidArgument(f"{variable}: {text!r} has a malformed host {host!r}")
+    try:
+        port = int(port_text, 10)
+    except ValueError:
+        port = -1
+    if not (0 if bind else 1) <= port <= 65535:
+        raise InvalidArgument(f"{variable}: {text!r} has no valid TCP port (1..65535)")
+    return f"tcp://*:{port}" if host == "*" else format_address(host, port)
+
+
+def _get(environ: Mapping, name: str) -> Optional[str]:
+    value = environ.get(name)
+    if value is None or not value.strip():
+        return None
+    return value
+
+
+# -- the sources, in precedence order -----------------------------------------------------
+#
+# Each source maps a field name to a getter returning (value, origin) or None.
+# Getters are only called when no source before them set the field, so a
+# malformed lower-precedence variable that is overridden raises nothing.
+
+_Getter = Callable[[], Optional[tuple]]
+
+
+def _kvsparse_source(environ: Mapping) -> dict[str, _Getter]:
+    def servers():
+        text = _get(environ, SERVERS)
+        if text is None:
+            return None
+        parts = [p.strip() for p in text.split(",")]
+        if any(not p for p in parts):
+            raise InvalidArgument(f"{SERVERS}={text!r} has an empty entry")
+        return [parse_server_address(p, SERVERS) for p in parts], SERVERS
+
+    def integer(name, minimum):
+        def getter():
+            text = _get(environ, name)
+            return None if text is None else (_parse_int(text, name, minimum), name)
+
+        return getter
+
+    def timeout():
+        text = _get(environ, TIMEOUT)
+        if text is None:
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            raise InvalidArgument(f"{TIMEOUT}={text!r} is not a number of seconds") from None
+        if not (math.isfinite(value) and value > 0):
+            raise InvalidArgument(f"{TIMEOUT}={text!r} must be a positive number of seconds")
+        return value, TIMEOUT
+
+    return {
+        "servers": servers,
+        "rank": integer(RANK, 0),
+        "num_workers": integer(NUM_WORKERS, 1),
+        "timeout": timeout,
+        "staleness": integer(STALENESS, 0),
+    }
+
+
+def _load_tf_config(environ: Mapping) -> Optional[dict]:
+    text = _get(environ, "TF_CONFIG")
+    if text is None:
+        return None
+    try:
+        tf_config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"TF_CONFIG is not valid JSON: {exc}") from None
+    if not isinstance(tf_config, dict):
+        raise InvalidArgument(f"TF_CONFIG must be a JSON object, got {type(tf_config).__name__}")
+    cluster = tf_config.get("cluster", {})
+    if not isinstance(cluster, dict):
+        raise InvalidArgument("TF_CONFIG: 'cluster' must be an object of task type -> addresses")
+    for task_type, addresses in cluster.items():
+        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+            # TF also allows {index: address} dicts for sparse clusters; kvsparse needs all tasks.
+            raise InvalidArgument(
+                f"TF_CONFIG: cluster[{task_type!r}] must be a list of 'host:port' strings"
+            )
+    task = tf_config.get("task")
+    if task is not None:
+        if not isinstance(task, dict):
+            raise InvalidArgument("TF_CONFIG: 'task' must be an object with 'type' and 'index'")
+        task_type, index = task.get("type"), task.get("index", 0)
+        if not isinstance(task_type, str):
+            raise InvalidArgument(f"TF_CONFIG: task type must be a str, got {task_type!r}")
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise InvalidArgument(f"TF_CONFIG: task index must be an integer >= 0, got {index!r}")
+        members = cluster.get(task_type)
+        if members is not None and index >= len(members):
+            raise InvalidArgument(
+                f"TF_CONFIG: task {task_type}:{index} but cluster[{task_type!r}] has "
+                f"{len(members)} entries"
+            )
+    return tf_config
+
+
+def _tf_workers(cluster: dict) -> list[tuple[str, int]]:
+    """(task type, index) of every training worker, in rank order."""
+    order = []
+    for task_type in ("chief", "master", "worker"):
+        order += [(task_type, i) for i in range(len(cluster.get(task_type, [])))]
+    return order
+
+
+def _tf_config_source(environ: Mapping) -> dict[str, _Getter]:
+    tf_config = _load_tf_config(environ)
+    if tf_config is None:
+        return {}
+    cluster = tf_config.get("cluster", {})
+    task = tf_config.get("task")
+    workers = _tf_workers(cluster)
+    getters: dict[str, _Getter] = {}
+    if cluster.get("ps"):
+        getters["servers"] = lambda: (
+            [parse_server_address(a, "TF_CONFIG cluster['ps']") for a in cluster["ps"]],
+            "TF_CONFIG cluster['ps']",
+        )
+    if workers:
+        getters["num_workers"] = lambda: (len(workers), "TF_CONFIG cluster chief+worker")
+    if task is not None:
+
+        def rank():
+            me = (task["type"], task.get("index", 0))
+            if me not in workers:
+                raise InvalidArgument(
+                    f"TF_CONFIG: task {me[0]}:{me[1]} is not a training worker (chief, master "
+                    "or worker); a 'ps' task runs `kvsparse server`, and another task that "
+                    f"uses a store needs {RANK} and {NUM_WORKERS}"
+                )
+            return workers.index(me), "TF_CONFIG task"
+
+        getters["rank"] = rank
+    return getters
+
+
+def _dmlc_source(environ: Mapping) -> dict[str, _Getter]:
+    if not any(_get(environ, name) for name in _DMLC_VARIABLES):
+        return {}
+    getters: dict[str, _Getter] = {}
+    if any(_get(environ, n) for n in ("DMLC_NUM_SERVER", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT")):
+
+        def servers():
+            return _dmlc_servers(environ), "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT/DMLC_NUM_SERVER"
+
+        getters["servers"] = servers
+    if _get(environ, "DMLC_NUM_WORKER"):
+        getters["num_workers"] = lambda: (
+            _parse_int(environ["DMLC_NUM_WORKER"], "DMLC_NUM_WORKER", 1),
+            "DMLC_NUM_WORKER",
+        )
+    role = _get(environ, "DMLC_ROLE")
+    rank_variable = next((n for n in ("DMLC_WORKER_ID", "DMLC_TASK_ID") if _get(environ, n)), None)
+    if role is not None or rank_variable is not None:
+
+        def rank():
+            if role is not None and role.strip().lower() != "worker":
+                raise InvalidArgument(
+                    f"DMLC_ROLE={role!r}: this process is not a worker; a server runs "
+                    "`kvsparse server`, and kvsparse needs no scheduler"
+                )
+            if rank_variable is None:
+                return None
+            return _parse_int(environ[rank_variable], rank_variable), rank_variable
+
+        getters["rank"] = rank
+    return getters
+
+
+def _dmlc_servers(environ: Mapping) -> list[str]:
+    required = ("DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_SERVER")
+    missing = [n for n in required if not _get(environ, n)]
+    if missing:
+        raise InvalidArgument(
+            f"DMLC_* configuration is incomplete: {', '.join(missing)} not set (kvsparse derives "
+            "server i's address as DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT+1+i)"
+        )
+    host = environ["DMLC_PS_ROOT_URI"].strip()
+    root_port = _parse_port(environ["DMLC_PS_ROOT_PORT"], "DMLC_PS_ROOT_PORT")
+    count = _parse_int(environ["DMLC_NUM_SERVER"], "DMLC_NUM_SERVER", 1)
+    if root_port + count > 65535:
+        raise InvalidArgument(
+            f"DMLC_PS_ROOT_PORT={root_port} + DMLC_NUM_SERVER={count} runs past port 65535"
+        )
+    return [
+        parse_server_address(format_address(host, root_port + 1 + i), "DMLC_PS_ROOT_URI")
+        for i in range(count)
+    ]
+
+
+def _torchrun_source(environ: Mapping) -> dict[str, _Getter]:
+    rank, world = _get(environ, "RANK"), _get(environ, "WORLD_SIZE")
+    if rank is None and world is None:
+        return {}
+
+    def pair():
+        if rank is None or world is None:
+            raise InvalidArgument(
+                f"torchrun's {'RANK' if rank is None else 'WORLD_SIZE'} is not set but "
+                f"{'WORLD_SIZE' if rank is None else 'RANK'} is; set both (or {RANK} and "
+                f"{NUM_WORKERS})"
+            )
+        return _parse_int(rank, "RANK"), _parse_int(world, "WORLD_SIZE", 1)
+
+    return {
+        "rank": lambda: (pair()[0], "RANK"),
+        "num_workers": lambda: (pair()[1], "WORLD_SIZE"),
+    }
+
+
+def from_environment(environ: Optional[Mapping] = None) -> ClusterConfig:
+    """Reads the cluster configuration from environment variables.
+
+    See the module docstring for the variables and their precedence
+    (``KVSPARSE_*``, then ``TF_CONFIG``, then ``DMLC_*``, then torchrun's).
+
+    Args:
+        environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+        A validated `ClusterConfig`.
+
+    Raises:
+        InvalidArgument: no server list in any convention, or a malformed
+            value (the message names the variable).
+
+    Example:
+        >>> from_environment({'KVSPARSE_SERVERS': 'tcp://127.0.0.1:7000'}).num_workers
+        1
+    """
+    env = os.environ if environ is None else environ
+    sources = [
+        _kvsparse_source(env),
+        _tf_config_source(env),
+        _dmlc_source(env),
+        _torchrun_source(env),
+    ]
+    values: dict = {}
+    origin: dict = {}
+    for name in ("servers", "rank", "num_workers", "timeout", "staleness"):
+        for source in sources:
+            getter = source.get(name)
+            found = getter() if getter is not None else None
+            if found is not None:
+                values[name], origin[name] = found
+                break
+    if "servers" not in values:
+        raise InvalidArgument(
+            "no kvsparse servers configured: set KVSPARSE_SERVERS=tcp://host:port,... (or "
+            "TF_CONFIG with 'ps' tasks, or DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT/DMLC_NUM_SERVER), "
+            "pass servers=[...], or start the job with `kvsparse launch`"
+        )
+    if "num_workers" not in values:
+        if values.get("rank", 0) != 0:
+            raise InvalidArgument(
+                f"rank {values['rank']} (from {origin['rank']}) is set but not the number of "
+                f"workers: set {NUM_WORKERS}"
+            )
+        values["num_workers"], origin["num_workers"] = 1, "default (one worker)"
+    if "rank" not in values:
+        if values["num_workers"] != 1:
+            raise InvalidArgument(
+                f"{values['num_workers']} workers (from {origin['num_workers']}) but no rank "
+                f"for this one: set {RANK}"
+            )
+        values["rank"], origin["rank"] = 0, "default (one worker)"
+    return ClusterConfig(origin=origin, **values)
+
+
+# -- servers ------------------------------------------------------------------------------
+
+
+def _bind_host(host: str) -> str:
+    """The interface a server binds for an address that workers connect to.
+
+    A loopback or IP literal is bound as is. Any other host name is bound on
+    all interfaces, as TensorFlow's gRPC servers and ps-lite do: the name
+    workers use (a DNS or Kubernetes service name) need not be an address of
+    this machine's interfaces.
+    """
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return "*"
+    return host
+
+
+def _bind_address_for(address: str) -> str:
+    rest = address[len("tcp://") :]
+    host, port = _split_host_port(rest, "address", address)
+    host = _bind_host(host)
+    return f"tcp://{host}:{port}" if host == "*" else format_address(host, int(port))
+
+
+def server_bind_address(environ: Optional[Mapping] = None) -> Optional[str]:
+    """The address a server process should bind, from the environment.
+
+    Sources, highest precedence first:
+
+    1. ``KVSPARSE_BIND``: used as given (``tcp://host:port``; port 0 picks a
+       free one).
+    2. ``KVSPARSE_SERVER_ID`` = i with ``KVSPARSE_SERVERS``: entry i.
+    3. ``TF_CONFIG`` with task type ``ps``: ``cluster['ps'][index]``.
+    4. ``DMLC_ROLE=server``: server ``DMLC_SERVER_ID`` (or ``DMLC_TASK_ID -
+       DMLC_NUM_WORKER`` when the task id counts workers first, as
+       dmlc-tracker does; 0 if there is only one server) at port
+       ``DMLC_PS_ROOT_PORT + 1 + id`` (see `from_environment`).
+
+    A host name that is neither ``localhost`` nor an IP literal is bound on
+    all interfaces (``tcp://*:port``).
+
+    Args:
+        environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+        The ``tcp://`` bind address, or None if nothing says this process is
+        a server.
+
+    Raises:
+        InvalidArgument: a malformed or inconsistent value (named).
+
+    Example:
+        >>> server_bind_address({'DMLC_ROLE': 'server', 'DMLC_SERVER_ID': '1',
+        ...                      'DMLC_NUM_SERVER': '2', 'DMLC_PS_ROOT_URI': '127.0.0.1',
+        ...                      'DMLC_PS_ROOT_PORT': '9000'})
+        'tcp://127.0.0.1:9002'
+    """
+    env = os.environ if environ is None else environ
+    bind = _get(env, BIND)
+    if bind is not None:
+        return _parse_address(bind, BIND, bind=True)
+    server_id = _get(env, SERVER_ID)
+    if server_id is not None:
+        index = _parse_int(server_id, SERVER_ID)
+        servers = _kvsparse_source(env)["servers"]()
+        if servers is None:
+            raise InvalidArgument(f"{SERVER_ID} is set but {SERVERS} is not")
+        if index >= len(servers[0]):
+            raise InvalidArgument(
+                f"{SERVER_ID}={index} but {SERVERS} lists {len(servers[0])} servers"
+            )
+        return _bind_address_for(servers[0][index])
+    tf_config = _load_tf_config(env)
+    task = tf_config.get("task") if tf_config else None
+    if task is not None and task.get("type") == "ps":
+        ps = tf_config.get("cluster", {}).get("ps", [])
+        index = task.get("index", 0)
+        if index >= len(ps):
+            raise InvalidArgument(
+                f"TF_CONFIG: task ps:{index} but cluster['ps'] has {len(ps)} entries"
+            )
+        return _bind_address_for(parse_server_address(ps[index], "TF_CONFIG cluster['ps']"))
+    role = _get(env, "DMLC_ROLE")
+    if role is not None and role.strip().lower() == "server":
+        servers = _dmlc_servers(env)
+        if _get(env, "DMLC_SERVER_ID") is not None:
+            index, variable = _parse_int(env["DMLC_SERVER_ID"], "DMLC_SERVER_ID"), "DMLC_SERVER_ID"
+        elif _get(env, "DMLC_TASK_ID") is not None and _get(env, "DMLC_NUM_WORKER") is not None:
+            task_id = _parse_int(env["DMLC_TASK_ID"], "DMLC_TASK_ID")
+            index = task_id - _parse_int(env["DMLC_NUM_WORKER"], "DMLC_NUM_WORKER", 1)
+            variable = "DMLC_TASK_ID - DMLC_NUM_WORKER"
+        elif len(servers) == 1:
+            index, variable = 0, "DMLC_NUM_SERVER=1"
+        else:
+            raise InvalidArgument(
+                "DMLC_ROLE=server with several servers needs DMLC_SERVER_ID to know which one "
+                "this is"
+            )
+        if not 0 <= index < len(servers):
+            raise InvalidArgument(
+                f"server id {index} (from {variable}) must be in [0, {len(servers)}) "
+                f"for DMLC_NUM_SERVER={len(servers)}"
+            )
+        return _bind_address_for(servers[index])
+    return None
+
+
+__all__ = [
+    "ClusterConfig",
+    "FOREIGN_ROLE_VARIABLES",
+    "format_address",
+    "from_environment",
+    "parse_server_address",
+    "server_bind_address",
+]

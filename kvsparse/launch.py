@@ -1,0 +1,517 @@
+"""Start servers and workers on this host: ``kvsparse launch`` and its Python API.
+
+``kvsparse launch -s 2 -n 2 -- python train.py`` starts two servers
+(``python -m kvsparse.server`` on free ports), waits until both answer, then
+starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
+``KVSPARSE_RANK`` and ``KVSPARSE_NUM_WORKERS`` set, so that
+``kvsparse.create('dist_sparse')`` needs no arguments in the script.
+
+- Every child runs in its own session (process group), so that stopping a
+  child also stops whatever it started, and a Ctrl-C in the terminal reaches
+  only the launcher, which then stops the children in order.
+- Output is relayed line by line with a prefix: ``[worker 0] `` for a
+  worker's stdout (to stdout) and stderr (to stderr), ``[server 1] `` for a
+  server's. The launcher's own messages start with ``kvsparse launch: `` and go
+  to stderr; they give each child's pid.
+- ``DMLC_ROLE``, ``PORT`` and ``TF_CONFIG`` are removed from the children's
+  environment: with them, ``import mxnet`` would turn a worker into an MXNet
+  ps-lite node. So are the ``KVSPARSE_*`` configuration variables of the
+  launcher's own environment: the workers' come from the launcher's options.
+  Children get ``PYTHONUNBUFFERED=1`` (unless set) so that their lines
+  arrive as they are printed. Their stdin is /dev/null.
+- The job ends when every worker has exited, when a worker fails, when a
+  server dies, or on SIGINT/SIGTERM. Then the workers' process groups, then
+  the servers', get SIGTERM, and SIGKILL after a grace period (a second
+  Ctrl-C skips the grace period). A launcher killed by SIGKILL cannot do
+  this and leaves its children running.
+- Exit code: 0 if every worker succeeded; else the code of the first worker
+  to fail, in time order (a worker killed by signal N counts as 128 + N);
+  1 if a server died first; 128 + N if the launcher got signal N.
+
+Example:
+    >>> import sys
+    >>> from kvsparse.launch import launch
+    >>> script = 'import kvsparse; print(kvsparse.create("dist_sparse").rank)'
+    >>> launch([sys.executable, '-c', script], num_servers=2, num_workers=2)  # doctest: +SKIP
+    [worker 0] 0
+    [worker 1] 1
+    0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Optional, TextIO
+
+import kvsparse
+from kvsparse import config, errors
+
+_LISTENING = re.compile(rb"kvsparse server listening on (tcp://\S+)")
+# Variables the launcher sets itself; --env may not override them.
+_RESERVED = (config.SERVERS, config.RANK, config.NUM_WORKERS, config.TIMEOUT, config.STALENESS)
+_POLL_SECONDS = 0.1
+_LOG = "kvsparse launch: "
+
+
+class _Stopped(Exception):
+    """The launcher got SIGINT or SIGTERM."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Output:
+    """Writes whole lines from several threads to one stream, prefixed."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def line(self, prefix: str, data: bytes) -> None:
+        text = data.decode("utf-8", errors="replace")
+        if not text.endswith("\n"):
+            text += "\n"
+        with self._lock:
+            try:
+                try:
+                    self._stream.write(prefix + text)
+                except UnicodeEncodeError:  # e.g. an ASCII-only terminal
+                    encoding = getattr(self._stream, "encoding", None) or "ascii"
+                    self._stream.write((prefix + text).encode(encoding, "replace").decode(encoding))
+                self._stream.flush()
+            except (OSError, ValueError):
+                pass  # the stream is gone (closed at exit, broken pipe): drop the line
+
+
+class _Child:
+    """One process the launcher started: its own session, output relayed by two threads."""
+
+    def __init__(
+        self,
+        role: str,
+        index: int,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        out: _Output,
+        err: _Output,
+        cwd: Optional[str] = None,
+    ):
+        self.role = role
+        self.index = index
+        self.label = f"{role} {index}"
+        self.address: Optional[str] = None
+        self.address_seen = threading.Event()  # set at the address line, or at stdout's end
+        self.process = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.pid = self.process.pid
+        prefix = f"[{self.label}] "
+        self._threads = [
+            threading.Thread(
+                target=self._relay,
+                args=(self.process.stdout, prefix, out, True),
+                daemon=True,
+                name=f"kvsparse-{role}{index}-stdout",
+            ),
+            threading.Thread(
+                target=self._relay,
+                args=(self.process.stderr, prefix, err, False),
+                daemon=True,
+                name=f"kvsparse-{role}{index}-stderr",
+            ),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _relay(self, pipe, prefix: str, output: _Output, is_stdout: bool) -> None:
+        watch = is_stdout and self.role == "server"
+        try:
+            for data in iter(pipe.readline, b""):
+                if watch and self.address is None:
+                    match = _LISTENING.search(data)
+                    if match:
+                        self.address = match.group(1).decode()
+                        self.address_seen.set()
+                        continue  # the launcher reports the address itself
+                output.line(prefix, data)
+        except (OSError, ValueError):
+            pass  # the pipe was closed under us during shutdown
+        finally:
+            if is_stdout:
+                self.address_seen.set()
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+    def signal_group(self, signum: int) -> None:
+        """Sends signum to the child's whole process group (it and what it started)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signum)
+
+    def finish_output(self, timeout: float) -> None:
+        for thread in self._threads:
+            thread.join(timeout)
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _package_path() -> str:
+    """The directory holding the kvsparse package this launcher runs."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(kvsparse.__file__)))
+
+
+def _clean_environment(base: Mapping[str, str]) -> dict:
+    env = {k: v for k, v in base.items() if k not in config.FOREIGN_ROLE_VARIABLES}
+    for name in (config.BIND, config.SERVER_ID) + _RESERVED:
+        env.pop(name, None)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _server_environment(base: Mapping[str, str]) -> dict:
+    env = _clean_environment(base)
+    # The servers must run this same kvsparse, even from a source tree that is not installed.
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = _package_path() + (os.pathsep + path if path else "")
+    return env
+
+
+def _check_extra_environment(extra: Optional[Mapping[str, str]]) -> dict:
+    extra = dict(extra or {})
+    for key, value in extra.items():
+        if not isinstance(key, str) or not key or "=" in key:
+            raise errors.InvalidArgument(f"environment variable name {key!r} is not valid")
+        if not isinstance(value, str):
+            raise errors.InvalidArgument(f"environment variable {key} must be a str, got {value!r}")
+        if key in _RESERVED:
+            raise errors.InvalidArgument(
+                f"{key} is set by the launcher; use its options (-s, -n, --timeout, --staleness)"
+            )
+        if key == "DMLC_ROLE":
+            raise errors.InvalidArgument(
+                "DMLC_ROLE would make MXNet's ps-lite take over the workers; kvsparse needs none"
+            )
+    return extra
+
+
+class _Cluster:
+    """The processes of one job, and how to stop them all."""
+
+    def __init__(self, out: _Output, err: _Output, grace_period: float):
+        self.out = out
+        self.err = err
+        self.grace_period = grace_period
+        self.servers: list[_Child] = []
+        self.workers: list[_Child] = []
+        self.events: queue.Queue = queue.Queue()  # (child, returncode) in exit order
+        self.signum: Optional[int] = None  # set by the signal handler; checked by the loops
+        self.stopping = False
+        self.hurry = False  # a signal while stopping: skip the grace period
+
+    def log(self, message: str) -> None:
+        self.err.line(_LOG, message.encode())
+
+    def check_signal(self) -> None:
+        if self.signum is not None:
+            raise _Stopped(self.signum)
+
+    def _watch(self, child: _Child) -> None:
+        def wait():
+            self.events.put((child, child.process.wait()))
+
+        threading.Thread(target=wait, daemon=True, name=f"kvsparse-wait-{child.pid}").start()
+
+    # -- servers ----------------------------------------------------------------------------
+
+    def start_servers(
+        self, count: int, host: str, env: Mapping[str, str], startup_timeout: float
+    ) -> list[str]:
+        bind = config.format_address(host, 0)  # port 0: the server picks a free port
+        argv = [sys.executable, "-m", "kvsparse.server", "--bind", bind]
+        for index in range(count):
+            self.check_signal()
+            self.servers.append(_Child("server", index, argv, env, self.out, self.err))
+        deadline = time.monotonic() + startup_timeout
+        for child in self.servers:
+            while not child.address_seen.wait(_POLL_SECONDS):
+                self.check_signal()
+                if time.monotonic() > deadline:
+                    raise errors.ServerUnavailable(
+                        f"server {child.index} (pid {child.pid}) printed no address within "
+                        f"{startup_timeout:g} s"
+                    )
+            if child.address is None:
+                code = child.process.wait()
+                raise errors.ServerUnavailable(
+                    f"server {child.index} exited with code {_exit_code(code)} before listening "
+                    "(see its [server] lines above)"
+                )
+            self.log(f"server {child.index} (pid {child.pid}) listening on {child.address}")
+        from kvsparse.dist import ping
+
+        for child in self.servers:
+            while not ping(child.address, min(1.0, max(0.05, deadline - time.monotonic()))):
+                self.check_signal()
+                if child.process.poll() is not None:
+                    raise errors.ServerUnavailable(
+                        f"server {child.index} exited with code "
+                        f"{_exit_code(child.process.returncode)} before answering",
+                        address=child.address,
+                    )
+                if time.monotonic() > deadline:
+                    raise errors.ServerUnavailable(
+                        f"server {child.index} at {child.address} did not answer within "
+                        f"{startup_timeout:g} s",
+                        address=child.address,
+                    )
+        for child in self.servers:
+            self._watch(child)
+        return [child.address for child in self.servers]
+
+    # -- workers ----------------------------------------------------------------------------
+
+    def start_workers(
+        self,
+        command: Sequence[str],
+        count: int,
+        cluster_config: dict,
+        env: Mapping[str, str],
+        extra: Mapping[str, str],
+        cwd: Optional[str],
+    ) -> None:
+        for rank in range(count):
+            self.check_signal()
+            worker_config = config.ClusterConfig(rank=rank, num_workers=count, **cluster_config)
+            worker_env = dict(env)
+            worker_env.update(worker_config.to_environment())
+            worker_env.update(extra)
+            try:
+                child = _Child("worker", rank, command, worker_env, self.out, self.err, cwd=cwd)
+            except OSError as exc:
+                raise errors.InvalidArgument(
+                    f"cannot start worker {rank}: {shlex.join(command)}: {exc}"
+                ) from None
+            self.workers.append(child)
+            self._watch(child)
+            self.log(f"worker {rank} (pid {child.pid}) started: {shlex.join(command)}")
+
+    def wait_workers(self) -> int:
+        """Waits for every worker; returns at the first failure (exit code as documented)."""
+        running = len(self.workers)
+        while running:
+            self.check_signal()
+            try:
+                child, returncode = self.events.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                continue
+            code = _exit_code(returncode)
+            if child.role == "server":
+                self.log(f"server {child.index} exited with code {code}; stopping the job")
+                return 1
+            running -= 1
+            if code != 0:
+                self.log(f"worker {child.index} exited with code {code}; stopping the job")
+                return code
+        return 0
+
+    # -- stopping ---------------------------------------------------------------------------
+
+    def _stop_group(self, children: list[_Child], deadline_seconds: float) -> None:
+        for child in children:
+            # Also to the groups of children that exited: what they started gets SIGTERM too.
+            child.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + deadline_seconds
+        for child in children:
+            while child.process.poll() is None and time.monotonic() < deadline:
+                if self.hurry:
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.process.wait(_POLL_SECONDS)
+        for child in children:
+            if child.process.poll() is None:
+                self.log(f"{child.label} (pid {child.pid}) ignored SIGTERM; killing it")
+            child.signal_group(signal.SIGKILL)
+        for child in children:
+            child.process.wait()
+
+    def stop(self) -> None:
+        """Stops the workers, then the servers; never leaves a child running."""
+        self.stopping = True
+        self._stop_group(self.workers, self.grace_period)
+        self._stop_group(self.servers, self.grace_period)
+        for child in self.workers + self.servers:
+            child.finish_output(1.0)
+
+
+@contextlib.contextmanager
+def _signals_stop(cluster: _Cluster) -> Iterator[None]:
+    """While running: SIGINT/SIGTERM ask the cluster to stop (checked by its loops)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers can only be set from the main thread; the caller handles signals
+        return
+
+    def handler(signum, frame):
+        del frame
+        if cluster.signum is None and not cluster.stopping:
+            cluster.signum = signum
+        else:
+            cluster.hurry = True
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _check_counts(num_servers, num_workers) -> None:
+    for name, value in (("num_servers", num_servers), ("num_workers", num_workers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise errors.InvalidArgument(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def launch(
+    command,
+    num_servers: int = 1,
+    num_workers: int = 1,
+    *,
+    host: str = "127.0.0.1",
+    timeout: Optional[float] = None,
+    staleness: Optional[int] = None,
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[str] = None,
+    stdout: Optional[TextIO] = None,
+    stderr: Optional[TextIO] = None,
+    startup_timeout: float = 60.0,
+    grace_period: float = 5.0,
+) -> int:
+    """Runs a job on this host: servers, then workers; stops everything at the end.
+
+    Args:
+        command: the worker command, a list of arguments (or a str, split
+            like a shell would).
+        num_servers: servers (shards) to start.
+        num_workers: workers to start; worker r gets ``KVSPARSE_RANK=r``.
+        host: interface the servers listen on (workers connect to the
+            addresses the servers print).
+        timeout: ``KVSPARSE_TIMEOUT`` for the workers (seconds), or None.
+        staleness: ``KVSPARSE_STALENESS`` for the workers, or None.
+        env: extra variables for the workers (not the ``KVSPARSE_*`` ones the
+            launcher sets, nor ``DMLC_ROLE``).
+        cwd: the workers' working directory (default: the current one).
+        stdout, stderr: where the prefixed output goes (default: sys.stdout,
+            sys.stderr).
+        startup_timeout: seconds to wait for the servers to answer.
+        grace_period: seconds between SIGTERM and SIGKILL when stopping.
+
+    Returns:
+        The exit code: 0 if all workers succeeded, else the first failing
+        worker's (in time order; 128 + N for a worker killed by signal N), 1
+        if a server died, 128 + N if the launcher got signal N (SIGINT: 130).
+
+    Raises:
+        InvalidArgument: a bad count, command or option.
+        ServerUnavailable: a server did not start or answer in time (the
+            servers already started are stopped).
+
+    Example:
+        >>> launch(['python', 'train.py'], num_servers=2, num_workers=2)  # doctest: +SKIP
+        0
+    """
+    _check_counts(num_servers, num_workers)
+    if isinstance(command, str):
+        command = shlex.split(command)
+    command = [os.fspath(part) for part in command] if command is not None else []
+    if not command:
+        raise errors.InvalidArgument("launch needs a worker command, e.g. ['python', 'train.py']")
+    extra = _check_extra_environment(env)
+    for name, value in (("startup_timeout", startup_timeout), ("grace_period", grace_period)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise errors.InvalidArgument(f"{name} must be a number of seconds >= 0, got {value!r}")
+    # Checked now, with a placeholder address, so a bad value fails before anything starts.
+    config.ClusterConfig(["tcp://127.0.0.1:1"], 0, num_workers, timeout, staleness)
+    cluster = _Cluster(_Output(stdout or sys.stdout), _Output(stderr or sys.stderr), grace_period)
+    with _signals_stop(cluster):
+        try:
+            addresses = cluster.start_servers(
+                num_servers, host, _server_environment(os.environ), startup_timeout
+            )
+            cluster.start_workers(
+                command,
+                num_workers,
+                {"servers": addresses, "timeout": timeout, "staleness": staleness},
+                _clean_environment(os.environ),
+                extra,
+                cwd,
+            )
+            return cluster.wait_workers()
+        except _Stopped as stopped:
+            name = signal.Signals(stopped.signum).name
+            cluster.log(f"got {name}; stopping the job")
+            return 128 + stopped.signum
+        finally:
+            cluster.stop()
+
+
+@contextlib.contextmanager
+def local_cluster(
+    num_servers: int = 1,
+    *,
+    host: str = "127.0.0.1",
+    stderr: Optional[TextIO] = None,
+    startup_timeout: float = 60.0,
+    grace_period: float = 5.0,
+) -> Iterator[list]:
+    """Runs servers on this host for the duration of a ``with`` block.
+
+    Args:
+        num_servers: servers to start.
+        host: interface they listen on.
+        stderr: where their prefixed output and the launcher's messages go
+            (default: sys.stderr).
+        startup_timeout: seconds to wait for them to answer.
+        grace_period: seconds between SIGTERM and SIGKILL at the end.
+
+    Yields:
+        The servers' addresses (``tcp://host:port``), in shard order. They are
+        stopped when the block exits, whatever the reason.
+
+    Raises:
+        ServerUnavailable: a server did not start or answer in time.
+
+    Example:
+        >>> import kvsparse
+        >>> with local_cluster(2) as servers:  # doctest: +SKIP
+        ...     kv = kvsparse.create('dist_sparse', servers=servers, rank=0, num_workers=1)
+    """
+    _check_counts(num_servers, 1)
+    err = _Output(stderr or sys.stderr)
+    cluster = _Cluster(err, err, grace_period)
+    try:
+        yield cluster.start_servers(
+            num_servers, host, _server_environment(os.environ), startup_timeout
+        )
+    finally:
+        cluster.stop()
+
+
+__all__ = ["launch", "local_cluster"]

@@ -1,0 +1,479 @@
+"""kvsparse launch: real servers and workers, prefixed output, exit codes, no orphans.
+
+Every job here is a real ``python -m kvsparse launch`` subprocess (or the
+in-process `launch()` / `local_cluster()` API) whose workers use
+``kvsparse.create('dist_sparse')`` with no arguments. Each test collects the
+pids the launcher reports (``kvsparse launch: worker 0 (pid N) ...``) and the
+pids the workers' own children print, and checks that all are gone at the end.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+from conftest import subprocess_env
+
+import kvsparse
+from kvsparse import errors
+from kvsparse.launch import launch, local_cluster
+
+JOB_TIMEOUT = 120.0
+PID_LINE = re.compile(r"kvsparse launch: (server|worker) (\d+) \(pid (\d+)\)")
+CHILD_PID = re.compile(r"child pid (\d+)")
+
+# Real pushes and pulls through two servers: SGD with lr 1 from zero rows, each worker
+# pushes gradient rank + 1 to the same ids, so after the step every row is -(1 + 2).
+TRAIN = """
+import json, os, sys
+import numpy as np
+import kvsparse
+
+kv = kvsparse.create("dist_sparse")
+print(f"rank {kv.rank} of {kv.num_workers} with {kv.num_servers} servers")
+kv.init("emb", kvsparse.SparseTable(dim=4, initializer=kvsparse.initializers.Zeros()))
+kv.set_optimizer(kvsparse.optimizers.SGD(learning_rate=1.0))
+ids = np.arange(64)
+kv.push("emb", (ids, np.full((64, 4), kv.rank + 1, np.float32)))
+kv.barrier()
+rows = kv.row_sparse_pull("emb", row_ids=ids)
+print("values", sorted(set(rows.ravel().tolist())))
+print("rows per server", [s["tables"]["emb"]["rows"] for s in kv.stats()["shards"]])
+names = ["FOO", "DMLC_ROLE", "PORT", "TF_CONFIG", "KVSPARSE_SERVERS"]
+print("env", json.dumps({n: os.environ.get(n) for n in names}), file=sys.stderr)
+kv.close()
+"""
+
+
+def write(tmp_path, name, source):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+class Job:
+    """A `python -m kvsparse launch ...` subprocess whose output lines are collected."""
+
+    def __init__(self, args, cwd, env=None):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvsparse", "launch", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=subprocess_env(env),
+            text=True,
+        )
+        self.lines: queue.Queue = queue.Queue()
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self._threads = [
+            threading.Thread(
+                target=self._read, args=(self.process.stdout, self.stdout), daemon=True
+            ),
+            threading.Thread(
+                target=self._read, args=(self.process.stderr, self.stderr), daemon=True
+            ),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self, stream, into):
+        for line in stream:
+            into.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, pattern, count=1, timeout=JOB_TIMEOUT):
+        """Blocks until `count` output lines matched `pattern` (bounded)."""
+        seen = []
+        deadline = time.monotonic() + timeout
+        while len(seen) < count:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.stop()
+                pytest.fail(f"no {pattern!r} within {timeout} s; output:\n{self.output()}")
+            if re.search(pattern, line):
+                seen.append(line)
+        return seen
+
+    def wait(self, timeout=JOB_TIMEOUT):
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"the launcher did not finish within {timeout} s:\n{self.output()}")
+        for thread in self._threads:
+            thread.join(10)
+        return code
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.kill()  # only the launcher; its children are checked by the test
+            self.process.wait()
+
+    def output(self):
+        return "".join(self.stdout) + "\n--- stderr ---\n" + "".join(self.stderr)
+
+    def pids(self):
+        """{'server 0': pid, 'worker 1': pid, ...} from the launcher's messages."""
+        found = {}
+        for line in self.stderr:
+            match = PID_LINE.search(line)
+            if match:
+                found[f"{match.group(1)} {match.group(2)}"] = int(match.group(3))
+        return found
+
+
+def run_job(args, cwd, env=None):
+    job = Job(args, cwd, env)
+    try:
+        code = job.wait()
+    finally:
+        job.stop()
+    return job, code
+
+
+def assert_all_gone(pids, timeout=30.0):
+    """Every pid has exited (a zombie waiting for init to reap it counts as exited)."""
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    running = []
+    for process in alive:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                running.append((process.pid, process.cmdline()))
+        except psutil.NoSuchProcess:
+            pass
+    assert not running, f"processes left running: {running}"
+
+
+# -- full jobs --------------------------------------------------------------------------
+
+
+def test_two_servers_two_workers_real_training_step(tmp_path):
+    script = write(tmp_path, "train.py", TRAIN)
+    job, code = run_job(
+        ["-s", "2", "-n", "2", "--env", "FOO=bar", "--", sys.executable, script],
+        cwd=tmp_path,
+        # Set for the launcher; the workers must not see them (ps-lite would take over).
+        env={"DMLC_ROLE": "worker", "PORT": "9999", "TF_CONFIG": '{"cluster": {}}'},
+    )
+    assert code == 0, job.output()
+    for rank in (0, 1):
+        assert f"[worker {rank}] rank {rank} of 2 with 2 servers\n" in job.stdout
+        assert f"[worker {rank}] values [-3.0]\n" in job.stdout
+    per_server = [line for line in job.stdout if "rows per server" in line]
+    assert len(per_server) == 2
+    counts = json.loads(per_server[0].split("rows per server ", 1)[1])
+    assert len(counts) == 2 and sum(counts) == 64 and min(counts) > 0  # both shards used
+    envs = [line for line in job.stderr if line.startswith("[worker ") and " env " in line]
+    assert len(envs) == 2, job.output()
+    for line in envs:
+        seen = json.loads(line.split(" env ", 1)[1])
+        assert seen["FOO"] == "bar"
+        assert seen["DMLC_ROLE"] is None and seen["PORT"] is None and seen["TF_CONFIG"] is None
+        assert len(seen["KVSPARSE_SERVERS"].split(",")) == 2
+    pids = job.pids()
+    assert sorted(pids) == ["server 0", "server 1", "worker 0", "worker 1"], job.output()
+    assert_all_gone(pids.values())
+
+
+FAIL_IN_TIME_ORDER = """
+import os, signal, sys, time
+import kvsparse
+
+kv = kvsparse.create("dist_sparse")
+if kv.rank == 0:
+    def stopped(signum, frame):
+        print("rank 0 got SIGTERM", flush=True)
+        os._exit(3)
+    signal.signal(signal.SIGTERM, stopped)
+kv.barrier()  # rank 0's handler is in place before rank 1 fails
+if kv.rank == 1:
+    print("rank 1 fails", file=sys.stderr)
+    sys.exit(5)
+time.sleep(300)
+"""
+
+
+def test_exit_code_is_the_first_failing_workers_in_time_order(tmp_path):
+    # Rank 1 fails first with 5; rank 0 then exits with 3 when the launcher stops it.
+    # The job's code is 5: neither the lowest rank's code nor the smallest code.
+    script = write(tmp_path, "fail.py", FAIL_IN_TIME_ORDER)
+    job, code = run_job(["-s", "1", "-n", "2", "--", sys.executable, script], cwd=tmp_path)
+    assert code == 5, job.output()
+    assert "[worker 1] rank 1 fails\n" in job.stderr
+    assert "[worker 0] rank 0 got SIGTERM\n" in job.stdout
+    assert any("worker 1 exited with code 5; stopping the job" in line for line in job.stderr)
+    assert_all_gone(job.pids().values())
+
+
+def test_worker_killed_by_a_signal_gives_128_plus_the_signal(tmp_path):
+    script = write(
+        tmp_path,
+        "killed.py",
+        """
+        import os, signal
+        import kvsparse
+        kv = kvsparse.create("dist_sparse")
+        if kv.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        """,
+    )
+    job, code = run_job(["-n", "2", "--", sys.executable, script], cwd=tmp_path)
+    assert code == 128 + signal.SIGKILL, job.output()
+    assert_all_gone(job.pids().values())
+
+
+HANG = """
+import os, signal, subprocess, sys, time
+import kvsparse
+
+kv = kvsparse.create("dist_sparse")
+if kv.rank == 1:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # must be killed after the grace period
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+print(f"child pid {child.pid}", flush=True)
+kv.barrier()
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_launcher_stops_everything(tmp_path, sig):
+    script = write(tmp_path, "hang.py", HANG)
+    job = Job(["-s", "2", "-n", "2", "--grace-period", "1", "--", sys.executable, script], tmp_path)
+    try:
+        children = [int(CHILD_PID.search(line).group(1)) for line in job.wait_for("child pid", 2)]
+        job.wait_for(r"\] ready$", 2)
+        pids = job.pids()
+        assert len(pids) == 4, job.output()
+        launcher = psutil.Process(job.process.pid)
+        started = {p.pid for p in launcher.children(recursive=True)}
+        assert set(pids.values()) | set(children) <= started
+        job.process.send_signal(sig)
+        code = job.wait()
+    finally:
+        job.stop()
+    assert code == 128 + sig, job.output()
+    assert any(f"got {signal.Signals(sig).name}; stopping the job" in line for line in job.stderr)
+    assert any(
+        "worker 1 (pid" in line and "ignored SIGTERM; killing it" in line for line in job.stderr
+    )
+    assert_all_gone(started)
+
+
+def test_a_dead_server_stops_the_job(tmp_path):
+    script = write(tmp_path, "hang.py", HANG)
+    job = Job(["-s", "2", "-n", "2", "--grace-period", "1", "--", sys.executable, script], tmp_path)
+    try:
+        job.wait_for(r"\] ready$", 2)
+        pids = job.pids()
+        started = {p.pid for p in psutil.Process(job.process.pid).children(recursive=True)}
+        os.kill(pids["server 1"], signal.SIGKILL)
+        code = job.wait()
+    finally:
+        job.stop()
+    assert code == 1, job.output()
+    assert any("server 1 exited with code 137; stopping the job" in line for line in job.stderr)
+    assert_all_gone(started)
+
+
+# -- launcher errors and the CLI ------------------------------------------------------------
+
+
+def cli(*args, cwd=None, timeout=60):
+    return subprocess.run(
+        [sys.executable, "-m", "kvsparse", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=subprocess_env(),
+        timeout=timeout,
+    )
+
+
+def test_missing_worker_program_is_an_error_and_stops_the_servers(tmp_path):
+    job, code = run_job(["-s", "2", "--", str(tmp_path / "no-such-program")], cwd=tmp_path)
+    assert code == 1
+    assert any("error: cannot start worker 0" in line for line in job.stderr), job.output()
+    pids = job.pids()
+    assert sorted(pids) == ["server 0", "server 1"]
+    assert_all_gone(pids.values())
+
+
+def test_server_that_cannot_bind_is_reported(tmp_path):
+    # 192.0.2.1 (TEST-NET-1) is not an address of this host, so the bind fails.
+    job, code = run_job(["--host", "192.0.2.1", "--", sys.executable, "-c", "pass"], cwd=tmp_path)
+    assert code == 1
+    assert any("[server 0] kvsparse server: cannot bind" in line for line in job.stderr), (
+        job.output()
+    )
+    assert any("error: server 0 exited with code 1 before listening" in line for line in job.stderr)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-n", "0", "--", "python"], "expected an integer >= 1"),
+        (["-s", "two", "--", "python"], "expected an integer, got 'two'"),
+        (["--env", "NOVALUE", "--", "python"], "expected KEY=VALUE"),
+        (["-n", "2"], "no worker command"),
+    ],
+)
+def test_launch_usage_errors(args, message):
+    result = cli("launch", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--env", "KVSPARSE_RANK=3"], "KVSPARSE_RANK is set by the launcher"),
+        (["--env", "DMLC_ROLE=server"], "DMLC_ROLE would make MXNet's ps-lite take over"),
+        (["--timeout", "0"], "timeout must be a positive number of seconds"),
+        (["--staleness", "-1"], "staleness must be >= 0"),
+    ],
+)
+def test_launch_option_errors_start_nothing(args, message):
+    result = cli("launch", *args, "--", sys.executable, "-c", "pass")
+    assert result.returncode == 1
+    assert f"kvsparse launch: error: {message}" in result.stderr
+    assert "pid" not in result.stderr  # failed before any process started
+
+
+def test_command_without_separator(tmp_path):
+    job, code = run_job(
+        [
+            "-n",
+            "1",
+            sys.executable,
+            "-c",
+            "import sys, kvsparse; sys.exit(kvsparse.create('dist').num_servers + 40)",
+        ],
+        cwd=tmp_path,
+    )
+    assert code == 41, job.output()
+
+
+@pytest.mark.parametrize("command", ["stats", "keys"])
+def test_later_commands_say_not_implemented(command):
+    result = cli(command)
+    assert result.returncode == 2
+    assert f"kvsparse {command}: not implemented yet" in result.stderr
+
+
+def test_cli_help_and_version():
+    assert "launch" in cli("--help").stdout
+    assert cli("--version").stdout.strip() == f"kvsparse {kvsparse.__version__}"
+    bare = cli()
+    assert bare.returncode == 2 and "COMMAND" in bare.stderr
+    unknown = cli("train")
+    assert unknown.returncode == 2 and "invalid choice" in unknown.stderr
+
+
+def test_server_command_delegates_to_the_server(tmp_path):
+    # `kvsparse server` with no --bind takes its address from the environment.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvsparse", "server"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=subprocess_env({"KVSPARSE_BIND": "tcp://127.0.0.1:0"}),
+        text=True,
+    )
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("kvsparse server listening on tcp://127.0.0.1:"), line
+        from kvsparse.dist import ping
+
+        assert ping(line.split()[-1], 10.0)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+# -- the Python API ----------------------------------------------------------------------------
+
+
+def test_local_cluster_serves_and_always_stops(tmp_path):
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+    err = io.StringIO()
+    with pytest.raises(RuntimeError, match="leaving the block"):
+        with local_cluster(2, stderr=err) as servers:
+            started = {p.pid for p in me.children()} - before
+            assert len(servers) == 2 and len(started) == 2
+            kv = kvsparse.create("dist_sparse", servers=servers, rank=0, num_workers=1)
+            kv.init(7, kvsparse.SparseTable(dim=3, initializer=kvsparse.initializers.Zeros()))
+            values = np.arange(12, dtype=np.float32).reshape(4, 3)
+            kv.push(7, (np.array([1, 2, 3, 4]), values))  # no optimizer: assigns
+            pulled = kv.row_sparse_pull(7, row_ids=np.array([[4, 1], [3, 4]]))
+            assert np.array_equal(pulled, values[[[3, 0], [2, 3]]])
+            kv.close()
+            raise RuntimeError("leaving the block")
+    assert_all_gone(started)
+    assert "listening on tcp://127.0.0.1:" in err.getvalue()
+
+
+def test_launch_api_returns_the_code_and_relays_output(tmp_path, monkeypatch):
+    for name, value in subprocess_env().items():
+        monkeypatch.setenv(name, value)
+    script = write(
+        tmp_path,
+        "api.py",
+        """
+        import sys
+        import kvsparse
+        kv = kvsparse.create("dist_sparse")
+        print("hello from", kv.rank)
+        kv.barrier()  # both printed before rank 1 fails and the launcher stops rank 0
+        print("partial line without newline", end="", file=sys.stderr)
+        sys.exit(0 if kv.rank == 0 else 9)
+        """,
+    )
+    out, err = io.StringIO(), io.StringIO()
+    code = launch(
+        [sys.executable, script],
+        num_servers=1,
+        num_workers=2,
+        stdout=out,
+        stderr=err,
+        cwd=str(tmp_path),
+    )
+    assert code == 9, out.getvalue() + err.getvalue()
+    assert "[worker 0] hello from 0\n" in out.getvalue()
+    assert "[worker 1] partial line without newline\n" in err.getvalue()
+    pids = [int(m.group(3)) for m in PID_LINE.finditer(err.getvalue())]
+    assert len(pids) == 3
+    assert_all_gone(pids)
+
+
+def test_launch_api_rejects_bad_arguments():
+    with pytest.raises(errors.InvalidArgument, match="num_workers must be an integer >= 1"):
+        launch(["python"], num_workers=0)
+    with pytest.raises(errors.InvalidArgument, match="needs a worker command"):
+        launch([], num_servers=1)
+    with pytest.raises(errors.InvalidArgument, match="KVSPARSE_SERVERS is set by the launcher"):
+        launch("python train.py", env={"KVSPARSE_SERVERS": "x"})
