@@ -1,0 +1,240 @@
+"""Shared test infrastructure: real `kvsparse server` processes and worker processes.
+
+Fixtures:
+    server_factory: ``server_factory(n)`` starts n ``python -m kvsparse.server
+        --bind tcp://127.0.0.1:0`` processes and returns their addresses
+        (``tcp://127.0.0.1:PORT``); every process is stopped at teardown.
+        ``server_factory.processes`` lists the `ServerProcess` objects started.
+    module_server_factory: the same, shared by the tests of one module.
+
+Helpers:
+    run_workers(script, servers, num_workers, ...): runs a Python script as
+        num_workers processes with KVSPARSE_SERVERS / KVSPARSE_RANK /
+        KVSPARSE_NUM_WORKERS set, under a timeout, and returns their stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import kvsparse
+
+REPO_ROOT = Path(kvsparse.__file__).resolve().parent.parent
+SERVER_START_TIMEOUT = 30.0
+LISTENING = "kvsparse server listening on "
+
+
+def subprocess_env(extra: dict | None = None) -> dict:
+    """os.environ with this checkout first on PYTHONPATH, no inherited cluster settings."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KVSPARSE_", "DMLC_")) and k not in ("TF_CONFIG", "RANK", "WORLD_SIZE")
+    }
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    if extra:
+        env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _read_line(stream, deadline: float) -> bytes:
+    """One line from a binary pipe, or what arrived before EOF or the deadline."""
+    selector = selectors.DefaultSelector()
+    selector.register(stream, selectors.EVENT_READ)
+    line = b""
+    try:
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not selector.select(remaining):
+                break
+            chunk = os.read(stream.fileno(), 1)
+            if not chunk:
+                break
+            line += chunk
+    finally:
+        selector.close()
+    return line
+
+
+class ServerProcess:
+    """One ``python -m kvsparse.server`` subprocess on a free 127.0.0.1 port."""
+
+    def __init__(self, bind: str = "tcp://127.0.0.1:0", extra_args=()):
+        self.stderr = tempfile.TemporaryFile()
+        self.later_output = b""  # stdout after the first line, read at stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvsparse.server", "--bind", bind, *extra_args],
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            env=subprocess_env(),
+            cwd=str(REPO_ROOT),
+        )
+        line = _read_line(self.process.stdout, time.monotonic() + SERVER_START_TIMEOUT)
+        self.first_line = line.decode(errors="replace")
+        if not self.first_line.startswith(LISTENING):
+            self.stop()
+            raise RuntimeError(
+                f"kvsparse server did not start: stdout {self.first_line!r}, "
+                f"stderr {self.error_output()!r}"
+            )
+        self.address = self.first_line[len(LISTENING) :].strip()
+
+    def error_output(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read().decode(errors="replace")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 10.0) -> int:
+        """Stops the process (SIGTERM, then SIGKILL after timeout); returns its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdout is not None and not self.process.stdout.closed:
+            self.later_output = self.process.stdout.read()  # the process is gone: no block
+            self.process.stdout.close()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies without closing anything (a crashed server)."""
+        self.process.kill()
+        self.process.wait()
+
+
+class ServerFactory:
+    """Calling it with n starts n servers and returns their addresses."""
+
+    def __init__(self):
+        self.processes: list[ServerProcess] = []
+
+    def __call__(self, n: int = 1) -> list[str]:
+        started = []
+        for _ in range(n):
+            server = ServerProcess()
+            self.processes.append(server)
+            started.append(server.address)
+        return started
+
+    def stop_all(self) -> list[int]:
+        codes = [server.stop() for server in self.processes]
+        for server in self.processes:
+            server.stderr.close()
+        self.processes = []
+        return codes
+
+
+@pytest.fixture
+def server_factory():
+    factory = ServerFactory()
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_server_factory():
+    factory = ServerFactory()
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
+
+
+class WorkerFailure(AssertionError):
+    pass
+
+
+def run_workers(
+    script: str,
+    servers: list[str],
+    num_workers: int,
+    workdir: Path,
+    *,
+    timeout: float = 120.0,
+    env: dict | None = None,
+    args=(),
+) -> list[str]:
+    """Runs script as num_workers processes (ranks 0..n-1) and returns their stdout.
+
+    The environment carries KVSPARSE_SERVERS, KVSPARSE_RANK and
+    KVSPARSE_NUM_WORKERS (plus env). All processes are killed if they run
+    past timeout; a nonzero exit or a timeout raises WorkerFailure with every
+    worker's stderr.
+    """
+    path = Path(workdir) / "worker_script.py"
+    path.write_text(script)
+    processes = []
+    try:
+        for rank in range(num_workers):
+            worker_env = subprocess_env(
+                {
+                    "KVSPARSE_SERVERS": ",".join(servers),
+                    "KVSPARSE_RANK": rank,
+                    "KVSPARSE_NUM_WORKERS": num_workers,
+                    **(env or {}),
+                }
+            )
+            out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+            process = subprocess.Popen(
+                [sys.executable, str(path), *map(str, args)],
+                stdout=out,
+                stderr=err,
+                env=worker_env,
+                cwd=str(workdir),
+            )
+            processes.append((process, out, err))
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        for process, _, _ in processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+        outputs, failures = [], []
+        for rank, (process, out, err) in enumerate(processes):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = (
+                out.read().decode(errors="replace"),
+                err.read().decode(errors="replace"),
+            )
+            outputs.append(stdout)
+            if timed_out or process.returncode != 0:
+                failures.append(f"--- worker {rank} (exit {process.returncode}) ---\n{stderr}")
+        if failures:
+            what = f"timed out after {timeout} s" if timed_out else "failed"
+            raise WorkerFailure(f"workers {what}:\n" + "\n".join(failures))
+        return outputs
+    finally:
+        for process, out, err in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            out.close()
+            err.close()
+
+
+def last_json(stdout: str):
+    """The JSON value on the last non-empty line of a worker's stdout."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    assert lines, "the worker printed nothing"
+    return json.loads(lines[-1])
