@@ -232,7 +232,9 @@ class ShardState:
                 "table_step": entry.table.table_step,
             }
         for table_id, entry in self.dense.items():
-            slots = entry.slots if entry.slots is not None else np.empty((0, entry.values.size))
+            slots = entry.slots
+            if slots is None:
+                slots = np.empty((0, entry.values.size), np.float32)
             state[table_id] = {"slots": slots, "step": entry.step}
         return state
 
@@ -253,9 +255,14 @@ class ShardState:
             return
         entry = self.dense_entry(table_id)
         slots = np.ascontiguousarray(state["slots"], np.float32)
-        if entry.slots is None or slots.shape != entry.slots.shape:
-            raise errors.ShapeError(f"key {entry.name!r}: saved slots do not match the optimizer")
-        entry.slots[...] = slots
+        current = entry.slots if entry.slots is not None else np.empty((0, entry.values.size))
+        if slots.shape != current.shape:
+            raise errors.ShapeError(
+                f"key {entry.name!r}: saved slots have shape {slots.shape}, "
+                f"the optimizer needs {current.shape}"
+            )
+        if entry.slots is not None:
+            entry.slots[...] = slots
         entry.step = int(state["step"])
 
     def stats(self) -> dict:

@@ -218,6 +218,17 @@ def test_read_only_inputs(kv):
         kv.row_sparse_pull("t", row_ids=ids, out=out)
 
 
+def test_optimizer_states_roundtrip_without_optimizer(kv, tmp_path):
+    # A dense key with no optimizer has no slots; saving and loading must still work.
+    kv.init("w", np.zeros(5, np.float32))
+    kv.init("t", sparse(3))
+    kv.push("t", (np.array([4]), np.ones((1, 3), np.float32)))
+    path = str(tmp_path / "none.npz")
+    kv.save_optimizer_states(path)
+    kv.load_optimizer_states(path)
+    np.testing.assert_array_equal(kv.row_sparse_pull("t", row_ids=np.array([4])), [[1, 1, 1]])
+
+
 def test_optimizer_states_roundtrip(kv, tmp_path):
     kv.init("t", sparse(3))
     kv.init("w", np.zeros(5, np.float32))
