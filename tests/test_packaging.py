@@ -18,8 +18,10 @@ def test_unbuilt_source_tree_says_how_to_build(tmp_path):
         symlinks=True,
         ignore=shutil.ignore_patterns("*.so", "__pycache__"),
     )
+    # -S: no site-packages, so an editable install's finder cannot supply the
+    # built kvsparse instead of the unbuilt copy.
     result = subprocess.run(
-        [sys.executable, "-c", "import kvsparse"],
+        [sys.executable, "-S", "-c", "import kvsparse"],
         cwd=tree,
         env={**os.environ, "PYTHONPATH": str(tree)},
         capture_output=True,
