@@ -1,0 +1,707 @@
+"""Run kvsparse servers on a Ray cluster: ``pip install kvsparse[ray]``.
+
+`start_servers` starts one Ray actor per shard. Each actor starts the same
+server binary as ``kvsparse launch`` (``python -m kvsparse.server``) as its
+child process and reports the address it printed, so no user code ever runs
+in a server process. The actors are named (``kvsparse-server-0``, ... in the
+namespace ``kvsparse``), so any driver, task or actor of the cluster can find
+the servers with `find_servers`, and they are placed by a placement group
+(one bundle per shard, spread over the nodes by default).
+
+Workers are ordinary Ray tasks or actors, or processes outside Ray, given a
+`kvsparse.config.ClusterConfig` (`ServerGroup.config`) or its ``KVSPARSE_*``
+variables (`ServerGroup.environment`)::
+
+    import ray, kvsparse, kvsparse.ray
+
+    ray.init()
+    servers = kvsparse.ray.start_servers(2)
+
+    @ray.remote
+    def train(arguments):
+        kv = kvsparse.create('dist_sparse', **arguments)
+        ...
+
+    ray.get([train.remote(servers.store_arguments(rank, 2)) for rank in range(2)])
+    servers.shutdown()
+
+Failures. A shard's actor is restarted by Ray (``max_restarts``) when its
+process dies, and the actor exits (to be restarted) when its server process
+dies. A restarted shard binds the same host and port again (the port is kept
+in Ray's GCS key-value store), so the workers' ZeroMQ sockets reconnect to it
+by themselves. With ``checkpoint_dir``, a restarted server is started with
+``--restore checkpoint_dir --shard-index I --num-shards N`` to reload the
+latest complete checkpoint written there (``kv.save(checkpoint_dir)``);
+without one it comes back empty. Workers whose stores have a
+``retry_window`` (`ServerGroup.store_arguments` and
+`ServerGroup.environment` set it) say HELLO again to the restarted shard,
+declare their tables again and resend the request in flight: training goes
+on from the checkpoint (pushes after it are lost). A shard whose actor ran
+out of restarts is started again by `ServerGroup.restart_dead`.
+
+The server process is tied to its actor: it gets SIGKILL when the actor's
+process dies (Linux ``PR_SET_PDEATHSIG``), and `ServerGroup.shutdown` stops
+the servers, then the actors, then frees the placement group.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import ray  # the Ray package (this module is kvsparse.ray; imports are absolute)
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from kvsparse import config as cluster_config
+from kvsparse import errors
+from kvsparse.dist import ping
+
+NAMESPACE = "kvsparse"
+NAME_PREFIX = "kvsparse-server"
+START_TIMEOUT = 60.0
+DEFAULT_RETRY_WINDOW = 120.0  # as `kvsparse launch --restart-servers`
+_LISTENING = "kvsparse server listening on "
+_PR_SET_PDEATHSIG = 1
+# A port just given up by a killed server may still be held for a moment; retry the bind.
+_BIND_RETRY_SECONDS = 10.0
+
+
+def actor_name(index: int, name_prefix: str = NAME_PREFIX) -> str:
+    """The Ray actor name of shard `index`: ``kvsparse-server-{index}``.
+
+    Example:
+        >>> actor_name(1)
+        'kvsparse-server-1'
+    """
+    return f"{name_prefix}-{index}"
+
+
+def _registry_key(name: str) -> str:
+    return f"kvsparse.ray/{name}"
+
+
+def _registry_get(name: str, namespace: str) -> Optional[dict]:
+    # Ray's GCS key-value store outlives any actor: a restarted shard finds its port there.
+    from ray.experimental import internal_kv
+
+    value = internal_kv._internal_kv_get(_registry_key(name), namespace=namespace)
+    return None if value is None else json.loads(value)
+
+
+def _registry_put(name: str, namespace: str, record: dict) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(_registry_key(name), json.dumps(record), namespace=namespace)
+
+
+def _registry_delete(name: str, namespace: str) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(_registry_key(name), namespace=namespace)
+
+
+def _die_with_parent() -> None:
+    """In the forked server, before exec: SIGKILL when the actor process goes away."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: shutdown() still stops the servers
+        pass
+    os.setpgrp()  # its own process group: a Ctrl-C to the driver does not reach it
+
+
+def _server_environment() -> dict:
+    # No cluster settings of the actor's own environment leak into the server, nor
+    # variables that would make a framework import start a ps-lite or TF server.
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KVSPARSE_") and k not in cluster_config.FOREIGN_ROLE_VARIABLES
+    }
+
+
+def _has_checkpoint(path: str) -> bool:
+    """True if path holds a complete checkpoint (a committed manifest)."""
+    from kvsparse import checkpoint
+
+    try:
+        return checkpoint.latest_manifest(path) is not None
+    except (OSError, errors.KVSparseError):
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _same_server(pid: int, port: int) -> bool:
+    """True if pid is still a kvsparse server bound to port (not a recycled pid)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"kvsparse.server" in argv and any(a.endswith(b":%d" % port) for a in argv)
+
+
+class ServerShard:
+    """A Ray actor (see `start_servers`) that runs one ``kvsparse server`` child process.
+
+    Args:
+        index: the shard's index.
+        num_shards: how many shards the group has (for ``--restore``).
+        name: the actor's name (the key of its registry record).
+        namespace: the Ray namespace of the group.
+        host: interface to bind and to advertise; None: this node's IP.
+        port: port to bind; None: the port of this shard's last server, if
+            any, else a free one.
+        checkpoint_dir: a restarted server restores the latest complete
+            checkpoint there (``--restore``), if there is one.
+        server_args: more command-line arguments for the server.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        num_shards: int,
+        name: str,
+        namespace: str,
+        host: Optional[str] = None,
+        port: Optional[int] = None,
+        checkpoint_dir: Optional[str] = None,
+        server_args: tuple = (),
+    ):
+        self.index = index
+        self.name = name
+        self.namespace = namespace
+        self.host = host or ray.util.get_node_ip_address()
+        record = _registry_get(name, namespace)
+        self.restarts = 0 if record is None else record["restarts"] + 1
+        if record is not None:
+            # A server left over from a dead actor (no PDEATHSIG on this OS) holds the port.
+            if _pid_alive(record["pid"]) and _same_server(record["pid"], record["port"]):
+                os.kill(record["pid"], signal.SIGKILL)
+        if port is None:
+            port = 0 if record is None else record["port"]
+        command = [sys.executable, "-m", "kvsparse.server", "--bind", f"tcp://{self.host}:{port}"]
+        self.restored = False
+        if record is not None and checkpoint_dir is not None and _has_checkpoint(checkpoint_dir):
+            command += ["--restore", checkpoint_dir, "--shard-index", str(index)]
+            command += ["--num-shards", str(num_shards)]
+            self.restored = True
+        command += [str(a) for a in server_args]
+        self.stopping = False
+        self.process, self.address = self._start(command, port)
+        _registry_put(
+            name,
+            namespace,
+            {
+                "index": index,
+                "port": int(self.address.rsplit(":", 1)[1]),
+                "pid": self.process.pid,
+                "address": self.address,
+                "restarts": self.restarts,
+            },
+        )
+        threading.Thread(target=self._watch, name="kvsparse-server-watch", daemon=True).start()
+
+    def _start(self, command: list, port: int):
+        deadline = time.monotonic() + _BIND_RETRY_SECONDS
+        while True:
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=_server_environment(),
+                preexec_fn=_die_with_parent,
+            )
+            # The server's stderr goes on to the actor's (Ray's log of the actor, shown
+            # by the driver); the last lines are kept for the error message.
+            last_lines = collections.deque(maxlen=20)
+            relay = threading.Thread(
+                target=_relay, args=(process.stderr, last_lines, self.name), daemon=True
+            )
+            relay.start()
+            line = _read_line(process.stdout, time.monotonic() + START_TIMEOUT)
+            if line.startswith(_LISTENING):
+                # The server prints nothing more on stdout; close our end so it never blocks.
+                process.stdout.close()
+                return process, line[len(_LISTENING) :].strip()
+            _stop_process(process, 5.0)
+            relay.join(5.0)
+            message = "".join(last_lines).strip()
+            if port and process.returncode == 1 and time.monotonic() < deadline:
+                time.sleep(0.2)  # the port of the dead server is not free yet
+                continue
+            raise errors.ServerUnavailable(
+                f"kvsparse server {self.name} did not start ({' '.join(command)}): "
+                f"{message or line or 'no output'}",
+                address=f"tcp://{self.host}:{port}",
+            )
+
+    def _watch(self) -> None:
+        self.process.wait()
+        if not self.stopping:
+            # The server died under a live actor: end the actor so that Ray restarts the shard.
+            os._exit(1)
+
+    def info(self) -> dict:
+        """{'index', 'address', 'pid' (server), 'actor_pid', 'node_id', 'restarts', 'restored'}.
+
+        'restored': this server was started from a checkpoint.
+        """
+        return {
+            "index": self.index,
+            "address": self.address,
+            "pid": self.process.pid,
+            "actor_pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "restarts": self.restarts,
+            "restored": self.restored,
+        }
+
+    def stop(self, grace_period: float = 5.0) -> Optional[int]:
+        """Stops the server (SIGTERM, then SIGKILL after grace_period); its exit status."""
+        self.stopping = True
+        return _stop_process(self.process, grace_period)
+
+
+def _relay(stream, last_lines, name: str) -> None:
+    for raw in iter(stream.readline, b""):
+        text = raw.decode(errors="replace")
+        last_lines.append(text)
+        sys.stderr.write(f"[{name}] {text}")
+        sys.stderr.flush()
+    stream.close()
+
+
+def _read_line(stream, deadline: float) -> str:
+    """The first line of a pipe, or what came before EOF or the deadline."""
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    selector.register(stream, selectors.EVENT_READ)
+    data = b""
+    try:
+        while not data.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not selector.select(remaining):
+                break
+            chunk = os.read(stream.fileno(), 1)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        selector.close()
+    return data.decode(errors="replace")
+
+
+def _actor_info(actor, deadline: float) -> dict:
+    """actor.info(), waiting while Ray restarts the actor (calls then fail at once)."""
+    while True:
+        try:
+            return ray.get(actor.info.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _stop_process(process: subprocess.Popen, grace_period: float) -> Optional[int]:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(grace_period)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
+@dataclass
+class _Shard:
+    actor: object
+    address: str
+    options: dict
+    arguments: dict
+
+
+class ServerGroup:
+    """The server actors started by `start_servers`; use `shutdown` (or ``with``) to stop them.
+
+    Attributes:
+        addresses: ``tcp://host:port`` of each shard, in shard order.
+        namespace: the Ray namespace of the actors.
+        name_prefix: actor i is named ``{name_prefix}-{i}``.
+        placement_group: the Ray placement group (one bundle per shard).
+        retry_window: seconds the workers keep trying to reach a restarted
+            shard.
+        checkpoint_dir: where checkpoints go, or None.
+    """
+
+    def __init__(
+        self, shards, namespace, name_prefix, group, timeout, retry_window, checkpoint_dir
+    ):
+        self._shards = shards
+        self.retry_window = retry_window
+        self.checkpoint_dir = checkpoint_dir
+        self.namespace = namespace
+        self.name_prefix = name_prefix
+        self.placement_group = group
+        self.timeout = timeout
+        self._closed = False
+
+    @property
+    def addresses(self) -> list:
+        """The servers' addresses, in shard order."""
+        return [s.address for s in self._shards]
+
+    @property
+    def num_servers(self) -> int:
+        """How many shards."""
+        return len(self._shards)
+
+    @property
+    def actors(self) -> list:
+        """The Ray actor handles, in shard order."""
+        return [s.actor for s in self._shards]
+
+    def config(
+        self, rank: int = 0, num_workers: int = 1, timeout=None, staleness=None
+    ) -> cluster_config.ClusterConfig:
+        """The configuration of worker `rank` of `num_workers`.
+
+        Pass it to ``kvsparse.create('dist_sparse', servers=config.servers,
+        rank=config.rank, num_workers=config.num_workers)``, or its
+        `environment` to a process that calls ``kvsparse.create('dist_sparse')``.
+
+        Raises:
+            InvalidArgument: rank out of range, bad timeout or staleness.
+
+        Example:
+            >>> group.config(1, 2).rank  # doctest: +SKIP
+            1
+        """
+        return cluster_config.ClusterConfig(
+            servers=self.addresses,
+            rank=rank,
+            num_workers=num_workers,
+            timeout=timeout,
+            staleness=staleness,
+        )
+
+    def store_arguments(self, rank: int = 0, num_workers: int = 1, **kwargs) -> dict:
+        """Keyword arguments of ``kvsparse.create('dist_sparse', **arguments)`` for worker `rank`.
+
+        They include ``retry_window``, so that the worker's store says HELLO
+        again to a restarted shard and resends what was in flight. Other
+        keyword arguments (timeout, staleness) are passed on.
+
+        Example:
+            >>> kv = kvsparse.create('dist_sparse', **group.store_arguments(0, 2))  # doctest: +SKIP
+        """
+        config = self.config(rank, num_workers, **kwargs)
+        return {
+            "servers": config.servers,
+            "rank": config.rank,
+            "num_workers": config.num_workers,
+            "timeout": config.timeout,
+            "staleness": config.staleness,
+            "retry_window": self.retry_window,
+        }
+
+    def environment(self, rank: int = 0, num_workers: int = 1, **kwargs) -> dict:
+        """The ``KVSPARSE_*`` variables of worker `rank` (see `config`).
+
+        Besides `config`'s, ``KVSPARSE_RETRY_WINDOW`` (see `store_arguments`)
+        and, with a checkpoint_dir, ``KVSPARSE_CHECKPOINT_DIR``, as
+        ``kvsparse launch`` sets them.
+
+        Example:
+            >>> group.environment(0, 2)['KVSPARSE_NUM_WORKERS']  # doctest: +SKIP
+            '2'
+        """
+        env = self.config(rank, num_workers, **kwargs).to_environment()
+        env["KVSPARSE_RETRY_WINDOW"] = repr(float(self.retry_window))
+        if self.checkpoint_dir is not None:
+            env["KVSPARSE_CHECKPOINT_DIR"] = self.checkpoint_dir
+        return env
+
+    def info(self, timeout: Optional[float] = None) -> list:
+        """Each shard's `ServerShard.info` (address, pids, node, restarts so far).
+
+        Raises:
+            ray.exceptions.RayActorError: a shard's actor is dead for good.
+            ray.exceptions.GetTimeoutError: an actor did not answer in time.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        return [_actor_info(s.actor, deadline) for s in self._shards]
+
+    def wait_ready(self, timeout: Optional[float] = None) -> None:
+        """Blocks until every shard's actor is up and its server answers a ping.
+
+        A restarted actor is waited for (Ray queues the call until the
+        restart is done).
+
+        Raises:
+            ServerUnavailable: a server did not answer within timeout.
+            ray.exceptions.RayActorError: a shard's actor is dead for good.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        infos = self.info(timeout)
+        for info in infos:
+            while not ping(info["address"], timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise errors.ServerUnavailable(
+                        f"server {info['index']} at {info['address']} does not answer",
+                        address=info["address"],
+                    )
+
+    def restart_dead(self, timeout: Optional[float] = None) -> list:
+        """Starts again each shard whose actor is dead for good (out of restarts).
+
+        The new actor gets the same name, placement-group bundle and port
+        (and restores from ``checkpoint_dir`` if there is one). Shards that
+        Ray is still restarting are waited for.
+
+        Returns:
+            The indices of the shards started again.
+
+        Raises:
+            ServerUnavailable: a server did not come back within timeout.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        restarted = []
+        for index, shard in enumerate(self._shards):
+            try:
+                _actor_info(shard.actor, time.monotonic() + timeout)
+            except ray.exceptions.ActorDiedError:
+                shard.actor = _ShardActor.options(**shard.options).remote(**shard.arguments)
+                restarted.append(index)
+        self.wait_ready(timeout)
+        for shard, info in zip(self._shards, self.info(timeout)):
+            if info["address"] != shard.address:
+                # Another node (the old one is gone): the workers need the new address.
+                shard.address = info["address"]
+        return restarted
+
+    def shutdown(self, grace_period: float = 5.0) -> None:
+        """Stops every server, then its actor, then frees the placement group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        stops = []
+        for shard in self._shards:
+            try:
+                stops.append(shard.actor.stop.remote(grace_period))
+            except ray.exceptions.RayActorError:
+                pass
+        for ref in stops:
+            try:
+                ray.get(ref, timeout=grace_period + 30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass  # a dead actor took its server with it (PDEATHSIG)
+        for index, shard in enumerate(self._shards):
+            ray.kill(shard.actor, no_restart=True)
+            _registry_delete(actor_name(index, self.name_prefix), self.namespace)
+        # ray.kill is asynchronous: wait until the actors are gone before the bundles go.
+        deadline = time.monotonic() + 30
+        for shard in self._shards:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(shard.actor.info.remote(), timeout=1.0)
+                except ray.exceptions.RayActorError:
+                    break
+                except ray.exceptions.GetTimeoutError:
+                    continue
+                time.sleep(0.1)
+        remove_placement_group(self.placement_group)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.shutdown()
+
+
+_ShardActor = ray.remote(ServerShard)
+
+
+def start_servers(
+    num_servers: int,
+    resources: Optional[dict] = None,
+    checkpoint_dir: Optional[str] = None,
+    host: Optional[str] = None,
+    strategy: str = "SPREAD",
+    max_restarts: int = 5,
+    namespace: str = NAMESPACE,
+    name_prefix: str = NAME_PREFIX,
+    server_args: tuple = (),
+    timeout: float = START_TIMEOUT,
+    retry_window: Optional[float] = None,
+) -> ServerGroup:
+    """Starts num_servers kvsparse servers as Ray actors, one per shard, and waits for them.
+
+    Needs ``ray.init()`` first (or starts a local cluster as any Ray call does).
+
+    Args:
+        num_servers: how many shards.
+        resources: what each shard's bundle (and actor) asks for, in Ray's
+            terms, e.g. ``{'CPU': 2, 'memory': 8 * 2**30}``; default 1 CPU.
+        checkpoint_dir: where the job writes checkpoints (``kv.save``); a
+            restarted server restores the last one. None: it comes back empty.
+        host: the interface to bind and advertise (e.g. '127.0.0.1' for a
+            one-machine cluster); None: each node's IP address.
+        strategy: the placement group's strategy: 'SPREAD' (default: over as
+            many nodes as possible), 'STRICT_SPREAD', 'PACK', 'STRICT_PACK'.
+        max_restarts: how often Ray restarts a shard's actor (-1: forever).
+        namespace: the Ray namespace of the named actors.
+        name_prefix: actor i is named ``{name_prefix}-{i}``.
+        server_args: more arguments for ``python -m kvsparse.server``.
+        timeout: seconds to wait for the placement group and the servers.
+        retry_window: seconds the workers' stores keep trying to reach a
+            restarted shard (`ServerGroup.store_arguments`/`environment`);
+            default 120.
+
+    Returns:
+        A `ServerGroup` (addresses, config(rank, num_workers), shutdown()).
+
+    Raises:
+        InvalidArgument: num_servers < 1, or actors of that name exist.
+        ServerUnavailable: a server did not start or answer in time.
+        ray.exceptions.GetTimeoutError: the cluster cannot fit the bundles.
+
+    Example:
+        >>> import ray, kvsparse.ray                                # doctest: +SKIP
+        >>> ray.init(num_cpus=4)                                     # doctest: +SKIP
+        >>> group = kvsparse.ray.start_servers(2, host='127.0.0.1')  # doctest: +SKIP
+        >>> group.addresses                                          # doctest: +SKIP
+        ['tcp://127.0.0.1:40123', 'tcp://127.0.0.1:40125']
+    """
+    if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
+        raise errors.InvalidArgument(f"num_servers must be an integer >= 1, got {num_servers!r}")
+    if not ray.is_initialized():
+        ray.init()
+    for index in range(num_servers):
+        name = actor_name(index, name_prefix)
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            continue
+        raise errors.InvalidArgument(
+            f"a Ray actor {name!r} already runs in namespace {namespace!r}: shut that group "
+            "down first, or use another name_prefix"
+        )
+    if retry_window is None:
+        retry_window = DEFAULT_RETRY_WINDOW
+    if checkpoint_dir is not None:
+        checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+    bundle = dict(resources) if resources else {"CPU": 1}
+    group = placement_group([dict(bundle) for _ in range(num_servers)], strategy=strategy)
+    try:
+        ray.get(group.ready(), timeout=timeout)
+    except BaseException:
+        remove_placement_group(group)
+        raise
+    actor_resources = dict(bundle)
+    shards = []
+    try:
+        for index in range(num_servers):
+            name = actor_name(index, name_prefix)
+            _registry_delete(name, namespace)  # a record left by a group that was not shut down
+            options = {
+                "name": name,
+                "namespace": namespace,
+                "max_restarts": max_restarts,
+                "num_cpus": actor_resources.pop("CPU", 0),
+                "num_gpus": actor_resources.pop("GPU", 0),
+                "memory": actor_resources.pop("memory", None),
+                "resources": actor_resources or None,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=index
+                ),
+            }
+            actor_resources = dict(bundle)
+            arguments = {
+                "index": index,
+                "num_shards": num_servers,
+                "name": name,
+                "namespace": namespace,
+                "host": host,
+                "checkpoint_dir": checkpoint_dir,
+                "server_args": tuple(server_args),
+            }
+            actor = _ShardActor.options(**options).remote(**arguments)
+            shards.append(_Shard(actor, "", options, arguments))
+        infos = ray.get([s.actor.info.remote() for s in shards], timeout=timeout)
+        for shard, info in zip(shards, infos):
+            shard.address = info["address"]
+        servers = ServerGroup(
+            shards, namespace, name_prefix, group, timeout, retry_window, checkpoint_dir
+        )
+        servers.wait_ready(timeout)
+        return servers
+    except BaseException:
+        for index, shard in enumerate(shards):
+            ray.kill(shard.actor, no_restart=True)
+            _registry_delete(actor_name(index, name_prefix), namespace)
+        remove_placement_group(group)
+        raise
+
+
+def find_servers(
+    namespace: str = NAMESPACE, name_prefix: str = NAME_PREFIX, timeout: float = START_TIMEOUT
+) -> list:
+    """The addresses of a running group's servers, found through the named actors.
+
+    For a task, actor or driver of the same Ray cluster that did not start
+    the servers itself.
+
+    Raises:
+        InvalidArgument: no actor ``{name_prefix}-0`` in namespace.
+
+    Example:
+        >>> servers = find_servers()                                  # doctest: +SKIP
+        >>> kv = kvsparse.create('dist_sparse', servers=servers, rank=0, num_workers=2)
+    """
+    actors = []
+    while True:
+        try:
+            actors.append(ray.get_actor(actor_name(len(actors), name_prefix), namespace=namespace))
+        except ValueError:
+            break
+    if not actors:
+        raise errors.InvalidArgument(
+            f"no kvsparse servers ({actor_name(0, name_prefix)!r}) in Ray namespace {namespace!r}"
+        )
+    return [info["address"] for info in ray.get([a.info.remote() for a in actors], timeout=timeout)]
+
+
+__all__ = [
+    "NAMESPACE",
+    "NAME_PREFIX",
+    "ServerGroup",
+    "ServerShard",
+    "actor_name",
+    "find_servers",
+    "start_servers",
+]
