@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <new>
 #include <string>
+#include <utility>
 
 #include "batch.h"
 #include "hash.h"
@@ -38,6 +41,9 @@ EmbeddingTable::EmbeddingTable(const TableConfig& config)
   values_.Reset(config.dim, log2);
   slots_.Reset(config.dim * optimizer_.num_slots(), log2);
   steps_.Reset(1, log2);
+  stamps_.Reset(1, log2);
+  touches_.Reset(TracksTouches() ? 1 : 0, log2);
+  last_step_.Reset(TracksLastStep() ? 1 : 0, log2);
   Rehash(kMinCapacity);
 }
 
@@ -50,6 +56,8 @@ Status EmbeddingTable::Create(const TableConfig& config, std::unique_ptr<Embeddi
   if (!s.ok()) return s;
   s = ValidateOptimizer(config.optimizer);
   if (!s.ok()) return s;
+  s = ValidatePolicy(config.policy);
+  if (!s.ok()) return s;
   try {
     out->reset(new EmbeddingTable(config));
   } catch (const std::bad_alloc&) {
@@ -61,7 +69,9 @@ Status EmbeddingTable::Create(const TableConfig& config, std::unique_ptr<Embeddi
 int64_t EmbeddingTable::MemoryBytes() const {
   return static_cast<int64_t>(buckets_.capacity() * sizeof(Bucket) +
                               free_rows_.capacity() * sizeof(uint32_t)) +
-         values_.Bytes() + slots_.Bytes() + steps_.Bytes() +
+         values_.Bytes() + slots_.Bytes() + steps_.Bytes() + stamps_.Bytes() +
+         static_cast<int64_t>(removed_.capacity() * sizeof(removed_[0])) +
+         touches_.Bytes() + last_step_.Bytes() + CandidateBytes() +
          static_cast<int64_t>(sizeof(EmbeddingTable));
 }
 
@@ -136,11 +146,13 @@ Status EmbeddingTable::Reserve(int64_t rows_needed) {
 void EmbeddingTable::InitRowSlots(int64_t row) {
   if (optimizer_.num_slots() > 0) optimizer_.InitSlots(slots_.Row(row), config_.dim);
   *steps_.Row(row) = 0;
+  *stamps_.Row(row) = change_epoch_;
 }
 
 void EmbeddingTable::InitRow(int64_t row, int64_t key) {
   FillInitialRow(config_.initializer, key, config_.dim, values_.Row(row));
   InitRowSlots(row);
+  InitRowMeta(row);
 }
 
 Status EmbeddingTable::FindOrInsertRow(int64_t key, int64_t* row_out) {
@@ -165,6 +177,9 @@ Status EmbeddingTable::FindOrInsertRow(int64_t key, int64_t* row_out) {
       values_.EnsureRow(row);
       slots_.EnsureRow(row);
       steps_.EnsureRow(row);
+      stamps_.EnsureRow(row);
+      if (TracksTouches()) touches_.EnsureRow(row);
+      if (TracksLastStep()) last_step_.EnsureRow(row);
     } catch (const std::bad_alloc&) {
       return Status(StatusCode::kOutOfMemory, "out of memory adding rows");
     }
@@ -195,6 +210,13 @@ Status EmbeddingTable::SetOptimizer(const OptimizerConfig& optimizer) {
   for (const Bucket& bucket : buckets_) {
     if (bucket.row != kEmpty) InitRowSlots(bucket.row);
   }
+  // Ages count from the table step, which restarts at 0.
+  if (TracksLastStep()) {
+    for (const Bucket& bucket : buckets_) {
+      if (bucket.row != kEmpty) *last_step_.Row(bucket.row) = 0;
+    }
+  }
+  for (auto& entry : candidates_) entry.second.last_step = 0;
   return Status::Ok();
 }
 
@@ -277,11 +299,34 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
   // Pass 1 (serial: it may insert): the row of every distinct key.
   std::vector<int64_t> rows(static_cast<size_t>(u));
   FindRows(unique.data(), u, rows.data());
-  for (int64_t j = 0; j < u; ++j) {
-    if (rows[j] >= 0) continue;
-    if (bad >= 0 && FirstNonFiniteRow(g + j * dim, 1, dim) >= 0) continue;  // never inserted
-    s = FindOrInsertRow(unique[j], &rows[j]);
+  if (config_.policy.min_count > 1 || config_.policy.max_rows > 0) {
+    // Admission and capacity eviction (issue 5): ids left out keep rows[j] < 0.
+    std::vector<uint8_t> skip;
+    std::vector<int64_t> to_insert;
+    try {
+      if (bad >= 0) {
+        skip.resize(static_cast<size_t>(u));
+        for (int64_t j = 0; j < u; ++j) skip[j] = FirstNonFiniteRow(g + j * dim, 1, dim) >= 0;
+      }
+      s = AdmitForPush(unique.data(), u, rows.data(), bad >= 0 ? skip.data() : nullptr,
+                       &to_insert);
+    } catch (const std::bad_alloc&) {
+      return Status(StatusCode::kOutOfMemory, "out of memory admitting ids");
+    }
     if (!s.ok()) return s;
+    for (const int64_t j : to_insert) {
+      s = FindOrInsertRow(unique[j], &rows[j]);
+      if (!s.ok()) return s;
+      ++policy_stats_.admissions;
+    }
+  } else {
+    for (int64_t j = 0; j < u; ++j) {
+      if (rows[j] >= 0) continue;
+      if (bad >= 0 && FirstNonFiniteRow(g + j * dim, 1, dim) >= 0) continue;  // never inserted
+      s = FindOrInsertRow(unique[j], &rows[j]);
+      if (!s.ok()) return s;
+      ++policy_stats_.admissions;
+    }
   }
   // Pass 2 (parallel: distinct rows never overlap): the optimizer.
   ++table_step_;
@@ -295,8 +340,11 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
       const float* gj = g + j * dim;
       if (bad >= 0 && FirstNonFiniteRow(gj, 1, dim) >= 0) continue;
       const int64_t row = rows[j];
+      if (row < 0) continue;  // not admitted (min_count) or no room (max_rows)
+      TouchRow(row);
       uint32_t* step = steps_.Row(row);
       if (*step < UINT32_MAX) *step += 1;  // saturate: a wrap to 0 would break Adam
+      *stamps_.Row(row) = change_epoch_;
       optimizer_.Update(values_.Row(row), slots_.Row(row), gj, dim,
                         per_table ? table_step : static_cast<int64_t>(*step), scratch.data());
       ++count;
@@ -304,6 +352,7 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
     applied_total += count;
   });
   *applied = applied_total.load();
+  MaybeEvictAutomatically();
   return Status::Ok();
 }
 
@@ -317,6 +366,7 @@ Status EmbeddingTable::Assign(const int64_t* keys, int64_t n, const float* value
     s = FindOrInsertRow(keys[i], &row);
     if (!s.ok()) return s;
     std::memcpy(values_.Row(row), values + i * dim, row_bytes);
+    *stamps_.Row(row) = change_epoch_;
   }
   return Status::Ok();
 }
@@ -328,6 +378,9 @@ int64_t EmbeddingTable::Remove(const int64_t* keys, int64_t n) {
     while (buckets_[b].row != kEmpty && buckets_[b].key != keys[i]) b = (b + 1) & mask_;
     if (buckets_[b].row == kEmpty) continue;
     free_rows_.push_back(buckets_[b].row);
+    // Epoch 1 means no checkpoint was saved or loaded yet: no delta can need
+    // the removal, and a store that never checkpoints keeps no such list.
+    if (change_epoch_ > 1) removed_.emplace_back(keys[i], change_epoch_);
     buckets_[b].row = kEmpty;
     --size_;
     ++removed;
@@ -389,6 +442,7 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
       std::memcpy(slots_.Row(row), slots + i * slot_floats, sizeof(float) * slot_floats);
     }
     *steps_.Row(row) = static_cast<uint32_t>(steps[i]);
+    *stamps_.Row(row) = change_epoch_;
   }
   return Status::Ok();
 }
@@ -402,6 +456,212 @@ int64_t EmbeddingTable::NextKeys(int64_t* cursor, int64_t max_rows, int64_t* key
   }
   *cursor = b;
   return count;
+}
+
+int64_t EmbeddingTable::NextChangedKeys(int64_t* cursor, int64_t max_rows, uint32_t since,
+                                        int64_t* keys_out) const {
+  int64_t count = 0;
+  const int64_t capacity = static_cast<int64_t>(buckets_.size());
+  int64_t b = *cursor;
+  for (; b < capacity && count < max_rows; ++b) {
+    const uint32_t row = buckets_[b].row;
+    if (row != kEmpty && *stamps_.Row(row) > since) keys_out[count++] = buckets_[b].key;
+  }
+  *cursor = b;
+  return count;
+}
+
+int64_t EmbeddingTable::NextChangedRows(int64_t* cursor, int64_t max_rows, uint32_t since,
+                                        int64_t* keys_out, float* values, float* slots,
+                                        int64_t* steps) const {
+  const int64_t dim = config_.dim;
+  const int64_t slot_floats = dim * optimizer_.num_slots();
+  int64_t count = 0;
+  const int64_t capacity = static_cast<int64_t>(buckets_.size());
+  int64_t b = *cursor;
+  for (; b < capacity && count < max_rows; ++b) {
+    const uint32_t row = buckets_[b].row;
+    if (row == kEmpty || *stamps_.Row(row) <= since) continue;
+    keys_out[count] = buckets_[b].key;
+    std::memcpy(values + count * dim, values_.Row(row), sizeof(float) * dim);
+    if (slot_floats > 0) {
+      std::memcpy(slots + count * slot_floats, slots_.Row(row), sizeof(float) * slot_floats);
+    }
+    steps[count] = static_cast<int64_t>(*steps_.Row(row));
+    ++count;
+  }
+  *cursor = b;
+  return count;
+}
+
+int64_t EmbeddingTable::RemovedSince(uint32_t since, int64_t* keys_out, int64_t capacity) const {
+  int64_t count = 0;
+  for (const auto& entry : removed_) {
+    if (entry.second <= since) continue;
+    if (count < capacity) keys_out[count] = entry.first;
+    ++count;
+  }
+  return count;
+}
+
+void EmbeddingTable::PruneRemoved(uint32_t through) {
+  removed_.erase(std::remove_if(removed_.begin(), removed_.end(),
+                                [through](const std::pair<int64_t, uint32_t>& entry) {
+                                  return entry.second <= through;
+                                }),
+                 removed_.end());
+}
+
+// ---- Admission and eviction (issue 5) ---------------------------------------
+
+Status ValidatePolicy(const PolicyConfig& policy) {
+  if (policy.min_count < 1 || policy.min_count > static_cast<int64_t>(UINT32_MAX)) {
+    return Status(StatusCode::kInvalidArgument,
+                  "min_count must be in [1, 4294967295], got " + std::to_string(policy.min_count));
+  }
+  // Ages are signed 32-bit differences of steps.
+  if (policy.ttl_steps < 0 || policy.ttl_steps > INT32_MAX) {
+    return Status(StatusCode::kInvalidArgument,
+                  "ttl_steps must be in [1, 2147483647] (0: none), got " +
+                      std::to_string(policy.ttl_steps));
+  }
+  if (policy.max_rows < 0 || policy.max_rows >= static_cast<int64_t>(UINT32_MAX)) {
+    return Status(StatusCode::kInvalidArgument,
+                  "max_rows must be positive (0: unbounded), got " +
+                      std::to_string(policy.max_rows));
+  }
+  if (policy.evict_every < 0) {
+    return Status(StatusCode::kInvalidArgument,
+                  "evict_every must be >= 0, got " + std::to_string(policy.evict_every));
+  }
+  if (policy.eviction != EvictionKind::kLfu && policy.eviction != EvictionKind::kLru) {
+    return Status(StatusCode::kInvalidArgument, "eviction must be LFU or LRU");
+  }
+  return Status::Ok();
+}
+
+void EmbeddingTable::InitRowMeta(int64_t row) {
+  if (TracksTouches()) *touches_.Row(row) = 0;
+  if (TracksLastStep()) *last_step_.Row(row) = static_cast<uint32_t>(table_step_);
+}
+
+void EmbeddingTable::TouchRow(int64_t row) {
+  if (TracksTouches()) {
+    uint32_t* touches = touches_.Row(row);
+    if (*touches < UINT32_MAX) *touches += 1;
+  }
+  if (TracksLastStep()) *last_step_.Row(row) = static_cast<uint32_t>(table_step_);
+}
+
+Status EmbeddingTable::AdmitForPush(const int64_t* unique, int64_t u, const int64_t* rows,
+                                    const uint8_t* skip, std::vector<int64_t>* to_insert) {
+  const PolicyConfig& policy = config_.policy;
+  // Called before the push bumps table_step_: stamp candidates with its step.
+  const uint32_t push_step = static_cast<uint32_t>(table_step_ + 1);
+  std::vector<int64_t>& fresh = *to_insert;
+  fresh.clear();
+  for (int64_t j = 0; j < u; ++j) {
+    if (rows[j] >= 0 || (skip != nullptr && skip[j])) continue;
+    if (policy.min_count > 1) {
+      Candidate& c = candidates_.emplace(unique[j], Candidate{0, push_step}).first->second;
+      if (c.count < UINT32_MAX) ++c.count;
+      c.last_step = push_step;
+      if (static_cast<int64_t>(c.count) < policy.min_count) continue;
+    }
+    fresh.push_back(j);
+  }
+  const int64_t new_rows = static_cast<int64_t>(fresh.size());
+  if (policy.max_rows > 0 && size_ + new_rows > policy.max_rows) {
+    // Rows of this push's ids are never evicted by it.
+    std::vector<uint8_t> keep_row(static_cast<size_t>(next_row_), 0);
+    int64_t kept = 0;
+    for (int64_t j = 0; j < u; ++j) {
+      if (rows[j] >= 0) {
+        keep_row[rows[j]] = 1;
+        ++kept;
+      }
+    }
+    const int64_t need = size_ + new_rows - policy.max_rows;
+    EvictForCapacity(std::min(need, size_ - kept), keep_row);
+    const int64_t room = std::max<int64_t>(0, policy.max_rows - size_);
+    if (new_rows > room) {
+      // Deterministic: the lowest keys get the room that is left.
+      std::sort(fresh.begin(), fresh.end(),
+                [unique](int64_t a, int64_t b) { return unique[a] < unique[b]; });
+      for (int64_t i = room; i < new_rows; ++i) candidates_.erase(unique[fresh[i]]);
+      policy_stats_.rejected += new_rows - room;
+      fresh.resize(static_cast<size_t>(room));
+    }
+  }
+  if (policy.min_count > 1) {
+    for (const int64_t j : fresh) candidates_.erase(unique[j]);
+  }
+  return Status::Ok();
+}
+
+void EmbeddingTable::EvictForCapacity(int64_t count, const std::vector<uint8_t>& keep_row) {
+  if (count <= 0) return;
+  const bool lfu = config_.policy.eviction == EvictionKind::kLfu;
+  // (score, key): the `count` smallest pairs go. LFU: fewest touches; LRU:
+  // largest age first, so the score is minus the age.
+  std::vector<std::pair<int64_t, int64_t>> scored;
+  scored.reserve(static_cast<size_t>(size_));
+  for (const Bucket& bucket : buckets_) {
+    if (bucket.row == kEmpty || keep_row[bucket.row]) continue;
+    const int64_t score = lfu ? static_cast<int64_t>(*touches_.Row(bucket.row))
+                              : -AgeOf(*last_step_.Row(bucket.row));
+    scored.emplace_back(score, bucket.key);
+  }
+  count = std::min<int64_t>(count, static_cast<int64_t>(scored.size()));
+  if (count <= 0) return;
+  if (count < static_cast<int64_t>(scored.size())) {
+    std::nth_element(scored.begin(), scored.begin() + count, scored.end());
+  }
+  std::vector<int64_t> victims(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) victims[i] = scored[i].second;
+  policy_stats_.evicted_capacity += Remove(victims.data(), count);
+}
+
+int64_t EmbeddingTable::EvictExpired() {
+  const int64_t ttl = config_.policy.ttl_steps;
+  if (ttl <= 0) return 0;
+  std::vector<int64_t> expired;
+  for (const Bucket& bucket : buckets_) {
+    if (bucket.row != kEmpty && AgeOf(*last_step_.Row(bucket.row)) >= ttl) {
+      expired.push_back(bucket.key);
+    }
+  }
+  for (auto it = candidates_.begin(); it != candidates_.end();) {
+    it = AgeOf(it->second.last_step) >= ttl ? candidates_.erase(it) : std::next(it);
+  }
+  const int64_t removed = Remove(expired.data(), static_cast<int64_t>(expired.size()));
+  policy_stats_.evicted_ttl += removed;
+  return removed;
+}
+
+void EmbeddingTable::MaybeEvictAutomatically() {
+  const PolicyConfig& policy = config_.policy;
+  if (policy.ttl_steps > 0 && policy.evict_every > 0 && table_step_ % policy.evict_every == 0) {
+    EvictExpired();
+  }
+}
+
+void EmbeddingTable::AdvanceStep() {
+  ++table_step_;
+  MaybeEvictAutomatically();
+}
+
+PolicyStats EmbeddingTable::policy_stats() const {
+  PolicyStats stats = policy_stats_;
+  stats.candidates = static_cast<int64_t>(candidates_.size());
+  return stats;
+}
+
+int64_t EmbeddingTable::CandidateBytes() const {
+  // libstdc++: a bucket pointer each, plus a heap node (next pointer, key,
+  // value) of 24 bytes that malloc rounds to 32.
+  return static_cast<int64_t>(candidates_.bucket_count() * sizeof(void*) +
+                              candidates_.size() * 32);
 }
 
 }  // namespace kvsparse

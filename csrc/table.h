@@ -21,6 +21,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "initializer.h"
@@ -31,10 +33,72 @@ namespace kvsparse {
 
 constexpr int64_t kMaxDim = 4096;
 
+// ---- Admission and eviction policy (issue 5) -------------------------------
+//
+// Semantics (mirrored by tests/reference.py's ReferencePolicyTable):
+// - "Seen": an id is seen once per push (ApplyGradients) that contains it,
+//   after in-batch dedup; ids whose gradient is skipped as non-finite are not
+//   seen. Lookups never insert and never count, nor touch a row.
+// - min_count = k: an id not stored yet is a candidate; an exact side map
+//   holds its sighting count (and last step). At its k-th sighting it is
+//   admitted: inserted with its initial value and that push's gradient is
+//   applied. Before that, pulls return its initial value and its gradients
+//   are dropped. Candidate memory: about 40-60 bytes each (node + buckets of a
+//   std::unordered_map; MemoryBytes counts that estimate); the map is bounded
+//   only by TTL (candidates unseen for ttl_steps are dropped with the rows).
+// - A "step" is the table's push counter table_step(): every push of the
+//   table bumps it, on every shard (a shard that got none of the push's ids
+//   bumps it through AdvanceStep), so steps agree across shards.
+// - ttl_steps = t: a row last touched (updated by a push) at step L is
+//   expired at step S when S - L >= t; EvictExpired() drops expired rows and
+//   candidates. It runs on request (kv.evict()) and automatically at the end
+//   of the push (or AdvanceStep) whose table_step is a multiple of
+//   evict_every (0: never automatically).
+// - max_rows = m is the capacity of ONE shard's table (a table over s servers
+//   holds up to s * m rows). When the ids a push admits would make the table
+//   exceed m, rows are evicted first, picked among rows that this push does
+//   not touch: kLfu evicts the fewest touches (pushes that updated the row
+//   since it was inserted), kLru the oldest last-touched step; ties go to the
+//   lower key. If even evicting every untouched row leaves too little room,
+//   the push admits its new ids in ascending key order up to the capacity and
+//   drops the rest (counted as rejected; they keep no candidate count).
+//   Rows written by Assign/LookupOrInsert/WriteState bypass admission and
+//   capacity (they may exceed m until a later push evicts).
+// - An evicted row loses its slot, optimizer slots and step: if its id comes
+//   back it restarts from its initial value (and, with min_count > 1, must be
+//   seen k times again). Eviction goes through Remove, so incremental
+//   checkpoints record it.
+// - Per-row metadata costs memory only when a policy needs it: 4 bytes/row of
+//   touch count when max_rows with kLfu, 4 bytes/row of last step when
+//   ttl_steps or max_rows with kLru. The last step is stored in 32 bits and
+//   compared as a signed 32-bit difference, exact while ages stay < 2^31.
+// - SetOptimizer resets table_step to 0; every row's and candidate's last
+//   step is reset to 0 with it (ages restart).
+enum class EvictionKind : int { kLfu = 0, kLru = 1 };
+
+struct PolicyConfig {
+  int64_t min_count = 1;     // sightings before an id is stored, >= 1
+  int64_t ttl_steps = 0;     // 0: rows never expire
+  int64_t max_rows = 0;      // per-shard capacity; 0: unbounded
+  EvictionKind eviction = EvictionKind::kLfu;
+  int64_t evict_every = 0;   // automatic EvictExpired every N table steps; 0: never
+};
+
+struct PolicyStats {
+  int64_t admissions = 0;        // ids inserted by pushes
+  int64_t evicted_ttl = 0;       // rows dropped as expired
+  int64_t evicted_capacity = 0;  // rows dropped to make room (max_rows)
+  int64_t rejected = 0;          // ids a full table could not admit
+  int64_t candidates = 0;        // ids seen but not admitted yet (now)
+};
+
+Status ValidatePolicy(const PolicyConfig& policy);
+
 struct TableConfig {
   int64_t dim = 0;
   InitializerConfig initializer;
   OptimizerConfig optimizer;
+  PolicyConfig policy;
 };
 
 enum class NonFinitePolicy : int {
@@ -126,6 +190,41 @@ class EmbeddingTable {
   // the end). Rows can then be read with ReadState.
   int64_t NextKeys(int64_t* cursor, int64_t max_rows, int64_t* keys_out) const;
 
+  // Change tracking for incremental checkpoints (issue 5). Every write to a
+  // row (insert, gradient, assign, state write, optimizer reset) stamps it
+  // with the current change epoch; Remove records (key, epoch) once the
+  // epoch is past 1 (a save or load happened). A checkpoint
+  // bumps the epoch and later writes only rows stamped after the last save.
+  //   uint32_t saved = table->change_epoch();
+  //   table->set_change_epoch(saved + 1);
+  //   n = table->NextChangedKeys(&cursor, 4096, saved_before, keys);  // stamp > saved_before
+  uint32_t change_epoch() const { return change_epoch_; }
+  void set_change_epoch(uint32_t epoch) { change_epoch_ = epoch; }
+  // Like NextKeys, but only rows whose stamp is greater than `since`.
+  int64_t NextChangedKeys(int64_t* cursor, int64_t max_rows, uint32_t since,
+                          int64_t* keys_out) const;
+  // Keys removed with an epoch greater than `since`: copies up to capacity of
+  // them into keys_out and returns how many there are in all.
+  int64_t RemovedSince(uint32_t since, int64_t* keys_out, int64_t capacity) const;
+  // Forgets removals recorded at epochs <= through (already in a checkpoint).
+  void PruneRemoved(uint32_t through);
+  // Grows the map for `rows` rows at once. A load inserts rows in the saved
+  // table's bucket order; growing step by step meanwhile makes linear
+  // probing cluster (quadratic: 5M rows took minutes instead of a second).
+  Status ReserveRows(int64_t rows) { return Reserve(rows); }
+  // Like NextChangedKeys, but also copies each row's state (as ReadState
+  // does) straight from the scan, without a second hash probe per key.
+  int64_t NextChangedRows(int64_t* cursor, int64_t max_rows, uint32_t since, int64_t* keys_out,
+                          float* values, float* slots, int64_t* steps) const;
+
+  // Admission and eviction (issue 5; semantics above PolicyConfig).
+  // Drops rows (and candidates) not touched for ttl_steps; returns the rows
+  // dropped (0 without a TTL).
+  int64_t EvictExpired();
+  // Counts a push of the table that brought this shard no ids (a step).
+  void AdvanceStep();
+  PolicyStats policy_stats() const;
+
  private:
   explicit EmbeddingTable(const TableConfig& config);
 
@@ -169,6 +268,41 @@ class EmbeddingTable {
   // saved 4 bytes a row matter at small dims (memory target: 1.3x raw).
   ChunkedRows<uint32_t> steps_;
   int64_t table_step_ = 0;
+  // Change epoch stamp of each row and the removals not yet checkpointed.
+  ChunkedRows<uint32_t> stamps_;
+  uint32_t change_epoch_ = 1;
+  std::vector<std::pair<int64_t, uint32_t>> removed_;
+
+  // ---- Admission and eviction (issue 5) ----
+  struct Candidate {
+    uint32_t count;
+    uint32_t last_step;
+  };
+  bool TracksTouches() const {
+    return config_.policy.max_rows > 0 && config_.policy.eviction == EvictionKind::kLfu;
+  }
+  bool TracksLastStep() const {
+    return config_.policy.ttl_steps > 0 ||
+           (config_.policy.max_rows > 0 && config_.policy.eviction == EvictionKind::kLru);
+  }
+  // Steps since `last` (signed 32-bit difference; negative after a step reset).
+  int64_t AgeOf(uint32_t last) const {
+    return static_cast<int32_t>(static_cast<uint32_t>(table_step_) - last);
+  }
+  void InitRowMeta(int64_t row);
+  void TouchRow(int64_t row);
+  // Decides which distinct ids of a push get a row: counts candidates,
+  // evicts for capacity, rejects what does not fit. rows[j] < 0 on return
+  // means "not stored, skip"; *to_insert lists the j to insert.
+  Status AdmitForPush(const int64_t* unique, int64_t u, const int64_t* rows,
+                      const uint8_t* skip, std::vector<int64_t>* to_insert);
+  void EvictForCapacity(int64_t count, const std::vector<uint8_t>& keep_row);
+  void MaybeEvictAutomatically();
+  int64_t CandidateBytes() const;
+  ChunkedRows<uint32_t> touches_;
+  ChunkedRows<uint32_t> last_step_;
+  std::unordered_map<int64_t, Candidate> candidates_;
+  PolicyStats policy_stats_;
 };
 
 }  // namespace kvsparse

@@ -4,7 +4,7 @@
 # `const` so read-only inputs work), releases the GIL for the whole batch and
 # turns a C++ Status into a kvsparse.errors exception in one place (_check).
 from cython.operator cimport dereference as deref
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libcpp.memory cimport unique_ptr
 from libcpp.vector cimport vector
 
@@ -19,6 +19,7 @@ from optimizer cimport Optimizer as COptimizer
 from optimizer cimport OptimizerConfig, OptimizerKind, StepMode, ValidateOptimizer
 from status cimport Status, StatusCode
 from table cimport EmbeddingTable, NonFinitePolicy, TableConfig, kMaxDim
+from table cimport EvictionKind, PolicyConfig, PolicyStats, ValidatePolicy
 
 MAX_DIM = kMaxDim
 
@@ -123,6 +124,32 @@ cdef OptimizerConfig _optimizer_config(spec) except *:
     return c_config
 
 
+_POLICY_FIELDS = ("min_count", "ttl_steps", "max_rows", "eviction", "evict_every")
+
+
+cdef PolicyConfig _policy_config(policy) except *:
+    """Admission/eviction settings (see kvsparse.SparseTable); None means none."""
+    cdef PolicyConfig c_config
+    if not policy:
+        return c_config
+    unknown = set(policy) - set(_POLICY_FIELDS)
+    if unknown:
+        raise errors.InvalidArgument(f"unknown policy settings {sorted(unknown)}")
+    c_config.min_count = int(policy.get("min_count") or 1)
+    c_config.ttl_steps = int(policy.get("ttl_steps") or 0)
+    c_config.max_rows = int(policy.get("max_rows") or 0)
+    c_config.evict_every = int(policy.get("evict_every") or 0)
+    eviction = policy.get("eviction", "lfu")
+    if eviction == "lfu":
+        c_config.eviction = EvictionKind.kLfu
+    elif eviction == "lru":
+        c_config.eviction = EvictionKind.kLru
+    else:
+        raise errors.InvalidArgument(f"eviction must be 'lfu' or 'lru', got {eviction!r}")
+    _check(ValidatePolicy(c_config))
+    return c_config
+
+
 cdef object _arg(obj, dtype, int ndim, str name, bint output=False):
     """obj as a C-contiguous ndarray of dtype and ndim, or a kvsparse error naming it.
 
@@ -177,13 +204,15 @@ cdef class Table:
     cdef unique_ptr[EmbeddingTable] c_table
     cdef int64_t c_dim
 
-    def __init__(self, int64_t dim, dict initializer=None, optimizer=None, uint64_t seed=0):
+    def __init__(self, int64_t dim, dict initializer=None, optimizer=None, uint64_t seed=0,
+                 dict policy=None):
         cdef TableConfig c_config
         if dim < 1 or dim > kMaxDim:
             raise errors.InvalidArgument(f"dim must be in [1, {kMaxDim}], got {dim}")
         c_config.dim = dim
         c_config.initializer = _initializer_config(initializer or {"kind": "zeros"}, seed)
         c_config.optimizer = _optimizer_config(optimizer)
+        c_config.policy = _policy_config(policy)
         _check(EmbeddingTable.Create(c_config, &self.c_table))
         self.c_dim = dim
 
@@ -374,6 +403,127 @@ cdef class Table:
             keys = buffer[:c_count].copy()
             values, slots, steps = self.read_state(keys)
             yield keys, values, slots, steps
+
+    # -- change tracking for incremental checkpoints (issue 5) ------------------------------
+
+    @property
+    def change_epoch(self):
+        """The epoch stamped on rows written now (starts at 1; a checkpoint advances it)."""
+        return self.c_table.get().change_epoch()
+
+    @change_epoch.setter
+    def change_epoch(self, uint32_t epoch):
+        self.c_table.get().set_change_epoch(epoch)
+
+    def changed_keys(self, uint32_t since, int64_t chunk_rows=65536):
+        """Yields arrays of the ids whose rows were written at an epoch > since.
+
+        Example:
+            >>> t = Table(2); t.assign([5], np.ones((1, 2), np.float32))
+            >>> t.change_epoch = 2; t.assign([6], np.ones((1, 2), np.float32))
+            >>> [k.tolist() for k in t.changed_keys(1)]
+            [[6]]
+        """
+        cdef int64_t c_cursor = 0
+        cdef int64_t c_count
+        cdef uint32_t c_since = since
+        buffer = np.empty(max(chunk_rows, 1), np.int64)
+        cdef int64_t[::1] c_buffer = buffer
+        while True:
+            with nogil:
+                c_count = self.c_table.get().NextChangedKeys(&c_cursor, chunk_rows, c_since,
+                                                             &c_buffer[0])
+            if c_count == 0:
+                return
+            yield buffer[:c_count].copy()
+
+    def iter_state(self, uint32_t since=0, int64_t chunk_rows=65536, bint reuse=False):
+        """Yields (keys, values, slots, steps) of the rows written at an epoch > since.
+
+        since=0: every row. One scan of the map, rows copied as found (no
+        probe per key). The table must not change while the iteration runs.
+        reuse: every chunk is written into the same buffers (valid until the
+        next one), which saves the page faults of fresh memory per chunk.
+        """
+        cdef int64_t c_cursor = 0
+        cdef int64_t c_count
+        cdef uint32_t c_since = since
+        cdef int c_slots = self.c_table.get().num_slots()
+        cdef int64_t c_rows = max(chunk_rows, 1)
+        cdef int64_t[::1] c_keys
+        cdef float[:, ::1] c_values
+        cdef float[:, :, ::1] c_slot_view
+        cdef int64_t[::1] c_steps
+        cdef float* c_slot_ptr
+        keys = None
+        while True:
+            if keys is None or not reuse:
+                keys = np.empty(c_rows, np.int64)
+                values = np.empty((c_rows, self.c_dim), np.float32)
+                slots = np.empty((c_rows, c_slots, self.c_dim), np.float32)
+                steps = np.empty(c_rows, np.int64)
+            c_keys, c_values, c_slot_view, c_steps = keys, values, slots, steps
+            c_slot_ptr = &c_slot_view[0, 0, 0] if c_slots else NULL
+            with nogil:
+                c_count = self.c_table.get().NextChangedRows(
+                    &c_cursor, c_rows, c_since, &c_keys[0], &c_values[0, 0], c_slot_ptr,
+                    &c_steps[0])
+            if c_count == 0:
+                return
+            yield keys[:c_count], values[:c_count], slots[:c_count], steps[:c_count]
+
+    def removed_since(self, uint32_t since):
+        """Ids removed at an epoch > since (oldest first; an id may repeat)."""
+        cdef int64_t c_total = self.c_table.get().RemovedSince(since, NULL, 0)
+        out = np.empty(c_total, np.int64)
+        cdef int64_t[::1] c_out = out
+        if c_total:
+            self.c_table.get().RemovedSince(since, &c_out[0], c_total)
+        return out
+
+    def reserve(self, int64_t rows):
+        """Grows the map to hold rows rows without rehashing (before a bulk load)."""
+        cdef Status c_status
+        with nogil:
+            c_status = self.c_table.get().ReserveRows(rows)
+        _check(c_status)
+
+    def prune_removed(self, uint32_t through):
+        """Forgets removals recorded at epochs <= through."""
+        self.c_table.get().PruneRemoved(through)
+
+    # -- admission and eviction (issue 5; semantics in csrc/table.h) ------------------------
+
+    def evict_expired(self):
+        """Drops rows (and candidates) untouched for ttl_steps; returns the rows dropped.
+
+        Example:
+            >>> t = Table(1, policy={"ttl_steps": 1})
+            >>> t.apply_gradients(np.array([3], np.int64), np.ones((1, 1), np.float32))
+            1
+            >>> t.advance_step(); t.evict_expired(), len(t)
+            (1, 0)
+        """
+        cdef int64_t c_removed
+        with nogil:
+            c_removed = self.c_table.get().EvictExpired()
+        return c_removed
+
+    def advance_step(self):
+        """Counts a push of the table that brought this shard no ids (may evict by TTL)."""
+        with nogil:
+            self.c_table.get().AdvanceStep()
+
+    def policy_stats(self):
+        """{"admissions", "evicted_ttl", "evicted_capacity", "rejected", "candidates"}."""
+        cdef PolicyStats c_stats = self.c_table.get().policy_stats()
+        return {
+            "admissions": c_stats.admissions,
+            "evicted_ttl": c_stats.evicted_ttl,
+            "evicted_capacity": c_stats.evicted_capacity,
+            "rejected": c_stats.rejected,
+            "candidates": c_stats.candidates,
+        }
 
 
 cdef class Optimizer:

@@ -1,5 +1,5 @@
 # Mirrors csrc/table.h.
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint32_t
 from libcpp.memory cimport unique_ptr
 
 from initializer cimport InitializerConfig
@@ -10,10 +10,32 @@ from status cimport Status
 cdef extern from "table.h" namespace "kvsparse" nogil:
     const int64_t kMaxDim
 
+    # Admission and eviction (issue 5).
+    cdef enum class EvictionKind(int):
+        kLfu
+        kLru
+
+    cdef cppclass PolicyConfig:
+        int64_t min_count
+        int64_t ttl_steps
+        int64_t max_rows
+        EvictionKind eviction
+        int64_t evict_every
+
+    cdef cppclass PolicyStats:
+        int64_t admissions
+        int64_t evicted_ttl
+        int64_t evicted_capacity
+        int64_t rejected
+        int64_t candidates
+
+    Status ValidatePolicy(const PolicyConfig& policy)
+
     cdef cppclass TableConfig:
         int64_t dim
         InitializerConfig initializer
         OptimizerConfig optimizer
+        PolicyConfig policy
 
     cdef enum class NonFinitePolicy(int):
         kReject
@@ -42,3 +64,16 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         Status WriteState(const int64_t* keys, int64_t n, const float* values,
                           const float* slots, const int64_t* steps)
         int64_t NextKeys(int64_t* cursor, int64_t max_rows, int64_t* keys_out)
+        uint32_t change_epoch()
+        void set_change_epoch(uint32_t epoch)
+        int64_t NextChangedKeys(int64_t* cursor, int64_t max_rows, uint32_t since,
+                                int64_t* keys_out)
+        int64_t RemovedSince(uint32_t since, int64_t* keys_out, int64_t capacity)
+        void PruneRemoved(uint32_t through)
+        Status ReserveRows(int64_t rows)
+        int64_t NextChangedRows(int64_t* cursor, int64_t max_rows, uint32_t since,
+                                int64_t* keys_out, float* values, float* slots, int64_t* steps)
+        # Admission and eviction (issue 5).
+        int64_t EvictExpired()
+        void AdvanceStep()
+        PolicyStats policy_stats()

@@ -5,6 +5,7 @@ Usage::
     kvsparse launch -s 2 -n 2 -- python train.py   # servers + workers on this host
     kvsparse server --bind tcp://0.0.0.0:7000       # one server (shard)
     kvsparse server                                 # bind address from the environment
+    kvsparse stats --once                           # every shard's tables and traffic
 
 ``kvsparse server`` with no ``--bind`` takes its address from
 `kvsparse.config.server_bind_address` (``KVSPARSE_BIND``,
@@ -12,7 +13,8 @@ Usage::
 
 Exit codes: ``launch`` returns the job's code (see `kvsparse.launch.launch`);
 1 for an error of the launcher itself; 2 for a usage error or a command that
-is not implemented yet (``stats``, ``keys``).
+is not implemented yet; ``stats`` returns 1 when a server does not answer; ``keys DIR``
+returns 1 if the keys cannot be written.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from kvsparse import errors
 _COMMANDS = {
     "launch": "start servers and workers on this host and run a training job",
     "server": "run one server (shard); options are those of python -m kvsparse.server",
-    "stats": "show per-table and per-server statistics (not implemented yet)",
-    "keys": "list the tables the servers hold (not implemented yet)",
+    "stats": "show a live table of every server's tables and traffic (--once: one snapshot)",
+    "keys": "make CurveZMQ key pairs in DIR for --keys (kvsparse keys DIR)",
 }
 
 
@@ -133,6 +135,41 @@ def _launch_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="seconds between SIGTERM and SIGKILL when stopping (default: 5)",
     )
+    parser.add_argument(
+        "--restart-servers",
+        action="store_true",
+        help="restart a server that dies, on its address, from the last checkpoint in "
+        "--checkpoint-dir; workers retry their requests (without it a dead server ends the job)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="K",
+        help="restarts allowed per server with --restart-servers (default: 3)",
+    )
+    parser.add_argument(
+        "--retry-window",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="KVSPARSE_RETRY_WINDOW for the workers: how long they retry a restarted server "
+        "(default with --restart-servers: 120)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="KVSPARSE_CHECKPOINT_DIR for the workers (kv.save() with no path writes there); "
+        "restarted servers restore from it",
+    )
+    parser.add_argument(
+        "--keys",
+        default=None,
+        metavar="DIR",
+        help="CurveZMQ key directory (kvsparse keys DIR): servers encrypt and accept only its "
+        "clients; workers get KVSPARSE_KEYS",
+    )
     return parser
 
 
@@ -160,6 +197,11 @@ def _launch(argv: list) -> int:
             env=dict(args.env),
             startup_timeout=args.startup_timeout,
             grace_period=args.grace_period,
+            restart_servers=args.restart_servers,
+            max_restarts=args.max_restarts,
+            retry_window=args.retry_window,
+            checkpoint_dir=args.checkpoint_dir,
+            keys=args.keys,
         )
     except errors.KVSparseError as exc:
         print(f"kvsparse launch: error: {exc}", file=sys.stderr)
@@ -192,6 +234,28 @@ def _server(argv: list) -> int:
 
     result = server.main(argv)
     return 0 if result is None else int(result)
+
+
+def _keys(argv: list) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvsparse keys",
+        description="Write a server and a client CurveZMQ key pair into DIR (server.key, "
+        "server.key_secret, client.key, client.key_secret) for `kvsparse server --keys DIR`, "
+        "`kvsparse launch --keys DIR` and KVSPARSE_KEYS=DIR.",
+    )
+    parser.add_argument("directory", metavar="DIR")
+    parser.add_argument("--force", action="store_true", help="replace existing key files")
+    args = parser.parse_args(argv)
+    from kvsparse import security
+
+    try:
+        paths = security.make_keys(args.directory, overwrite=args.force)
+    except errors.KVSparseError as exc:
+        print(f"kvsparse keys: error: {exc}", file=sys.stderr)
+        return 1
+    for name in sorted(paths):
+        print(f"{name}: {paths[name]}")
+    return 0
 
 
 def _not_implemented(command: str) -> int:
@@ -228,4 +292,10 @@ def main(argv: Optional[list] = None) -> int:
         return _launch(rest)
     if command == "server":
         return _server(rest)
+    if command == "keys":
+        return _keys(rest)
+    if command == "stats":
+        from kvsparse import stats_cli
+
+        return stats_cli.main(rest)
     return _not_implemented(command)

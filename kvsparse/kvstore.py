@@ -61,6 +61,16 @@ class KeyInfo:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
+_POLICY_COUNTERS = (
+    "admissions",
+    "evictions",
+    "evicted_ttl",
+    "evicted_capacity",
+    "rejected",
+    "candidates",
+)
+
+
 def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
@@ -460,6 +470,166 @@ class KVStore:
                         loads.append((s, info.table_id, {"slots": slots[..., a:b], "step": step}))
         self._backend.load_optimizer_states(loads)
 
+    # -- checkpoints and export (issue 5; format: docs/checkpoint-format.md) --------------
+
+    def save(self, path, incremental: bool = False) -> int:
+        """Writes a checkpoint of every table into directory path; returns its number.
+
+        Each server writes its own shard (values, every optimizer slot, step
+        counters, table configurations) as of one moment, while training
+        goes on; server 0 then writes the manifest that makes the checkpoint
+        exist. Call it from one worker (usually rank 0); with BSP the
+        checkpoint then holds one whole step.
+
+        Args:
+            path: a directory (created if missing) that every server can write.
+            incremental: write only the rows changed since this store's last
+                save or load in path (a delta on top of it).
+
+        Raises:
+            InvalidArgument: incremental without a base checkpoint in path
+                that these servers saved or loaded.
+            ServerError / CheckpointError: a server failed to write; the
+                previous checkpoint stays intact.
+
+        Example:
+            >>> kv.save("/ckpt")                      # doctest: +SKIP
+            1
+            >>> kv.save("/ckpt", incremental=True)    # doctest: +SKIP
+            2
+        """
+        import os
+        import time
+
+        path = os.fspath(path)
+        n = self._backend.num_shards
+        prepared = self._backend.checkpoint({0: {"action": "prepare", "path": path}})[0]
+        seq, latest, parent = int(prepared["seq"]), prepared["latest"], None
+        if incremental:
+            if latest is None:
+                raise errors.InvalidArgument(f"{path}: no checkpoint yet; make a full save first")
+            if int(latest["num_shards"]) != n:
+                raise errors.InvalidArgument(
+                    f"{path}: the latest checkpoint has {latest['num_shards']} shards, this "
+                    f"store {n}; make a full save first"
+                )
+            parent = int(latest["seq"])
+        body = {"action": "save", "path": path, "seq": seq, "incremental": bool(incremental)}
+        replies = self._backend.checkpoint({s: {**body, "parent": parent} for s in range(n)})
+        manifest = {
+            "seq": seq,
+            "kind": "delta" if incremental else "full",
+            "parent": parent,
+            "num_shards": n,
+            "created": time.time(),
+            "shards": [replies[s] for s in range(n)],
+            "keys": [self._key_record(info) for info in self._keys.values()],
+            "optimizer": None if self._optimizer is None else self._optimizer.to_dict(),
+        }
+        self._backend.checkpoint({0: {"action": "commit", "path": path, "manifest": manifest}})
+        return seq
+
+    @staticmethod
+    def _key_record(info: KeyInfo) -> dict:
+        return {
+            "key": info.key,
+            "table_id": info.table_id,
+            "sparse": info.sparse,
+            "dim": info.dim,
+            "shape": list(info.shape),
+            "boundaries": info.boundaries,
+            "nonfinite": info.nonfinite,
+        }
+
+    def load(self, path) -> int:
+        """Restores the latest complete checkpoint in path (base + deltas); returns its number.
+
+        Every table comes back with its optimizer, slots and step counters,
+        so training continues as if it had not stopped; onto another number
+        of servers the rows are resharded by key hash. Collective: every
+        worker calls it (rank 0 loads, the others wait at a barrier and learn
+        the keys). Keys initialized before the load are replaced.
+
+        Raises:
+            CheckpointError (an InvalidArgument): no checkpoint, or a missing,
+                truncated or corrupt file; nothing partial is served as valid.
+
+        Example:
+            >>> kv = kvsparse.create('dist_sparse', servers=new_servers)   # doctest: +SKIP
+            >>> kv.load("/ckpt")                                          # doctest: +SKIP
+            3
+        """
+        import os
+
+        path = os.fspath(path)
+        n = self._backend.num_shards
+        if self.rank == 0:
+            replies = self._backend.checkpoint(
+                {s: {"action": "load", "path": path} for s in range(n)}
+            )
+            manifest = replies[0]
+        if self.num_workers > 1:
+            self._backend.barrier()
+        if self.rank != 0:
+            manifest = self._backend.checkpoint({0: {"action": "describe", "path": path}})[0]
+        self._keys = {}
+        self._key_type = None
+        for record in manifest["keys"]:
+            key = record["key"]
+            self._keys[key] = KeyInfo(
+                key,
+                int(record["table_id"]),
+                bool(record["sparse"]),
+                dim=int(record["dim"]),
+                shape=tuple(record["shape"]),
+                boundaries=record["boundaries"],
+                nonfinite=record["nonfinite"],
+            )
+            self._key_type = str if isinstance(key, str) else int
+        spec = manifest.get("optimizer")
+        self._optimizer = None if spec is None else optimizers.from_dict(spec)
+        return int(manifest["seq"])
+
+    def export(self, path, tables=None) -> str:
+        """Writes keys and values (no optimizer slots) of sparse tables for inference.
+
+        The directory gets one NumPy ``.npz`` per server (sorted int64 keys
+        and float32 rows per table), read by `kvsparse.serving.EmbeddingLookup`
+        or by anything that reads .npz.
+
+        Args:
+            path: a directory every server can write.
+            tables: key or list of keys of sparse tables (default: all).
+
+        Returns:
+            path.
+
+        Example:
+            >>> kv.export("/serve/emb", tables=["user"])                      # doctest: +SKIP
+            >>> emb = kvsparse.serving.EmbeddingLookup("/serve/emb")         # doctest: +SKIP
+            >>> emb["user"].lookup([1, 2]).shape                              # doctest: +SKIP
+            (2, 16)
+        """
+        import os
+        import secrets
+
+        path = os.fspath(path)
+        if tables is None:
+            infos = [info for info in self._keys.values() if info.sparse]
+        else:
+            infos = [self._info(k) for k in _as_list(tables)]
+            for info in infos:
+                if not info.sparse:
+                    raise errors.InvalidArgument(f"key {info.key!r} is dense; export takes tables")
+        body = {
+            "action": "export",
+            "path": path,
+            "table_ids": [info.table_id for info in infos],
+            "export_id": secrets.token_hex(8),
+        }
+        self._backend.checkpoint({s: body for s in range(self._backend.num_shards)})
+        return path
+
     # -- coordination and stats ---------------------------------------------------------
 
     def barrier(self) -> None:
@@ -475,7 +645,33 @@ class KVStore:
                 total = totals.setdefault(name, {"kind": table["kind"], "rows": 0, "bytes": 0})
                 total["rows"] += table["rows"]
                 total["bytes"] += table["bytes"]
+                # Admission/eviction counters of sparse tables (issue 5).
+                for field in _POLICY_COUNTERS:
+                    if field in table:
+                        total[field] = total.get(field, 0) + table[field]
         return {"tables": totals, "shards": shards}
+
+    def evict(self) -> dict:
+        """Runs TTL eviction now on every shard: {table key: rows evicted, summed over shards}.
+
+        Rows of tables with ``ttl_steps`` that no push touched for ttl_steps
+        steps are dropped (tables without a TTL report 0). In a job with
+        several workers call it from one worker (e.g. rank 0 after a barrier):
+        it runs when each server receives it.
+
+        Example:
+            >>> kv = kvsparse.create('local')
+            >>> kv.init('user', kvsparse.SparseTable(dim=4, ttl_steps=100))
+            >>> kv.evict()
+            {'user': 0}
+        """
+        totals: dict = {}
+        for shard in self._backend.evict():
+            for name, count in shard.items():
+                totals[name] = totals.get(name, 0) + int(count)
+        # Shards name tables by str(key); give int keys back as ints.
+        keys = {str(key): key for key in self._keys}
+        return {keys.get(name, name): count for name, count in totals.items()}
 
     def close(self) -> None:
         """Releases the connections (dist) or the tables (local)."""

@@ -24,6 +24,16 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   the servers', get SIGTERM, and SIGKILL after a grace period (a second
   Ctrl-C skips the grace period). A launcher killed by SIGKILL cannot do
   this and leaves its children running.
+- With ``restart_servers`` (``--restart-servers``), a server that dies is
+  started again on the same address (at most ``max_restarts`` times each),
+  with ``--restore CHECKPOINT_DIR --shard-index I --num-shards N`` when
+  ``checkpoint_dir`` holds a complete checkpoint; the workers get
+  ``KVSPARSE_RETRY_WINDOW`` so that they say HELLO again and resend what
+  was in flight (`kvsparse.dist`). Without it a dead server ends the job.
+- ``checkpoint_dir`` (``--checkpoint-dir``) reaches the workers as
+  ``KVSPARSE_CHECKPOINT_DIR``; ``keys`` (``--keys``, a ``kvsparse keys``
+  directory) makes the servers CurveZMQ-only and reaches the workers as
+  ``KVSPARSE_KEYS``.
 - Exit code: 0 if every worker succeeded; else the code of the first worker
   to fail, in time order (a worker killed by signal N counts as 128 + N);
   1 if a server died first; 128 + N if the launcher got signal N.
@@ -59,6 +69,12 @@ from kvsparse import config, errors
 _LISTENING = re.compile(rb"kvsparse server listening on (tcp://\S+)")
 # Variables the launcher sets itself; --env may not override them.
 _RESERVED = (config.SERVERS, config.RANK, config.NUM_WORKERS, config.TIMEOUT, config.STALENESS)
+# Set by the launcher's recovery and security options (kept out of _RESERVED so that a
+# job without those options may still pass them with --env).
+_RETRY_WINDOW = "KVSPARSE_RETRY_WINDOW"
+_CHECKPOINT_DIR = "KVSPARSE_CHECKPOINT_DIR"
+_KEYS = "KVSPARSE_KEYS"
+DEFAULT_RETRY_WINDOW = 120.0
 _POLL_SECONDS = 0.1
 _LOG = "kvsparse launch: "
 
@@ -219,6 +235,13 @@ class _Cluster:
         self.out = out
         self.err = err
         self.grace_period = grace_period
+        self.keys: Optional[str] = None  # CurveZMQ key directory of the servers
+        self.restart_servers = False
+        self.max_restarts = 0
+        self.checkpoint_dir: Optional[str] = None
+        self.server_env: Mapping[str, str] = {}
+        self.restarts: dict[int, int] = {}
+        self.startup_timeout = 60.0
         self.servers: list[_Child] = []
         self.workers: list[_Child] = []
         self.events: queue.Queue = queue.Queue()  # (child, returncode) in exit order
@@ -246,6 +269,10 @@ class _Cluster:
     ) -> list[str]:
         bind = config.format_address(host, 0)  # port 0: the server picks a free port
         argv = [sys.executable, "-m", "kvsparse.server", "--bind", bind]
+        if self.keys is not None:
+            argv += ["--keys", self.keys]
+        self.server_env = env
+        self.startup_timeout = startup_timeout
         for index in range(count):
             self.check_signal()
             self.servers.append(_Child("server", index, argv, env, self.out, self.err))
@@ -268,7 +295,9 @@ class _Cluster:
         from kvsparse.dist import ping
 
         for child in self.servers:
-            while not ping(child.address, min(1.0, max(0.05, deadline - time.monotonic()))):
+            while not ping(
+                child.address, min(1.0, max(0.05, deadline - time.monotonic())), self.keys
+            ):
                 self.check_signal()
                 if child.process.poll() is not None:
                     raise errors.ServerUnavailable(
@@ -285,6 +314,51 @@ class _Cluster:
         for child in self.servers:
             self._watch(child)
         return [child.address for child in self.servers]
+
+    def restart_server(self, dead: _Child) -> None:
+        """Starts a server again on dead's address, restoring the last checkpoint if any.
+
+        Raises:
+            ServerUnavailable: it did not listen on that address in time.
+        """
+        index = dead.index
+        self.restarts[index] = self.restarts.get(index, 0) + 1
+        argv = [sys.executable, "-m", "kvsparse.server", "--bind", dead.address, "--restarted"]
+        if self.keys is not None:
+            argv += ["--keys", self.keys]
+        if self.checkpoint_dir is not None and _has_checkpoint(self.checkpoint_dir):
+            argv += [
+                "--restore",
+                self.checkpoint_dir,
+                "--shard-index",
+                str(index),
+                "--num-shards",
+                str(len(self.servers)),
+            ]
+        env = self.server_env
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            self.check_signal()
+            child = _Child("server", index, argv, env, self.out, self.err)
+            self.servers[index] = child
+            while not child.address_seen.wait(_POLL_SECONDS):
+                self.check_signal()
+            if child.address is not None:
+                break
+            # Most likely the port is not free yet (the dead process's socket lingers).
+            code = child.process.wait()
+            if time.monotonic() > deadline:
+                raise errors.ServerUnavailable(
+                    f"server {index} could not be restarted on {dead.address} (last exit code "
+                    f"{_exit_code(code)})",
+                    address=dead.address,
+                )
+            time.sleep(0.2)
+        self.log(
+            f"server {index} (pid {child.pid}) restarted on {child.address}"
+            + (" from " + self.checkpoint_dir if "--restore" in argv else " with no checkpoint")
+        )
+        self._watch(child)
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -324,6 +398,12 @@ class _Cluster:
                 continue
             code = _exit_code(returncode)
             if child.role == "server":
+                if child is not self.servers[child.index]:
+                    continue  # a replaced server's exit, already handled
+                if self.restart_servers and self.restarts.get(child.index, 0) < self.max_restarts:
+                    self.log(f"server {child.index} exited with code {code}; restarting it")
+                    self.restart_server(child)
+                    continue
                 self.log(f"server {child.index} exited with code {code}; stopping the job")
                 return 1
             running -= 1
@@ -383,6 +463,16 @@ def _signals_stop(cluster: _Cluster) -> Iterator[None]:
             signal.signal(s, h)
 
 
+def _has_checkpoint(path: str) -> bool:
+    """True if path holds a complete checkpoint (a committed manifest)."""
+    from kvsparse import checkpoint
+
+    try:
+        return checkpoint.latest_manifest(path) is not None
+    except (OSError, errors.KVSparseError):
+        return False
+
+
 def _check_counts(num_servers, num_workers) -> None:
     for name, value in (("num_servers", num_servers), ("num_workers", num_workers)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -403,6 +493,11 @@ def launch(
     stderr: Optional[TextIO] = None,
     startup_timeout: float = 60.0,
     grace_period: float = 5.0,
+    restart_servers: bool = False,
+    max_restarts: int = 3,
+    retry_window: Optional[float] = None,
+    checkpoint_dir: Optional[str] = None,
+    keys: Optional[str] = None,
 ) -> int:
     """Runs a job on this host: servers, then workers; stops everything at the end.
 
@@ -422,6 +517,17 @@ def launch(
             sys.stderr).
         startup_timeout: seconds to wait for the servers to answer.
         grace_period: seconds between SIGTERM and SIGKILL when stopping.
+        restart_servers: start a server that dies again on its address
+            (restoring ``checkpoint_dir`` if it holds a checkpoint), at most
+            max_restarts times per server; the workers retry meanwhile.
+        max_restarts: restarts allowed per server.
+        retry_window: ``KVSPARSE_RETRY_WINDOW`` for the workers: seconds they
+            keep retrying a restarted server (default with restart_servers:
+            DEFAULT_RETRY_WINDOW; without: not set, no retry).
+        checkpoint_dir: ``KVSPARSE_CHECKPOINT_DIR`` for the workers (where
+            ``kv.save()`` writes by default) and what restarted servers restore.
+        keys: a ``kvsparse keys`` directory: CurveZMQ for the servers, and
+            ``KVSPARSE_KEYS`` for the workers.
 
     Returns:
         The exit code: 0 if all workers succeeded, else the first failing
@@ -450,6 +556,27 @@ def launch(
     # Checked now, with a placeholder address, so a bad value fails before anything starts.
     config.ClusterConfig(["tcp://127.0.0.1:1"], 0, num_workers, timeout, staleness)
     cluster = _Cluster(_Output(stdout or sys.stdout), _Output(stderr or sys.stderr), grace_period)
+    if keys is not None:
+        from kvsparse import security
+
+        keys = os.path.abspath(os.fspath(keys))
+        # Fails now, before anything starts, if the directory has no usable keys.
+        security.check_keys(keys)
+        cluster.keys = keys
+        extra.setdefault(_KEYS, keys)
+    if checkpoint_dir is not None:
+        checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+        cluster.checkpoint_dir = checkpoint_dir
+        extra.setdefault(_CHECKPOINT_DIR, checkpoint_dir)
+    if restart_servers:
+        cluster.restart_servers = True
+        cluster.max_restarts = int(max_restarts)
+        extra.setdefault(
+            _RETRY_WINDOW,
+            repr(float(DEFAULT_RETRY_WINDOW if retry_window is None else retry_window)),
+        )
+    elif retry_window is not None:
+        extra.setdefault(_RETRY_WINDOW, repr(float(retry_window)))
     with _signals_stop(cluster):
         try:
             addresses = cluster.start_servers(

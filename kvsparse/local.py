@@ -61,8 +61,18 @@ class LocalBackend:
         for _, table_id, state in loads:
             self.state.load_optimizer_state(table_id, state)
 
+    def checkpoint(self, requests):
+        """{shard: request body} -> {shard: reply} (see kvsparse.checkpoint.handle)."""
+        from kvsparse import checkpoint
+
+        return {s: checkpoint.handle(self.state, body, 0, 1) for s, body in requests.items()}
+
     def barrier(self):
         """One worker: nothing to wait for."""
+
+    def evict(self):
+        """TTL eviction now: [{table name: rows evicted}] (one shard)."""
+        return [self.state.evict()]
 
     def stats(self):
         return [{"address": "local", **self.state.stats()}]

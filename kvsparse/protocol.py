@@ -22,7 +22,7 @@ Header (little-endian, `HEADER`):
     36      4     num_items     u32, tables in a fused request (<= MAX_ITEMS)
     40      8     clock         i64, the worker's push count (bounded staleness)
     48      4     num_frames    u32, payload frames after the header
-    52      4     reserved      0
+    52      4     reserved      requests: 0; replies: the server's incarnation
     ======  ====  ============  =============================================
 
 Item descriptors (the "items" frame of table operations, `ITEM_DTYPE`, 24
@@ -58,6 +58,8 @@ Payload per op (request -> reply; every reply starts with the header):
     (12)
     STATS (13)             none                                    JSON: ShardState.stats
                                                                    + address, waiting
+    EVICT (20)             none                                    JSON {table name: rows
+                                                                   evicted} (TTL, now)
     =====================  ======================================  =====================
 
 A *tree* is a JSON frame in which every array is replaced by
@@ -110,7 +112,9 @@ MAX_DIM = 4096
 MAX_JSON_BYTES = 64 << 20
 
 FLAG_DECLARE = 1  # INIT_DENSE from a worker other than rank 0: no values, wait for rank 0's
-KNOWN_FLAGS = FLAG_DECLARE
+# STATS from a monitor (`kvsparse stats`), not a worker: answered without HELLO, uncounted.
+FLAG_MONITOR = 2
+KNOWN_FLAGS = FLAG_DECLARE | FLAG_MONITOR
 ITEM_FLAG_STEP = 1  # PUSH_SPARSE item: the push counts as a table step even with no keys here
 KNOWN_ITEM_FLAGS = ITEM_FLAG_STEP
 
@@ -131,6 +135,10 @@ class Op(enum.IntEnum):
     GET_OPTIMIZER_STATES = 11
     LOAD_OPTIMIZER_STATES = 12
     STATS = 13
+    # Admission and eviction (issue 5); 20 leaves room for other new ops.
+    EVICT = 20
+    # Checkpoints, loads and inference export (issue 5): a JSON body with an "action".
+    CHECKPOINT = 30
 
 
 OP_VALUES = frozenset(int(op) for op in Op)
@@ -147,6 +155,8 @@ MUTATING_OPS = frozenset(
         Op.PUSH_DENSE,
         Op.BARRIER,
         Op.LOAD_OPTIMIZER_STATES,
+        Op.EVICT,
+        Op.CHECKPOINT,
     }
 )
 
@@ -248,7 +258,8 @@ def unpack_header(frame, *, reply: bool = False) -> Header:
         raise errors.ProtocolError(f"unknown flags {flags:#x}")
     if status and not reply:
         raise errors.ProtocolError(f"a request must have status 0, got {status}")
-    if reserved:
+    if reserved and not reply:
+        # In a reply the field carries the server's incarnation (`reply_incarnation`).
         raise errors.ProtocolError(f"reserved header field must be 0, got {reserved}")
     if num_items > MAX_ITEMS:
         raise errors.ProtocolError(f"num_items {num_items} exceeds the limit {MAX_ITEMS}")
@@ -259,6 +270,25 @@ def unpack_header(frame, *, reply: bool = False) -> Header:
     if clock < 0:
         raise errors.ProtocolError(f"clock must be >= 0, got {clock}")
     return Header(op, flags, status, request_id, client_id, rank, num_items, clock, num_frames)
+
+
+def stamp_incarnation(header_frame: bytes, incarnation: int) -> bytes:
+    """A reply header frame with the server's incarnation in its last 4 bytes.
+
+    A server draws a random nonzero 32-bit incarnation when it starts; a
+    client that sees it change knows the server restarted (and lost what it
+    had not checkpointed), so it says HELLO again and resends what was in
+    flight (`kvsparse.dist`).
+    """
+    return header_frame[: HEADER_SIZE - 4] + struct.pack("<I", incarnation)
+
+
+def reply_incarnation(frame) -> int:
+    """The incarnation a server stamped on a reply header (0: none)."""
+    view = _buffer(frame)
+    if view.nbytes != HEADER_SIZE:
+        return 0
+    return struct.unpack_from("<I", view, HEADER_SIZE - 4)[0]
 
 
 def peek_header(frame) -> Header | None:
@@ -464,6 +494,7 @@ def raise_remote_error(header: Header, payload, address: str):
 __all__ = [
     "ERROR_CODES",
     "FLAG_DECLARE",
+    "FLAG_MONITOR",
     "HEADER_SIZE",
     "ITEM_DTYPE",
     "ITEM_FLAG_STEP",
@@ -482,5 +513,7 @@ __all__ = [
     "parse_items",
     "parse_message",
     "raise_remote_error",
+    "reply_incarnation",
+    "stamp_incarnation",
     "unpack_header",
 ]

@@ -41,29 +41,44 @@ state, the reply, which it sends again.
 from __future__ import annotations
 
 import argparse
+import collections
+import secrets
 import signal
 import socket
+import struct
 import sys
+import time
 import traceback
 
 import numpy as np
 import zmq
 
 from kvsparse import errors, protocol
-from kvsparse.protocol import FLAG_DECLARE, MUTATING_OPS, Op
+from kvsparse.metrics import ServerMetrics, SnapshotChannel
+from kvsparse.protocol import FLAG_DECLARE, FLAG_MONITOR, MUTATING_OPS, Op
 from kvsparse.shard import ShardState
 
 MODES = ("bsp", "asp", "ssp")
+_U64 = struct.Struct("<Q")
+# The largest message frame a server accepts (ZMQ_MAXMSGSIZE): a bigger one
+# makes ZeroMQ drop the connection before anything is allocated for it.
+DEFAULT_MAX_MESSAGE_SIZE = 1 << 30
+# How many clients' resend records a server keeps: a flood of headers with
+# made-up client ids cannot grow the server past this (the least recently
+# seen idle record goes first).
+DEFAULT_MAX_CLIENTS = 4096
 _DEFERRED = object()  # a handler's answer when the reply is sent later
 _CONFIG_FIELDS = ("num_workers", "mode", "staleness", "num_servers", "server_index")
+_OP_NAMES = {int(op): op.name.lower() for op in Op}  # metric labels, looked up per request
 
 
 class _Pending:
     """A request whose reply is not sent yet."""
 
-    __slots__ = ("routing", "header", "payload", "remaining", "error")
+    __slots__ = ("routing", "header", "payload", "remaining", "error", "started")
 
     def __init__(self, routing: bytes, header: protocol.Header, payload):
+        self.started = time.perf_counter()
         self.routing = routing
         self.header = header
         self.payload = payload
@@ -72,12 +87,13 @@ class _Pending:
 
 
 class _ClientRecord:
-    __slots__ = ("request_id", "pending", "reply")
+    __slots__ = ("request_id", "pending", "reply", "last_push")
 
     def __init__(self):
         self.request_id = -1
         self.pending = None
         self.reply = None
+        self.last_push = -1  # request id of the last push run: counts duplicates in stats
 
 
 class _Round:
@@ -144,9 +160,17 @@ class Server:
     Args:
         bind: ZeroMQ endpoint, e.g. ``tcp://127.0.0.1:0`` (port 0: any free port).
         context: a zmq.Context (default: a new one, terminated by close()).
+        keys: a directory made by ``kvsparse keys`` (`kvsparse.security`): the
+            server then speaks CurveZMQ only (encrypted), with its secret key
+            from there, and accepts only clients whose public key is there.
+            None: no authentication (bind to 127.0.0.1 then).
+        max_message_size: bytes; a bigger frame makes ZeroMQ drop the
+            sender's connection (ZMQ_MAXMSGSIZE). -1: no limit.
+        max_clients: resend records kept (see DEFAULT_MAX_CLIENTS).
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
+        InvalidArgument: keys is not a usable key directory.
 
     Example:
         >>> server = Server("tcp://127.0.0.1:0")  # doctest: +SKIP
@@ -155,7 +179,15 @@ class Server:
         >>> server.serve()  # until server.stop() or a signal  # doctest: +SKIP
     """
 
-    def __init__(self, bind: str = "tcp://127.0.0.1:0", context: zmq.Context | None = None):
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        context: zmq.Context | None = None,
+        *,
+        keys: str | None = None,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        max_clients: int = DEFAULT_MAX_CLIENTS,
+    ):
         self._own_context = context is None
         self.context = context if context is not None else zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -163,17 +195,33 @@ class Server:
         # A dropped reply would leave a worker waiting: never drop at the high-water mark.
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_size))
+        self.max_clients = int(max_clients)
+        self._authenticator = None
         try:
+            if keys is not None:
+                from kvsparse import security
+
+                self._authenticator = security.secure_server_socket(self.socket, self.context, keys)
             self.socket.bind(bind)
-        except zmq.ZMQError:
+        except (zmq.ZMQError, errors.KVSparseError):
             self.socket.close(0)
+            if self._authenticator is not None:
+                self._authenticator.stop()
             if self._own_context:
                 self.context.term()
             raise
+        # Random per start: a client that sees it change knows this shard restarted.
+        self.incarnation = secrets.randbits(32) or 1
+        # Started again after a crash (--restarted): see _orphaned.
+        self.restarted = False
+        self._settled: set = set()
+        self.pushes = 0
+        self.duplicate_pushes = 0
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.state = ShardState()
         self.config: dict | None = None
-        self.clients: dict[int, _ClientRecord] = {}
+        self.clients: collections.OrderedDict[int, _ClientRecord] = collections.OrderedDict()
         self.clocks: list[int] = []
         self._clock_changed = False
         self.sync_rounds: dict[tuple, _Round] = {}
@@ -186,6 +234,9 @@ class Server:
         self._wake_read, self._wake_write = socket.socketpair()
         self._wake_read.setblocking(False)
         self._wake_write.setblocking(False)
+        # Counted on this thread; read by a metrics thread only through snapshots (metrics.py).
+        self.metrics = ServerMetrics()
+        self.metrics_channel = SnapshotChannel(self._wake_for_metrics)
         self._handlers = {
             Op.HELLO: self._hello,
             Op.INIT_SPARSE: self._init_sparse,
@@ -199,7 +250,13 @@ class Server:
             Op.GET_OPTIMIZER_STATES: self._get_optimizer_states,
             Op.LOAD_OPTIMIZER_STATES: self._load_optimizer_states,
             Op.STATS: self._stats,
+            Op.EVICT: self._evict,
+            Op.CHECKPOINT: self._checkpoint,
         }
+        # fd -> callback run by serve() when fd is readable (a forked checkpoint writer).
+        self._fd_callbacks: dict = {}
+        self._poller: zmq.Poller | None = None
+        self._save_running = False
 
     # -- loop ---------------------------------------------------------------------------------
 
@@ -207,9 +264,17 @@ class Server:
         """Serves requests until stop() (or a signal handler calling it)."""
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
+        # Registered by fd: zmq.Poller reports a non-zmq socket by its fd, not the object.
+        wake_fd = self._wake_read.fileno()
+        poller.register(wake_fd, zmq.POLLIN)
+        self._poller = poller
+        for fd in self._fd_callbacks:
+            poller.register(fd, zmq.POLLIN)
         while not self._stopping:
             events = dict(poller.poll())
+            for fd in [fd for fd in self._fd_callbacks if fd in events]:
+                poller.unregister(fd)
+                self._fd_callbacks.pop(fd)()
             if self.socket in events:
                 # Bounded so that a flood from one client cannot starve the stop check.
                 for _ in range(1024):
@@ -218,12 +283,13 @@ class Server:
                     except zmq.Again:
                         break
                     self.handle(frames)
-            if self._wake_read in events:
+            if wake_fd in events:
                 try:
                     while self._wake_read.recv(4096):
                         pass
                 except BlockingIOError:
                     pass
+                self.metrics_channel.answer(self.metrics_snapshot)
 
     def stop(self) -> None:
         """Makes serve() return after the message it is handling (safe in a signal handler)."""
@@ -232,6 +298,21 @@ class Server:
             self._wake_write.send(b"x")
         except OSError:
             pass
+
+    def _wake_for_metrics(self) -> None:
+        try:
+            self._wake_write.send(b"m")
+        except OSError:  # full (the loop wakes anyway) or closed (the scrape times out)
+            pass
+
+    def metrics_snapshot(self) -> dict:
+        """Counters and table sizes, copied (call on the serving thread; see kvsparse.metrics)."""
+        return self.metrics.snapshot(self._table_names(), self.state.stats())
+
+    def _table_names(self) -> dict:
+        names = {table_id: entry.name for table_id, entry in self.state.sparse.items()}
+        names.update((table_id, entry.name) for table_id, entry in self.state.dense.items())
+        return names
 
     @property
     def wakeup_fd(self) -> int:
@@ -243,13 +324,17 @@ class Server:
         self.socket.close(0)
         self._wake_read.close()
         self._wake_write.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
         if self._own_context:
             self.context.term()
 
     # -- dispatch ------------------------------------------------------------------------------
 
     def _send(self, routing: bytes, frames: list) -> None:
-        self.socket.send_multipart([routing, *frames], copy=False)
+        head = protocol.stamp_incarnation(frames[0], self.incarnation)
+        self.socket.send_multipart([routing, head, *frames[1:]], copy=False)
 
     def handle(self, frames: list) -> None:
         """Handles one received message (routing id frame first); never raises."""
@@ -264,16 +349,30 @@ class Server:
         try:
             header, payload = protocol.parse_message(message)
         except errors.ProtocolError as exc:
+            self.metrics.count_error(type(exc).__name__)
             peeked = protocol.peek_header(message[0]) if message else None
             self._send(routing, protocol.error_reply(peeked, exc))
             return
+        self.metrics.count_request(_OP_NAMES[header.op])
         if header.op == Op.PING:
-            self._send(routing, [header.reply().pack()])
+            # The reply says the last request id this client's record holds: a client
+            # waiting for a later one learns that its request never arrived (dropped for
+            # its size, or lost with a broken connection) instead of waiting forever.
+            record = self.clients.get(header.client_id)
+            seen = max(record.request_id, 0) if record is not None else 0
+            self._send(routing, [header.reply(num_frames=1).pack(), _U64.pack(seen)])
+            return
+        if header.op == Op.STATS and header.flags & FLAG_MONITOR:
+            # A monitor is no worker: no HELLO, no client record, not in the request count.
+            frames = self._stats(header, [], None)
+            self._send(routing, [header.reply(num_frames=len(frames)).pack(), *frames])
             return
         record = self.clients.get(header.client_id)
         if record is None:
-            record = self.clients[header.client_id] = _ClientRecord()
-        elif header.request_id == record.request_id:
+            record = self._new_client(header.client_id)
+        else:
+            self.clients.move_to_end(header.client_id)
+        if header.request_id == record.request_id:
             if record.pending is not None:  # still waiting: answer the resent copy when done
                 record.pending.routing = routing
                 return
@@ -282,6 +381,7 @@ class Server:
                 return
             # A read-only request resent: running it again is harmless.
         elif header.request_id < record.request_id:
+            self.metrics.count_error("ProtocolError")
             self._send(
                 routing,
                 protocol.error_reply(
@@ -295,6 +395,11 @@ class Server:
             return
         record.request_id = header.request_id
         record.reply = None
+        if header.op in (Op.PUSH_SPARSE, Op.PUSH_DENSE):
+            self.pushes += 1
+            if header.request_id <= record.last_push:
+                self.duplicate_pushes += 1  # never expected: the resend check above stops it
+            record.last_push = header.request_id
         pending = _Pending(routing, header, payload)
         record.pending = pending
         self.state.counters.requests += 1
@@ -302,6 +407,15 @@ class Server:
         if self._clock_changed:
             self._clock_changed = False
             self._release_ssp()
+
+    def _new_client(self, client_id: int) -> _ClientRecord:
+        if len(self.clients) >= self.max_clients:
+            for old_id, old in self.clients.items():
+                if old.pending is None:  # a request still waiting keeps its record
+                    del self.clients[old_id]
+                    break
+        record = self.clients[client_id] = _ClientRecord()
+        return record
 
     def _run(self, pending: _Pending) -> None:
         header = pending.header
@@ -321,6 +435,7 @@ class Server:
         self._complete(pending, [header.pack(), *frames])
 
     def _fail(self, pending: _Pending, exc: BaseException) -> None:
+        self.metrics.count_error(type(exc).__name__)
         if not isinstance(exc, errors.KVSparseError):
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         self._complete(pending, protocol.error_reply(pending.header, exc))
@@ -328,6 +443,7 @@ class Server:
     def _complete(self, pending: _Pending, frames: list) -> None:
         self._send(pending.routing, frames)
         header = pending.header
+        self.metrics.observe(_OP_NAMES[header.op], time.perf_counter() - pending.started)
         record = self.clients.get(header.client_id)
         if record is not None and record.request_id == header.request_id:
             record.pending = None
@@ -379,7 +495,15 @@ class Server:
                 f"with by the first client: {differences}"
             )
         self._check_configured(header)
-        return [protocol.encode_json({"address": self.address, "version": protocol.VERSION})]
+        return [
+            protocol.encode_json(
+                {
+                    "address": self.address,
+                    "version": protocol.VERSION,
+                    "incarnation": self.incarnation,
+                }
+            )
+        ]
 
     def _init_sparse(self, header, payload, pending):
         from kvsparse.table import SparseTable
@@ -502,6 +626,11 @@ class Server:
             )
         return items
 
+    def _count_items(self, op: str, items, dense: bool = False) -> None:
+        count_table = self.metrics.count_table
+        for table_id, count, _, _ in items.tolist():
+            count_table(op, table_id, 1 if dense else count)
+
     def _ssp_blocked(self, header) -> bool:
         config = self.config
         return config["mode"] == "ssp" and min(self.clocks) < header.clock - config["staleness"]
@@ -515,6 +644,7 @@ class Server:
             protocol.frame_array(payload[1 + i], np.int64, count, what=f"PULL_SPARSE keys {i}")
             for i, (_, count, _, _) in enumerate(items.tolist())
         ]
+        self._count_items("pull_sparse", items)
         for table_id, _, _, _ in items.tolist():
             self.state.sparse_entry(table_id)  # every table exists before any work
         reply_items = items.copy()
@@ -539,6 +669,7 @@ class Server:
             ).reshape(count, dim)
             self.state.check_sparse_push(table_id, keys, rows)
             parsed.append((table_id, keys, rows, bool(item_flags & protocol.ITEM_FLAG_STEP)))
+        self._count_items("push_sparse", items)
         if self.config["mode"] == "bsp":
             return self._contribute(pending, "sparse", parsed)
         for table_id, keys, rows, step in parsed:
@@ -550,13 +681,14 @@ class Server:
             self.state.push_sparse(table_id, keys, rows)
         elif step:
             # The push had keys on other shards: count it here too (Adam's per-table step).
-            self.state.sparse_entry(table_id).table.table_step += 1
+            self.state.advance_sparse_step(table_id)
 
     def _pull_dense(self, header, payload, pending):
         items = self._items(header, payload, 0, "PULL_DENSE")
         if self._ssp_blocked(header):
             self.ssp_waiting.append(pending)
             return _DEFERRED
+        self._count_items("pull_dense", items, dense=True)
         frames = []
         for table_id, count, _, _ in items.tolist():
             entry = self.state.dense_entry(table_id)
@@ -577,6 +709,7 @@ class Server:
             grad = protocol.frame_array(payload[1 + i], np.float32, count, what=f"PUSH_DENSE {i}")
             self.state.check_dense_push(table_id, grad)
             parsed.append((table_id, grad))
+        self._count_items("push_dense", items, dense=True)
         if self.config["mode"] == "bsp":
             return self._contribute(pending, "dense", parsed)
         for table_id, grad in parsed:
@@ -596,12 +729,38 @@ class Server:
         num_workers = self.config["num_workers"]
         for table_id, parts in groups.items():
             round_ = self.sync_rounds.setdefault((kind, table_id), _Round())
-            completed = round_.add(pending.header.rank, (pending, parts), num_workers)
+            recovering = self.restarted and (kind, table_id) not in self._settled
+            if recovering and self._orphaned(kind, table_id, round_, pending, parts):
+                completed = []
+            else:
+                completed = round_.add(pending.header.rank, (pending, parts), num_workers)
             if not round_:
                 del self.sync_rounds[(kind, table_id)]
             for contributions in completed:
+                if recovering:
+                    self._settled.add((kind, table_id))
                 self._apply_round(kind, table_id, contributions)
         return _DEFERRED
+
+    def _orphaned(self, kind, table_id, round_: _Round, pending: _Pending, parts) -> bool:
+        """After a restart: applies alone the pushes whose round the dead server completed.
+
+        A crash can lose some replies of a round it had applied: the workers
+        that got theirs move on, the others resend the same step (same clock)
+        to the restarted server, where it would otherwise wait for, and then
+        be summed with, the next step of the others. Until a table's first
+        full round here, a push with a lower clock than another rank's is
+        such an orphan: applied alone (on the restored state) and answered.
+        Returns True if the new push was one.
+        """
+        clock = pending.header.clock
+        late = sorted(r for r, (p, _) in round_.current.items() if p.header.clock < clock)
+        for rank in late:
+            self._apply_round(kind, table_id, [round_.current.pop(rank)])
+        if any(p.header.clock > clock for p, _ in round_.current.values()):
+            self._apply_round(kind, table_id, [(pending, parts)])
+            return True
+        return False
 
     def _apply_round(self, kind: str, table_id: int, contributions: list) -> None:
         # Contributions come in rank order: the same sum on every run.
@@ -705,6 +864,115 @@ class Server:
             raise errors.ShapeError(f"key {dense.name!r}: saved slots do not match the optimizer")
         _check_int(state.get("step"), "step", 0)
 
+    def _evict(self, header, payload, pending):
+        if payload:
+            raise errors.ProtocolError("EVICT takes no payload")
+        return [protocol.encode_json(self.state.evict())]
+
+    # -- checkpoints (kvsparse.checkpoint) -------------------------------------------------------
+
+    def _checkpoint(self, header, payload, pending):
+        from kvsparse import checkpoint
+
+        body = _json_payload(payload, "CHECKPOINT")
+        shard_index, num_shards = self.config["server_index"], self.config["num_servers"]
+        action = body.get("action")
+        if action not in ("save", "export"):
+            # prepare / commit / describe are small; a load replaces the tables, so it runs
+            # inline: no request can see a half-loaded shard.
+            reply = checkpoint.handle(self.state, body, shard_index, num_shards)
+            return [protocol.encode_json(reply)]
+        if self._save_running:
+            raise errors.InvalidArgument("a checkpoint save or export is already running")
+        path = body.get("path")
+        if not isinstance(path, str) or not path:
+            raise errors.InvalidArgument("checkpoint path must be a non-empty str")
+        if action == "export":
+            done = None
+            job = lambda: checkpoint.export_shard(  # noqa: E731
+                self.state, path, shard_index, num_shards, body["table_ids"], body["export_id"]
+            )
+        else:
+            seq, parent = int(body["seq"]), body.get("parent")
+            since, epoch = checkpoint.begin_save(
+                self.state, bool(body.get("incremental")), path, parent
+            )
+            job = lambda: checkpoint.save_shard(  # noqa: E731
+                self.state, path, seq, shard_index, num_shards, since, parent
+            )
+            done = lambda: checkpoint.end_save(self.state, path, seq, epoch)  # noqa: E731
+        # A writer that died leaves its temporary file: removed (it never got a manifest).
+        cleanup = lambda pid: checkpoint.remove_temporary_files(path, pid)  # noqa: E731
+        self._fork_job(pending, job, done, cleanup)
+        return _DEFERRED
+
+    def _fork_job(self, pending, job, done, cleanup=None) -> None:
+        """Runs job() in a forked child (a copy-on-write snapshot of this moment).
+
+        Redis BGSAVE style: the child writes and leaves with os._exit, never
+        touching ZeroMQ; it sends its JSON result through a pipe, which serve()
+        polls with the sockets, so the loop goes on serving meanwhile.
+        """
+        import json
+        import os
+
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: no zmq, no return into the event loop
+            status = 1
+            try:
+                os.close(read_fd)
+                # Let go of stdout: whoever reads the server's stdout sees its end when the
+                # server exits, not when a writer it left behind does.
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)
+                try:
+                    result = {"ok": True, "reply": job()}
+                except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                    result = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+                data = json.dumps(result).encode()
+                while data:
+                    data = data[os.write(write_fd, data) :]
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write_fd)
+        self._save_running = True
+        chunks = []
+
+        def finished():
+            while True:
+                chunk = os.read(read_fd, 65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            os.close(read_fd)
+            os.waitpid(pid, 0)
+            self._save_running = False
+            if cleanup is not None:
+                cleanup(pid)
+            try:
+                result = json.loads(b"".join(chunks)) if chunks else None
+            except ValueError:
+                result = None
+            if result is None:
+                self._fail(pending, errors.ServerError("the checkpoint writer died"))
+            elif not result["ok"]:
+                cls = getattr(errors, result["error"], None)
+                if not (isinstance(cls, type) and issubclass(cls, errors.KVSparseError)):
+                    cls = errors.ServerError
+                self._fail(pending, cls(f"checkpoint writer: {result['message']}"))
+            else:
+                if done is not None:
+                    done()
+                self._finish(pending, [protocol.encode_json(result["reply"])])
+
+        if self._poller is None:  # not serving (a direct handle() call): wait here
+            finished()
+            return
+        self._fd_callbacks[read_fd] = finished
+        self._poller.register(read_fd, zmq.POLLIN)
+
     def _stats(self, header, payload, pending):
         if payload:
             raise errors.ProtocolError("STATS takes no payload")
@@ -715,7 +983,16 @@ class Server:
             "dense_inits": sum(len(w) for w in self.dense_waiting.values()),
             "set_optimizer": len(self.optimizer_waiting),
         }
-        stats = {**self.state.stats(), "address": self.address, "waiting": waiting}
+        stats = {
+            **self.state.stats(),
+            "address": self.address,
+            "waiting": waiting,
+            "incarnation": self.incarnation,
+            "pushes": self.pushes,
+            "duplicate_pushes": self.duplicate_pushes,
+            "clients": len(self.clients),
+        }
+        stats["table_ops"] = self.metrics.per_table(self._table_names())
         return [protocol.encode_json(stats)]
 
 
@@ -743,8 +1020,64 @@ def main(argv=None) -> int:
         "Default: KVSPARSE_BIND or this process's entry of the cluster configuration, "
         "else tcp://127.0.0.1:0.",
     )
+    parser.add_argument(
+        "--keys",
+        default=None,
+        metavar="DIR",
+        help="CurveZMQ key directory made by `kvsparse keys DIR`: encrypt all traffic and "
+        "accept only clients whose public key is in DIR (default: KVSPARSE_KEYS, else none)",
+    )
+    parser.add_argument(
+        "--restarted",
+        action="store_true",
+        help="this server replaces one that died (kvsparse launch --restart-servers sets it): "
+        "pushes of a BSP step the dead server completed are applied alone",
+    )
+    parser.add_argument(
+        "--max-message-size",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_SIZE,
+        metavar="BYTES",
+        help="largest message frame accepted; a bigger one drops the sender's connection "
+        f"(default: {DEFAULT_MAX_MESSAGE_SIZE}; -1: no limit)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port, printed; "
+        "default: no metrics endpoint; needs prometheus-client)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="interface of the metrics endpoint (default: 127.0.0.1; 0.0.0.0 in a container)",
+    )
+    parser.add_argument(
+        "--restore",
+        default=None,
+        metavar="PATH",
+        help="before serving, load the latest complete checkpoint in PATH (base + deltas) "
+        "for this shard (needs --shard-index and --num-shards)",
+    )
+    parser.add_argument("--shard-index", type=int, default=None, metavar="I")
+    parser.add_argument("--num-shards", type=int, default=None, metavar="N")
     args = parser.parse_args(argv)
+    if args.restore is not None and (
+        args.shard_index is None
+        or args.num_shards is None
+        or not 0 <= args.shard_index < args.num_shards
+    ):
+        print("kvsparse server: --restore needs --shard-index I --num-shards N", file=sys.stderr)
+        return 2
     bind = args.bind
+    keys = args.keys
+    if keys is None:
+        import os
+
+        keys = os.environ.get("KVSPARSE_KEYS") or None
     if bind is None:
         from kvsparse import config
 
@@ -754,10 +1087,36 @@ def main(argv=None) -> int:
             print(f"kvsparse server: {exc}", file=sys.stderr)
             return 2
     try:
-        server = Server(bind)
+        server = Server(bind, keys=keys, max_message_size=args.max_message_size)
+        server.restarted = args.restarted
     except zmq.ZMQError as exc:
         print(f"kvsparse server: cannot bind {bind}: {exc}", file=sys.stderr)
         return 1
+    except errors.KVSparseError as exc:
+        print(f"kvsparse server: {exc}", file=sys.stderr)
+        return 2
+    if args.restore is not None:
+        from kvsparse import checkpoint
+
+        try:
+            checkpoint.restore_shard(server.state, args.restore, args.shard_index, args.num_shards)
+        except errors.KVSparseError as exc:
+            server.close()
+            print(f"kvsparse server: cannot restore: {exc}", file=sys.stderr)
+            return 2
+
+    httpd = None
+    if args.metrics_port is not None:
+        from kvsparse import metrics
+
+        try:
+            httpd, _, metrics_port = metrics.start_http_server(
+                server.metrics_channel, args.metrics_port, args.metrics_host
+            )
+        except (ImportError, OSError) as exc:
+            server.close()
+            print(f"kvsparse server: cannot serve metrics: {exc}", file=sys.stderr)
+            return 1
 
     def stop(signum, frame):
         server.stop()
@@ -768,8 +1127,14 @@ def main(argv=None) -> int:
     previous_wakeup = signal.set_wakeup_fd(server.wakeup_fd)
     try:
         print(f"kvsparse server listening on {server.address}", flush=True)
+        if httpd is not None:
+            host = args.metrics_host if ":" not in args.metrics_host else f"[{args.metrics_host}]"
+            print(f"kvsparse metrics on http://{host}:{metrics_port}/metrics", flush=True)
         server.serve()
     finally:
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
         signal.set_wakeup_fd(previous_wakeup)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

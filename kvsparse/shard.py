@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvsparse import _core, errors
+from kvsparse.table import policy_of
 
 
 @dataclass
@@ -71,6 +72,17 @@ class ShardState:
         self.dense: dict[int, DenseEntry] = {}
         self.default_optimizer: dict | None = None
         self.counters = ShardCounters()
+        # Checkpoints (kvsparse.checkpoint): rows written now are stamped with
+        # change_epoch; saved_epoch is the epoch the last save or load covered.
+        self.change_epoch = 1
+        self.saved_epoch = 0
+        self.checkpoint_base: tuple | None = None  # (realpath, seq) last saved or loaded
+
+    def set_change_epoch(self, epoch: int) -> None:
+        """Stamps later writes of every sparse table with epoch (see kvsparse.checkpoint)."""
+        self.change_epoch = epoch
+        for entry in self.sparse.values():
+            entry.table.change_epoch = epoch
 
     # -- lookup helpers -------------------------------------------------------------------
 
@@ -110,7 +122,10 @@ class ShardState:
             raise errors.DuplicateKey(f"key {name!r} is already initialized differently")
         own = spec.get("optimizer") is not None
         optimizer = spec["optimizer"] if own else self.default_optimizer
-        table = _core.Table(int(spec["dim"]), spec["initializer"], optimizer, int(spec["seed"]))
+        table = _core.Table(
+            int(spec["dim"]), spec["initializer"], optimizer, int(spec["seed"]), policy_of(spec)
+        )
+        table.change_epoch = self.change_epoch
         self.sparse[table_id] = SparseEntry(name, dict(spec), table, own)
         return True
 
@@ -154,6 +169,18 @@ class ShardState:
         self.counters.keys += keys.size
         skip = entry.spec.get("nonfinite") == "skip"
         return entry.table.apply_gradients(keys, grads, skip_nonfinite=skip)
+
+    def advance_sparse_step(self, table_id: int) -> None:
+        """Counts a push of the table that brought this shard none of its ids.
+
+        Keeps the table step (Adam's per-table step, TTL ages) equal on every
+        shard; runs the automatic TTL eviction when it is due.
+        """
+        self.sparse_entry(table_id).table.advance_step()
+
+    def evict(self) -> dict:
+        """Runs TTL eviction now on every sparse table: {table name: rows evicted}."""
+        return {entry.name: entry.table.evict_expired() for entry in self.sparse.values()}
 
     def check_sparse_push(self, table_id: int, keys: np.ndarray, grads: np.ndarray) -> None:
         """Raises what push_sparse would raise, without changing anything."""
@@ -270,10 +297,17 @@ class ShardState:
         elapsed = max(time.monotonic() - self.counters.started, 1e-9)
         tables = {}
         for entry in self.sparse.values():
+            policy = entry.table.policy_stats()
             tables[entry.name] = {
                 "kind": "sparse",
                 "rows": len(entry.table),
                 "bytes": entry.table.memory_bytes(),
+                "admissions": policy["admissions"],
+                "evictions": policy["evicted_ttl"] + policy["evicted_capacity"],
+                "evicted_ttl": policy["evicted_ttl"],
+                "evicted_capacity": policy["evicted_capacity"],
+                "rejected": policy["rejected"],
+                "candidates": policy["candidates"],
             }
         for entry in self.dense.values():
             nbytes = entry.values.nbytes + (0 if entry.slots is None else entry.slots.nbytes)

@@ -15,6 +15,14 @@ from kvsparse import errors, initializers, optimizers
 
 MAX_DIM = 4096
 _NONFINITE_POLICIES = ("raise", "skip")
+_EVICTIONS = ("lfu", "lru")
+_POLICY_DEFAULTS = {
+    "min_count": 1,
+    "ttl_steps": None,
+    "max_rows": None,
+    "eviction": "lfu",
+    "evict_every": None,
+}
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,47 @@ class SparseTable:
             RangePartitioner.
         nonfinite: 'raise' (default) rejects a push whose gradient holds NaN/inf
             and changes nothing; 'skip' drops those rows and applies the rest.
+        min_count: feature admission: an id is stored (and its gradients
+            applied) only from the push in which it is seen for the
+            min_count-th time; before that, pulls give its initial value and
+            its gradients are dropped. Default 1 (admit at once).
+        ttl_steps: rows not touched by a push for ttl_steps steps are dropped
+            (by ``kv.evict()``, and automatically every evict_every steps).
+            None (default): rows never expire.
+        max_rows: capacity of ONE shard's part of the table (a table over s
+            servers holds up to s * max_rows rows). A push that would exceed it
+            first evicts rows it does not touch, chosen by `eviction`.
+            None (default): unbounded.
+        eviction: 'lfu' (default; evict the rows touched by the fewest pushes)
+            or 'lru' (evict the rows whose last touching push is oldest). Ties
+            go to the lower id.
+        evict_every: run TTL eviction automatically after every evict_every-th
+            push of the table; None (default) means every ttl_steps pushes, 0
+            only on ``kv.evict()``.
+
+    Admission and eviction semantics (exactly; tests/reference.py models them):
+
+    * A *step* is one push of the table (its push counter ``table_step``,
+      counted on every shard, even one that got none of the push's ids).
+    * An id is *seen* once per push that contains it, however often it
+      repeats in the batch; pulls never insert and never count, and an id
+      whose gradient is skipped as non-finite is not seen.
+    * Ids seen fewer than min_count times are kept in an exact side map of
+      candidate counts (about 40-60 bytes each, counted in ``kv.stats()``
+      bytes; with a TTL, candidates unseen for ttl_steps are dropped too,
+      otherwise the map is unbounded).
+    * A row *touched* at step L is expired at step S when S - L >= ttl_steps.
+    * A push never evicts rows of ids it contains. If evicting all other rows
+      still leaves too little room, it admits its new ids in ascending id
+      order up to max_rows and drops the rest ('rejected' in stats).
+    * An evicted id loses its row, optimizer slots and step counter: if it
+      comes back it starts again from its initial value (and must be seen
+      min_count times again).
+    * Per-row metadata costs 4 bytes a row for the touch count (max_rows with
+      'lfu') and 4 for the last step (ttl_steps, or max_rows with 'lru'),
+      nothing without a policy. Touch counts and last steps are not saved in
+      checkpoints; the explicit-write paths (init values, checkpoint restore)
+      bypass admission and capacity.
 
     Raises:
         kvsparse.errors.InvalidArgument: a bad dim or setting.
@@ -59,6 +108,11 @@ class SparseTable:
     seed: int = 0
     partitioner: RangePartitioner | None = None
     nonfinite: str = "raise"
+    min_count: int = 1
+    ttl_steps: int | None = None
+    max_rows: int | None = None
+    eviction: str = "lfu"
+    evict_every: int | None = None
 
     def __post_init__(self):
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
@@ -79,6 +133,31 @@ class SparseTable:
             )
         if not 0 <= int(self.seed) < 2**64:
             raise errors.InvalidArgument(f"seed must be in [0, 2**64), got {self.seed}")
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        def positive(name, value, allow_none, low=1, high=2**31 - 1):
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise errors.InvalidArgument(
+                    f"{name} must be an int in [{low}, {high}]"
+                    + (" or None" if allow_none else "")
+                    + f", got {value!r}"
+                )
+
+        positive("min_count", self.min_count, False, high=2**32 - 1)
+        positive("ttl_steps", self.ttl_steps, True)
+        positive("max_rows", self.max_rows, True, high=2**32 - 2)
+        positive("evict_every", self.evict_every, True, low=0, high=2**62)
+        if self.eviction not in _EVICTIONS:
+            raise errors.InvalidArgument(
+                f"eviction must be one of {_EVICTIONS}, got {self.eviction!r}"
+            )
+
+    def policy(self) -> dict | None:
+        """The admission/eviction settings for kvsparse._core.Table, or None if none apply."""
+        return policy_of(self.to_dict())
 
     def to_dict(self) -> dict:
         """The wire/config form (plain types only)."""
@@ -89,6 +168,12 @@ class SparseTable:
             "seed": int(self.seed),
             "boundaries": None if self.partitioner is None else list(self.partitioner.boundaries),
             "nonfinite": self.nonfinite,
+            # Policy fields only when set, so specs of tables without one are unchanged.
+            **{
+                name: getattr(self, name)
+                for name, default in _POLICY_DEFAULTS.items()
+                if getattr(self, name) != default
+            },
         }
 
     @classmethod
@@ -101,4 +186,29 @@ class SparseTable:
             seed=spec.get("seed", 0),
             partitioner=None if boundaries is None else RangePartitioner(tuple(boundaries)),
             nonfinite=spec.get("nonfinite", "raise"),
+            **{name: spec.get(name, default) for name, default in _POLICY_DEFAULTS.items()},
         )
+
+
+def policy_of(spec: dict) -> dict | None:
+    """The kvsparse._core.Table policy dict of a SparseTable spec, or None (no policy).
+
+    Resolves evict_every=None to ttl_steps.
+
+    Example:
+        >>> policy_of(SparseTable(4, ttl_steps=10).to_dict())["evict_every"]
+        10
+    """
+    values = {name: spec.get(name, default) for name, default in _POLICY_DEFAULTS.items()}
+    if values["min_count"] == 1 and values["ttl_steps"] is None and values["max_rows"] is None:
+        return None
+    evict_every = values["evict_every"]
+    if evict_every is None:
+        evict_every = values["ttl_steps"] or 0
+    return {
+        "min_count": values["min_count"],
+        "ttl_steps": values["ttl_steps"] or 0,
+        "max_rows": values["max_rows"] or 0,
+        "eviction": values["eviction"],
+        "evict_every": evict_every,
+    }

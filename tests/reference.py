@@ -848,3 +848,156 @@ class ReferenceTable:
         for key in self.rows:
             self.slots[key] = self.optimizer.initial_slots(self.dim)
             self.steps[key] = 0
+
+
+class ReferencePolicyTable(ReferenceTable):
+    """``ReferenceTable`` plus feature admission and eviction (issue 5).
+
+    ``policy`` is the dict ``kvsparse._core.Table`` takes (``min_count``,
+    ``ttl_steps``, ``max_rows``, ``eviction``, ``evict_every``; 0 means "none"
+    for the last four numbers). Semantics, written from csrc/table.h
+    (PolicyConfig) and kvsparse.SparseTable's docstring:
+
+    * An id is seen once per ``apply_gradients`` containing it (after dedup,
+      finite gradient); ``lookup`` never counts. A missing id is a candidate
+      until its min_count-th sighting; that push inserts it and applies its
+      gradient.
+    * A step is ``table_step`` (bumped by every non-empty push, and by
+      ``advance_step``). ``touches[k]`` counts the pushes that updated row k
+      since its insertion, ``last[k]`` is the step of the last one.
+    * Capacity: when the admitted ids would make the table exceed max_rows,
+      rows not in the push are evicted first, the smallest (touches, key)
+      for "lfu", the smallest (last step, key) for "lru"; if still too
+      little room, new ids are admitted in ascending order up to max_rows
+      and the rest are rejected (their candidate count is dropped).
+    * TTL: ``evict_expired`` drops rows and candidates with
+      ``table_step - last >= ttl_steps``; it runs after every push (and
+      ``advance_step``) whose table step is a multiple of evict_every.
+
+    Example:
+        >>> ref = ReferencePolicyTable(1, {"kind": "zeros"}, None, 0, {"min_count": 2})
+        >>> ref.apply_gradients(np.array([4]), np.ones((1, 1), np.float32))
+        0
+        >>> ref.apply_gradients(np.array([4]), np.ones((1, 1), np.float32))
+        1
+    """
+
+    def __init__(self, dim, initializer=None, optimizer=None, seed=0, policy=None):
+        super().__init__(dim, initializer, optimizer, seed)
+        policy = dict(policy or {})
+        self.min_count = int(policy.get("min_count") or 1)
+        self.ttl_steps = int(policy.get("ttl_steps") or 0)
+        self.max_rows = int(policy.get("max_rows") or 0)
+        self.eviction = policy.get("eviction", "lfu")
+        self.evict_every = int(policy.get("evict_every") or 0)
+        self.touches: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.candidates: dict[int, list[int]] = {}  # key -> [count, last step]
+        self.counters = dict.fromkeys(
+            ("admissions", "evicted_ttl", "evicted_capacity", "rejected"), 0
+        )
+
+    def policy_stats(self) -> dict:
+        """The counters of ``kvsparse._core.Table.policy_stats``."""
+        return {**self.counters, "candidates": len(self.candidates)}
+
+    def _insert(self, key: int) -> None:
+        super()._insert(key)
+        self.touches[key] = 0
+        self.last[key] = self.table_step
+
+    def write_state(self, keys, values, slots, steps) -> None:
+        new = [k for k in _keys_list(keys) if k not in self.rows]
+        super().write_state(keys, values, slots, steps)
+        for key in new:
+            self.touches[key] = 0
+            self.last[key] = self.table_step
+
+    def _drop(self, keys) -> int:
+        for key in keys:
+            del self.rows[key], self.slots[key], self.steps[key]
+            del self.touches[key], self.last[key]
+        return len(keys)
+
+    def evict_expired(self) -> int:
+        """Drops rows and candidates untouched for ttl_steps; returns the rows dropped."""
+        if not self.ttl_steps:
+            return 0
+        now = self.table_step
+        self.candidates = {k: c for k, c in self.candidates.items() if now - c[1] < self.ttl_steps}
+        removed = self._drop([k for k in self.rows if now - self.last[k] >= self.ttl_steps])
+        self.counters["evicted_ttl"] += removed
+        return removed
+
+    def _auto_evict(self) -> None:
+        if self.ttl_steps and self.evict_every and self.table_step % self.evict_every == 0:
+            self.evict_expired()
+
+    def advance_step(self) -> None:
+        """A push of the table with none of its ids on this shard."""
+        self.table_step += 1
+        self._auto_evict()
+
+    def set_optimizer(self, optimizer) -> None:
+        super().set_optimizer(optimizer)
+        self.last = dict.fromkeys(self.rows, 0)
+        for candidate in self.candidates.values():
+            candidate[1] = 0
+
+    def apply_gradients(self, keys, grads, skip_nonfinite: bool = False) -> int:
+        key_list = _keys_list(keys)
+        grads = self._check_rows(grads, len(key_list), "gradients")
+        if not key_list:
+            return 0
+        unique, inverse = unique_inverse(key_list)
+        summed = sum_rows(grads, inverse, len(unique)) if len(unique) != len(key_list) else grads
+        finite = np.isfinite(summed).all(axis=1)
+        if not finite.all() and not skip_nonfinite:
+            bad = int(unique[np.flatnonzero(~finite)[0]])
+            raise errors.NonFiniteGradient(f"gradient for id {bad} has a NaN or inf value")
+        unique = unique.tolist()
+        push_step = self.table_step + 1
+        fresh = []
+        for j, key in enumerate(unique):
+            if key in self.rows or not finite[j]:
+                continue
+            if self.min_count > 1:
+                candidate = self.candidates.setdefault(key, [0, push_step])
+                candidate[0] += 1
+                candidate[1] = push_step
+                if candidate[0] < self.min_count:
+                    continue
+            fresh.append(key)
+        if self.max_rows and len(self.rows) + len(fresh) > self.max_rows:
+            present = set(unique)
+            if self.eviction == "lfu":
+                order = sorted((self.touches[k], k) for k in self.rows if k not in present)
+            else:
+                order = sorted((self.last[k], k) for k in self.rows if k not in present)
+            need = len(self.rows) + len(fresh) - self.max_rows
+            self.counters["evicted_capacity"] += self._drop([k for _, k in order[:need]])
+            room = max(0, self.max_rows - len(self.rows))
+            if len(fresh) > room:
+                fresh.sort()
+                for key in fresh[room:]:
+                    self.candidates.pop(key, None)
+                self.counters["rejected"] += len(fresh) - room
+                fresh = fresh[:room]
+        for key in fresh:
+            self.candidates.pop(key, None)
+            self._insert(key)
+            self.counters["admissions"] += 1
+        self.table_step += 1
+        per_table = self.optimizer.config["step_mode"] == "table"
+        applied = 0
+        for j, key in enumerate(unique):
+            if not finite[j] or key not in self.rows:
+                continue
+            self.steps[key] += 1
+            self.touches[key] += 1
+            self.last[key] = self.table_step
+            step = self.table_step if per_table else self.steps[key]
+            self.optimizer.update(self.rows[key], self.slots[key], summed[j], step)
+            applied += 1
+        self._auto_evict()
+        return applied

@@ -1,0 +1,366 @@
+"""``kvsparse stats``: a live table of every shard's tables and traffic.
+
+Usage::
+
+    kvsparse stats                                  # servers from KVSPARSE_SERVERS (etc.)
+    kvsparse stats --servers tcp://10.0.0.1:7000,tcp://10.0.0.2:7000
+    kvsparse stats --once                           # one snapshot, then exit
+    kvsparse stats --once --json                    # the raw per-server statistics
+
+The servers come from ``--servers`` or else from the cluster configuration
+(`kvsparse.config.from_environment`: ``KVSPARSE_SERVERS``, ``TF_CONFIG``,
+``DMLC_*``). Each refresh sends every server one STATS request marked
+`kvsparse.protocol.FLAG_MONITOR`: the servers answer it without a HELLO and
+do not count it as traffic, so watching a job does not change it.
+
+Two tables are printed: one row per shard (rows, bytes, requests, keys, keys/s)
+and one row per table summed over the shards (rows, bytes, table operations,
+keys pulled and pushed, keys/s). keys/s is the rate between the last two
+refreshes; on the first snapshot (and with ``--once``) it is the average since
+each server started.
+
+Exit codes: 0 when every server answered, 1 when one did not (it is shown as
+unreachable), 2 for a usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+from typing import Optional, TextIO
+
+from kvsparse import errors, protocol
+from kvsparse.protocol import FLAG_MONITOR, Op
+
+
+def fetch_stats(servers: list, timeout: float = 5.0, keys: Optional[str] = None) -> list:
+    """One monitoring STATS request to each server, sent together.
+
+    Args:
+        servers: ``tcp://host:port`` addresses.
+        timeout: seconds to wait for all the answers.
+        keys: a ``kvsparse keys`` directory when the servers use CurveZMQ.
+
+    Returns:
+        One dict per server, in order: the server's statistics (as in
+        `kvsparse.KVStore.stats` ``["shards"]``), or ``{"address": ...,
+        "error": "..."}`` for a server that did not answer or answered an error.
+
+    Example:
+        >>> fetch_stats(['tcp://127.0.0.1:1'], timeout=0.1)[0]['error']
+        'no answer within 0.1 s'
+    """
+    import zmq
+
+    context = zmq.Context.instance()
+    sockets, request_ids, results = [], [], []
+    try:
+        for address in servers:
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sockets.append(sock)
+            if keys is not None:
+                from kvsparse import security
+
+                security.secure_client_socket(sock, keys)
+            sock.connect(address)
+            request_id = secrets.randbits(63) + 1
+            request_ids.append(request_id)
+            header = protocol.Header(op=Op.STATS, flags=FLAG_MONITOR, request_id=request_id)
+            sock.send(header.pack(), flags=zmq.NOBLOCK)
+        deadline = time.monotonic() + timeout
+        for address, sock, request_id in zip(servers, sockets, request_ids):
+            results.append(_receive(sock, address, request_id, deadline, timeout))
+    finally:
+        for sock in sockets:
+            sock.close(0)
+    return results
+
+
+def _server_list_environment(environ) -> dict:
+    """The variables that name the servers, and none that name a worker.
+
+    A monitor is no worker: it may run in a server's pod, or anywhere the
+    rank is unset, so only the server list is read (by kvsparse.config).
+    """
+    keep = ("KVSPARSE_SERVERS", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_SERVER")
+    env = {name: environ[name] for name in keep if name in environ}
+    if environ.get("TF_CONFIG"):
+        try:
+            cluster = json.loads(environ["TF_CONFIG"]).get("cluster", {})
+            env["TF_CONFIG"] = json.dumps({"cluster": {"ps": cluster.get("ps", [])}})
+        except (ValueError, AttributeError):
+            env["TF_CONFIG"] = environ["TF_CONFIG"]  # malformed: config.py says why
+    return env
+
+
+def _receive(sock, address: str, request_id: int, deadline: float, timeout: float) -> dict:
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not sock.poll(remaining * 1000):
+            return {"address": address, "error": f"no answer within {timeout:g} s"}
+        frames = sock.recv_multipart()
+        try:
+            header, payload = protocol.parse_message(frames, reply=True)
+            if header.request_id != request_id:
+                continue
+            if header.status:
+                protocol.raise_remote_error(header, payload, address)
+            stats = protocol.decode_json(payload[0], what="STATS reply")
+        except (errors.KVSparseError, IndexError) as exc:
+            return {"address": address, "error": f"{type(exc).__name__}: {exc}"}
+        stats["address"] = address  # the address we reach it by, not the one it bound
+        return stats
+
+
+def _elapsed(shard: dict) -> Optional[float]:
+    """Seconds the server has counted keys for, from its keys and average keys/s."""
+    rate = shard.get("keys_per_second") or 0.0
+    return shard["keys"] / rate if rate > 0 else None
+
+
+def _table_totals(shards: list) -> dict:
+    """{name: {"kind", "rows", "bytes", "requests", "pull_keys", "push_keys", "keys"}}."""
+    totals: dict = {}
+    for shard in shards:
+        if "error" in shard:
+            continue
+        for name, table in shard.get("tables", {}).items():
+            total = totals.setdefault(name, _empty_total(table.get("kind", "?")))
+            total["rows"] += table.get("rows", 0)
+            total["bytes"] += table.get("bytes", 0)
+        for name, ops in shard.get("table_ops", {}).items():
+            total = totals.setdefault(name, _empty_total("?"))
+            for op, counts in ops.items():
+                total["requests"] += counts["requests"]
+                total["keys"] += counts["keys"]
+                if op.startswith("pull"):
+                    total["pull_keys"] += counts["keys"]
+                else:
+                    total["push_keys"] += counts["keys"]
+    return totals
+
+
+def _empty_total(kind: str) -> dict:
+    return {
+        "kind": kind,
+        "rows": 0,
+        "bytes": 0,
+        "requests": 0,
+        "keys": 0,
+        "pull_keys": 0,
+        "push_keys": 0,
+    }
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'.
+
+    Example:
+        >>> human_bytes(1536), human_bytes(12)
+        ('1.5 KiB', '12 B')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class _Rates:
+    """keys/s between consecutive snapshots (per shard and per table)."""
+
+    def __init__(self):
+        self.previous: Optional[tuple[float, list, dict]] = None
+
+    def update(self, shards: list, tables: dict) -> tuple[list, dict]:
+        now = time.monotonic()
+        shard_rates = []
+        table_rates = {}
+        if self.previous is None:
+            for shard in shards:
+                shard_rates.append(shard.get("keys_per_second") if "error" not in shard else None)
+            elapsed = [e for e in (_elapsed(s) for s in shards if "error" not in s) if e]
+            longest = max(elapsed, default=None)
+            for name, total in tables.items():
+                table_rates[name] = total["keys"] / longest if longest else 0.0
+        else:
+            then, old_shards, old_tables = self.previous
+            dt = max(now - then, 1e-9)
+            for shard, old in zip(shards, old_shards):
+                if "error" in shard or "error" in old:
+                    shard_rates.append(None)
+                else:
+                    shard_rates.append(max(shard["keys"] - old["keys"], 0) / dt)
+            for name, total in tables.items():
+                old = old_tables.get(name, {"keys": 0})
+                table_rates[name] = max(total["keys"] - old["keys"], 0) / dt
+        self.previous = (now, shards, tables)
+        return shard_rates, table_rates
+
+
+def render(shards: list, tables: dict, shard_rates: list, table_rates: dict):
+    """The two rich tables (shards, then tables) as one renderable."""
+    from rich.console import Group
+    from rich.table import Table
+
+    shard_table = Table(title="kvsparse shards", title_justify="left")
+    for column in ("shard", "address", "tables", "rows", "bytes", "requests", "keys", "keys/s"):
+        shard_table.add_column(column, justify="left" if column == "address" else "right")
+    for index, (shard, rate) in enumerate(zip(shards, shard_rates)):
+        if "error" in shard:
+            shard_table.add_row(
+                str(index), shard["address"], "", "", "", "", "", f"unreachable: {shard['error']}"
+            )
+            continue
+        shard_tables = shard.get("tables", {})
+        shard_table.add_row(
+            str(index),
+            shard["address"],
+            str(len(shard_tables)),
+            f"{sum(t.get('rows', 0) for t in shard_tables.values()):,}",
+            human_bytes(sum(t.get("bytes", 0) for t in shard_tables.values())),
+            f"{shard.get('requests', 0):,}",
+            f"{shard.get('keys', 0):,}",
+            f"{rate or 0.0:,.1f}",
+        )
+    table_table = Table(title="kvsparse tables (summed over shards)", title_justify="left")
+    columns = ("table", "kind", "rows", "bytes", "requests", "keys pulled", "keys pushed", "keys/s")
+    for column in columns:
+        table_table.add_column(column, justify="left" if column in ("table", "kind") else "right")
+    for name in sorted(tables):
+        total = tables[name]
+        table_table.add_row(
+            name,
+            total["kind"],
+            f"{total['rows']:,}",
+            human_bytes(total["bytes"]),
+            f"{total['requests']:,}",
+            f"{total['pull_keys']:,}",
+            f"{total['push_keys']:,}",
+            f"{table_rates.get(name, 0.0):,.1f}",
+        )
+    return Group(shard_table, table_table)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvsparse stats",
+        description="Show a live table of every server's tables and traffic.",
+    )
+    parser.add_argument(
+        "--servers",
+        default=None,
+        metavar="ADDRESSES",
+        help="comma-separated server addresses (default: the cluster configuration, "
+        "e.g. KVSPARSE_SERVERS)",
+    )
+    parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    parser.add_argument(
+        "--interval", type=float, default=2.0, metavar="SECONDS", help="refresh interval"
+    )
+    parser.add_argument(
+        "--count", type=int, default=None, metavar="N", help="stop after N refreshes"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, metavar="SECONDS", help="wait per refresh"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the raw statistics as JSON (with --once)"
+    )
+    parser.add_argument(
+        "--keys",
+        default=None,
+        metavar="DIR",
+        help="CurveZMQ key directory when the servers use one (default: KVSPARSE_KEYS)",
+    )
+    return parser
+
+
+def main(argv: Optional[list] = None, stdout: Optional[TextIO] = None) -> int:
+    """Runs ``kvsparse stats``.
+
+    Args:
+        argv: arguments after ``stats``.
+        stdout: where to print (default: sys.stdout).
+
+    Returns:
+        0 if every server answered, 1 if one did not, 2 for a usage error.
+
+    Example:
+        >>> main(['--servers', 'tcp://127.0.0.1:5701', '--once'])  # doctest: +SKIP
+        0
+    """
+    from kvsparse import config
+
+    args = _parser().parse_args(argv)
+    out = stdout or sys.stdout
+    try:
+        if args.servers is not None:
+            found = config.ClusterConfig(servers=[s for s in args.servers.split(",") if s.strip()])
+        else:
+            found = config.from_environment(_server_list_environment(os.environ))
+    except errors.InvalidArgument as exc:
+        print(f"kvsparse stats: {exc}", file=sys.stderr)
+        return 2
+    if args.interval <= 0 or args.timeout <= 0 or (args.count is not None and args.count < 1):
+        print("kvsparse stats: --interval, --timeout and --count must be positive", file=sys.stderr)
+        return 2
+    keys = args.keys
+    if keys is None:
+        from kvsparse import security
+
+        keys = security.keys_from_environment()
+    servers = found.servers
+    count = 1 if args.once else args.count
+
+    if args.json:
+        shards = fetch_stats(servers, args.timeout, keys)
+        json.dump({"shards": shards, "tables": _table_totals(shards)}, out, indent=2)
+        out.write("\n")
+        return 1 if any("error" in s for s in shards) else 0
+
+    try:
+        from rich.console import Console
+    except ImportError:
+        print(
+            "kvsparse stats: the table needs the rich library (pip install rich); "
+            "--json works without it",
+            file=sys.stderr,
+        )
+        return 2
+    console = Console(file=out, width=None if out.isatty() else 160)
+    rates = _Rates()
+
+    def snapshot():
+        shards = fetch_stats(servers, args.timeout, keys)
+        tables = _table_totals(shards)
+        shard_rates, table_rates = rates.update(shards, tables)
+        return shards, render(shards, tables, shard_rates, table_rates)
+
+    if count == 1:
+        shards, view = snapshot()
+        console.print(view)
+        return 1 if any("error" in s for s in shards) else 0
+
+    from rich.live import Live
+
+    shards, view = snapshot()
+    done = 1
+    try:
+        with Live(view, console=console, auto_refresh=False) as live:
+            while count is None or done < count:
+                time.sleep(args.interval)
+                shards, view = snapshot()
+                live.update(view, refresh=True)
+                done += 1
+    except KeyboardInterrupt:
+        pass
+    return 1 if any("error" in s for s in shards) else 0
+
+
+__all__ = ["fetch_stats", "human_bytes", "main", "render"]
