@@ -23,11 +23,11 @@ constexpr int64_t kProbeBlock = 32;
 constexpr int64_t kMinCapacity = 16;
 // Below this many keys per thread, starting threads costs more than it saves.
 constexpr int64_t kMinKeysPerThread = 16384;
-// Rows per chunk: about 1 MiB of values per chunk, at least 64 rows, so the
-// slack of the last chunk stays small next to the table.
+// Rows per chunk: about 2 MiB of values per chunk (one huge page, see
+// memory.h), at least 64 rows. Untouched pages of the last chunk cost no RSS.
 int64_t RowsPerChunkLog2(int64_t row_floats) {
   int64_t log2 = 6;
-  while (log2 < 20 && (int64_t{1} << (log2 + 1)) * row_floats * 4 <= (1 << 20)) ++log2;
+  while (log2 < 20 && (int64_t{1} << (log2 + 1)) * row_floats * 4 <= (1 << 21)) ++log2;
   return log2;
 }
 
@@ -114,7 +114,7 @@ void EmbeddingTable::FindRows(const int64_t* keys, int64_t n, int64_t* rows) con
 }
 
 void EmbeddingTable::Rehash(int64_t new_capacity) {
-  std::vector<Bucket> old;
+  std::vector<Bucket, HugePageAllocator<Bucket>> old;
   old.swap(buckets_);
   buckets_.assign(static_cast<size_t>(new_capacity), Bucket{0, kEmpty});
   mask_ = static_cast<uint64_t>(new_capacity - 1);
@@ -229,22 +229,56 @@ void EmbeddingTable::InitialValues(const int64_t* keys, int64_t n, float* out) c
 void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out) const {
   const int64_t dim = config_.dim;
   const size_t row_bytes = sizeof(float) * static_cast<size_t>(dim);
-  int64_t rows[kProbeBlock];
-  for (int64_t start = 0; start < n; start += kProbeBlock) {
+  // Three stages in flight at once: the buckets of block k+1 and the rows of
+  // block k are fetched while block k-1's rows are copied, so the two
+  // dependent cache misses of a key overlap with other keys' misses.
+  int64_t rows[2][kProbeBlock];
+  size_t home[kProbeBlock];
+  auto prefetch_buckets = [&](int64_t start) {
     const int64_t count = std::min(kProbeBlock, n - start);
-    FindRows(keys + start, count, rows);
     for (int64_t i = 0; i < count; ++i) {
-      if (rows[i] >= 0) __builtin_prefetch(values_.Row(rows[i]));
+      home[i] = HomeBucket(keys[start + i]);
+      __builtin_prefetch(&buckets_[home[i]]);
     }
+  };
+  auto probe = [&](int64_t start, int64_t* block_rows) {
+    const int64_t count = std::min(kProbeBlock, n - start);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t key = keys[start + i];
+      size_t b = home[i];
+      int64_t row = -1;
+      while (buckets_[b].row != kEmpty) {
+        if (buckets_[b].key == key) {
+          row = buckets_[b].row;
+          break;
+        }
+        b = (b + 1) & mask_;
+      }
+      block_rows[i] = row;
+      if (row >= 0) __builtin_prefetch(values_.Row(row));
+    }
+  };
+  auto copy = [&](int64_t start, const int64_t* block_rows) {
+    const int64_t count = std::min(kProbeBlock, n - start);
     for (int64_t i = 0; i < count; ++i) {
       float* dst = out + (start + i) * dim;
-      if (rows[i] >= 0) {
-        std::memcpy(dst, values_.Row(rows[i]), row_bytes);
+      if (block_rows[i] >= 0) {
+        std::memcpy(dst, values_.Row(block_rows[i]), row_bytes);
       } else {
         FillInitialRow(config_.initializer, keys[start + i], dim, dst);
       }
     }
+  };
+  if (n <= 0) return;
+  prefetch_buckets(0);
+  int64_t block = 0;
+  for (int64_t start = 0; start < n; start += kProbeBlock, ++block) {
+    probe(start, rows[block & 1]);
+    if (start + kProbeBlock < n) prefetch_buckets(start + kProbeBlock);
+    if (start > 0) copy(start - kProbeBlock, rows[(block - 1) & 1]);
   }
+  const int64_t last = ((n - 1) / kProbeBlock) * kProbeBlock;
+  copy(last, rows[(block - 1) & 1]);
 }
 
 Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const {

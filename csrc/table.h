@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "initializer.h"
+#include "memory.h"
 #include "optimizer.h"
 #include "status.h"
 
@@ -124,7 +125,7 @@ class ChunkedRows {
   // Makes sure row `row` is backed by memory.
   void EnsureRow(int64_t row) {
     while ((row >> log2_) >= static_cast<int64_t>(chunks_.size())) {
-      chunks_.emplace_back(new T[ChunkElements()]);
+      chunks_.emplace_back(AllocateArray<T>(static_cast<size_t>(ChunkElements())));
     }
   }
   int64_t ChunkElements() const { return (int64_t{1} << log2_) * width_; }
@@ -136,7 +137,7 @@ class ChunkedRows {
  private:
   int64_t width_ = 0;
   int64_t log2_ = 10;
-  std::vector<std::unique_ptr<T[]>> chunks_;
+  std::vector<std::unique_ptr<T[], FreeArray>> chunks_;
 };
 
 class EmbeddingTable {
@@ -257,7 +258,7 @@ class EmbeddingTable {
   TableConfig config_;
   Optimizer optimizer_;
   // Open addressing with linear probing.
-  std::vector<Bucket> buckets_;
+  std::vector<Bucket, HugePageAllocator<Bucket>> buckets_;
   uint64_t mask_ = 0;
   int64_t size_ = 0;
   int64_t next_row_ = 0;               // rows ever allocated

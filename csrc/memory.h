@@ -1,0 +1,69 @@
+// Allocation for the big arrays of a table (bucket array, row chunks).
+//
+// Arrays of 2 MiB and more are 2 MiB-aligned and madvise()d for transparent
+// huge pages. Lookups touch the bucket array and the rows at random: with 4
+// KiB pages nearly every probe also misses the TLB, and page walks overlap
+// poorly. NumPy does the same for its large arrays, which is why np.take
+// over a 64 MB array does not pay that cost (measured here: 60 ns/key for a
+// 1M-row dim-8 lookup before, vs 10 ns/key for np.take).
+//
+//   std::vector<Bucket, kvsparse::HugePageAllocator<Bucket>> buckets(n);
+//   T* chunk = kvsparse::AllocateArray<T>(count);  // free with FreeArray
+#ifndef KVSPARSE_MEMORY_H_
+#define KVSPARSE_MEMORY_H_
+
+#include <sys/mman.h>
+
+#include <cstddef>
+#include <cstdlib>
+#include <new>
+
+namespace kvsparse {
+
+constexpr size_t kHugePageBytes = size_t{1} << 21;
+
+inline void* AllocateBytes(size_t bytes) {
+  if (bytes >= kHugePageBytes) {
+    const size_t rounded = (bytes + kHugePageBytes - 1) & ~(kHugePageBytes - 1);
+    void* p = nullptr;
+    if (posix_memalign(&p, kHugePageBytes, rounded) != 0) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+    madvise(p, rounded, MADV_HUGEPAGE);  // a hint: failure only costs speed
+#endif
+    return p;
+  }
+  void* p = std::malloc(bytes == 0 ? 1 : bytes);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+
+template <typename T>
+T* AllocateArray(size_t count) {
+  return static_cast<T*>(AllocateBytes(count * sizeof(T)));
+}
+
+struct FreeArray {
+  void operator()(void* p) const { std::free(p); }
+};
+
+template <typename T>
+struct HugePageAllocator {
+  using value_type = T;
+  HugePageAllocator() = default;
+  template <typename U>
+  HugePageAllocator(const HugePageAllocator<U>&) {}  // NOLINT: allocator rebind
+  T* allocate(size_t n) { return AllocateArray<T>(n); }
+  void deallocate(T* p, size_t) { std::free(p); }
+  template <typename U>
+  bool operator==(const HugePageAllocator<U>&) const {
+    return true;
+  }
+  template <typename U>
+  bool operator!=(const HugePageAllocator<U>&) const {
+    return false;
+  }
+};
+
+}  // namespace kvsparse
+
+#endif  // KVSPARSE_MEMORY_H_
