@@ -656,8 +656,23 @@ def server_bind_address(environ: Optional[Mapping] = None) -> Optional[str]:
     return None
 
 
+def checkpoint_dir(environ: Optional[Mapping] = None) -> Optional[str]:
+    """The checkpoint directory set by ``kvsparse launch --checkpoint-dir`` (or None).
+
+    Read from ``KVSPARSE_CHECKPOINT_DIR``; ``kv.save()`` and ``kv.load()``
+    use it when called without a path.
+
+    Example:
+        >>> checkpoint_dir({"KVSPARSE_CHECKPOINT_DIR": "/ckpt"})
+        '/ckpt'
+    """
+    environ = os.environ if environ is None else environ
+    return _get(environ, "KVSPARSE_CHECKPOINT_DIR")
+
+
 __all__ = [
     "ClusterConfig",
+    "checkpoint_dir",
     "FOREIGN_ROLE_VARIABLES",
     "format_address",
     "from_environment",

@@ -472,7 +472,21 @@ class KVStore:
 
     # -- checkpoints and export (issue 5; format: docs/checkpoint-format.md) --------------
 
-    def save(self, path, incremental: bool = False) -> int:
+    def _checkpoint_path(self, path):
+        """path, or the launcher's --checkpoint-dir when path is None."""
+        if path is not None:
+            return path
+        from kvsparse import config
+
+        path = config.checkpoint_dir()
+        if path is None:
+            raise errors.InvalidArgument(
+                "no checkpoint path given and KVSPARSE_CHECKPOINT_DIR is not set "
+                "(kvsparse launch --checkpoint-dir DIR sets it for the workers)"
+            )
+        return path
+
+    def save(self, path=None, incremental: bool = False) -> int:
         """Writes a checkpoint of every table into directory path; returns its number.
 
         Each server writes its own shard (values, every optimizer slot, step
@@ -482,7 +496,8 @@ class KVStore:
         checkpoint then holds one whole step.
 
         Args:
-            path: a directory (created if missing) that every server can write.
+            path: a directory (created if missing) that every server can write;
+                None: the launcher's ``--checkpoint-dir`` (KVSPARSE_CHECKPOINT_DIR).
             incremental: write only the rows changed since this store's last
                 save or load in path (a delta on top of it).
 
@@ -501,7 +516,7 @@ class KVStore:
         import os
         import time
 
-        path = os.fspath(path)
+        path = os.fspath(self._checkpoint_path(path))
         n = self._backend.num_shards
         prepared = self._backend.checkpoint({0: {"action": "prepare", "path": path}})[0]
         seq, latest, parent = int(prepared["seq"]), prepared["latest"], None
@@ -541,7 +556,7 @@ class KVStore:
             "nonfinite": info.nonfinite,
         }
 
-    def load(self, path) -> int:
+    def load(self, path=None) -> int:
         """Restores the latest complete checkpoint in path (base + deltas); returns its number.
 
         Every table comes back with its optimizer, slots and step counters,
@@ -561,7 +576,7 @@ class KVStore:
         """
         import os
 
-        path = os.fspath(path)
+        path = os.fspath(self._checkpoint_path(path))
         n = self._backend.num_shards
         if self.rank == 0:
             replies = self._backend.checkpoint(

@@ -452,3 +452,17 @@ def test_server_restore_flag(tmp_path):
         timeout=60,
     )
     assert missing.returncode == 2 and b"no complete checkpoint" in missing.stderr
+
+
+def test_save_and_load_without_a_path_use_the_launchers_checkpoint_dir(tmp_path, monkeypatch):
+    kv = kvsparse.create("local")
+    kv.init("t", kvsparse.SparseTable(dim=2, initializer=kvsparse.initializers.Zeros()))
+    kv.push("t", (np.array([3]), np.ones((1, 2), np.float32)))
+    monkeypatch.delenv("KVSPARSE_CHECKPOINT_DIR", raising=False)
+    with pytest.raises(kvsparse.errors.InvalidArgument, match="KVSPARSE_CHECKPOINT_DIR"):
+        kv.save()
+    monkeypatch.setenv("KVSPARSE_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    kv.save()
+    other = kvsparse.create("local")
+    other.load()
+    np.testing.assert_array_equal(other.row_sparse_pull("t", row_ids=np.array([3])), [[1, 1]])
