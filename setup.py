@@ -13,7 +13,15 @@ from setuptools import Extension, setup
 
 DEBUG = os.environ.get("KVSPARSE_DEBUG", "") not in ("", "0")
 
-compile_args = ["-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+# -fno-math-errno: kvsparse never reads errno, and without it GCC cannot
+# vectorize std::sqrt (Adagrad/Adam/RMSProp were 11 ns per element, scalar).
+compile_args = [
+    "-std=c++17",
+    "-fvisibility=hidden",
+    "-fno-math-errno",
+    "-Wall",
+    "-Wno-unused-function",
+]
 if DEBUG:
     compile_args += ["-O0", "-g", "-UNDEBUG"]
 else:

@@ -367,10 +367,24 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
   const bool per_table = config_.optimizer.step_mode == StepMode::kPerTable;
   const int64_t table_step = table_step_;
   std::atomic<int64_t> applied_total{0};
+  // Rows are scattered: fetch the value and slot lines of a few rows ahead
+  // so the optimizer's arithmetic overlaps the misses (840 -> see benchmark).
+  constexpr int64_t kRowsAhead = 4;
+  const int64_t value_bytes = dim * static_cast<int64_t>(sizeof(float));
+  const int64_t slot_bytes = value_bytes * optimizer_.num_slots();
+  auto prefetch_row = [&](int64_t row) {
+    if (row < 0) return;
+    const char* v = reinterpret_cast<const char*>(values_.Row(row));
+    for (int64_t b = 0; b < value_bytes; b += 64) __builtin_prefetch(v + b, 1);
+    const char* sl = reinterpret_cast<const char*>(slots_.Row(row));
+    for (int64_t b = 0; b < slot_bytes; b += 64) __builtin_prefetch(sl + b, 1);
+  };
   ParallelFor(u, kMinKeysPerThread / 4, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(static_cast<size_t>(dim));
     int64_t count = 0;
+    for (int64_t j = begin; j < std::min(end, begin + kRowsAhead); ++j) prefetch_row(rows[j]);
     for (int64_t j = begin; j < end; ++j) {
+      if (j + kRowsAhead < end) prefetch_row(rows[j + kRowsAhead]);
       const float* gj = g + j * dim;
       if (bad >= 0 && FirstNonFiniteRow(gj, 1, dim) >= 0) continue;
       const int64_t row = rows[j];
