@@ -2,9 +2,10 @@
 
 Run by benchmarks/pull_push.py in its own process (one per framework, so the frameworks
 never share a process), with 2 fresh `kvsparse.server` processes named by KVSPARSE_SERVERS
-(kvsparse.create('dist_sparse') with no arguments reads it). The process first drives a
-table with NumPy (row_sparse_pull into a preallocated out, push of (ids, rows)), then a
-second table through the adapter, on the same servers, and writes both timings:
+(kvsparse.create('dist_sparse') with no arguments reads it). The process drives one table
+with NumPy (row_sparse_pull into a preallocated out, push of (ids, rows)) and a second
+one, on the same servers, through the adapter, alternating batch by batch, and writes
+both timings. Each runner returns the adapter's (step(b), pull(b)):
 
 - torch:      kvsparse.adapters.torch.Embedding; a step is forward + backward(grad rows)
               (the backward pushes); the pull phase is a forward under torch.no_grad().
@@ -37,12 +38,13 @@ def optimizer():
     return kvsparse.optimizers.Adagrad(learning_rate=wl.LEARNING_RATE, eps=wl.EPS)
 
 
-def numpy_driven(work, args, unique_inputs: bool) -> dict:
-    """The baseline: the same store driven through its NumPy API, on a table of its own.
+def numpy_driven(work, args, unique_inputs: bool) -> tuple:
+    """The baseline: the same servers driven through the NumPy API, on a table of its own.
 
     unique_inputs: pull the batch's sorted unique ids (one row each) and push them with
     the summed gradient rows, prepared untimed (the MXNet row's inputs); otherwise pull
     and push the raw batch (the torch and TensorFlow rows' inputs).
+    Returns (pull(b), push(b), close()).
     """
     kv = kvsparse.create("dist_sparse")  # servers, rank, workers from KVSPARSE_* variables
     # The MXNet adapter's tables start at zero (MXNet's init value): so does its baseline's.
@@ -70,9 +72,7 @@ def numpy_driven(work, args, unique_inputs: bool) -> dict:
         def push(b):
             kv.push("numpy_embedding", (work.batches[b], work.grads))
 
-    times = common.run_phases(args.warmup, args.steps, pull, push)
-    kv.close()
-    return times
+    return pull, push, kv.close
 
 
 def presummed_batches(work, args) -> list:
@@ -87,23 +87,46 @@ def presummed_batches(work, args) -> list:
     ]
 
 
-def step_and_pull(args, step, pull) -> dict:
-    """Times step(b) over the step batches and pull(b) over the pull batches (after warmup)."""
+def interleaved(args, adapter: tuple, baseline: tuple) -> tuple[dict, dict]:
+    """Times the adapter's and the baseline's step and pull, alternating batch by batch.
+
+    adapter: (step(b), pull(b)); baseline: (pull(b), push(b)). Alternating puts both under
+    the same load from whatever else runs on the machine, so their ratio stays meaningful
+    where their absolute times do not. The baseline's push alone is timed after.
+    Returns (adapter times, baseline times), {phase: [seconds per batch]} each.
+    """
+    adapter_step, adapter_pull = adapter
+    base_pull, base_push = baseline
+
+    def base_step(b):
+        base_pull(b)
+        base_push(b)
+
     plan = common.phase_batches(args.warmup, args.steps)
     for b in plan["warmup"]:
-        step(b)
-    times = {}
-    for phase, run in (("step", step), ("pull", pull)):
-        seconds = []
+        base_step(b)
+        adapter_step(b)
+    times: dict = {}
+    base_times: dict = {}
+    for phase, ours, theirs in (
+        ("step", adapter_step, base_step),
+        ("pull", adapter_pull, base_pull),
+    ):
+        times[phase], base_times[phase] = [], []
         for b in plan[phase]:
-            start = time.perf_counter()
-            run(b)
-            seconds.append(time.perf_counter() - start)
-        times[phase] = seconds
-    return times
+            for run, into in ((theirs, base_times[phase]), (ours, times[phase])):
+                start = time.perf_counter()
+                run(b)
+                into.append(time.perf_counter() - start)
+    base_times["push"] = []
+    for b in plan["push"]:
+        start = time.perf_counter()
+        base_push(b)
+        base_times["push"].append(time.perf_counter() - start)
+    return times, base_times
 
 
-def run_torch(work, args) -> dict:
+def run_torch(work, args) -> tuple:
     import torch
 
     from kvsparse.adapters.torch import Embedding
@@ -121,10 +144,10 @@ def run_torch(work, args) -> dict:
         with torch.no_grad():
             embedding(ids[b])
 
-    return step_and_pull(args, step, pull)
+    return step, pull
 
 
-def run_tensorflow(work, args) -> dict:
+def run_tensorflow(work, args) -> tuple:
     import tensorflow as tf
 
     from kvsparse.adapters.tensorflow import Embedding
@@ -144,10 +167,10 @@ def run_tensorflow(work, args) -> dict:
     def pull(b):
         layer(ids[b])
 
-    return step_and_pull(args, step, pull)
+    return step, pull
 
 
-def run_mxnet(work, args) -> dict:
+def run_mxnet(work, args) -> tuple:
     np.bool = bool  # MXNet 1.9.1 still uses the alias NumPy 1.24 removed
     import mxnet as mx
 
@@ -174,7 +197,7 @@ def run_mxnet(work, args) -> dict:
         pull(b)
         kv.push("embedding", prepared[b][1])
 
-    return step_and_pull(args, step, pull)
+    return step, pull
 
 
 RUNNERS = {"torch": run_torch, "tensorflow": run_tensorflow, "mxnet": run_mxnet}
@@ -189,8 +212,10 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, required=True)
     args = parser.parse_args(argv)
     work = wl.Workload.load(args.workload)
-    baseline = numpy_driven(work, args, unique_inputs=args.framework == "mxnet")
-    times = RUNNERS[args.framework](work, args)
+    base_pull, base_push, close = numpy_driven(work, args, unique_inputs=args.framework == "mxnet")
+    adapter = RUNNERS[args.framework](work, args)
+    times, baseline = interleaved(args, adapter, (base_pull, base_push))
+    close()
     common.write_result(args.result, times, baseline_times=baseline)
 
 
