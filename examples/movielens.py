@@ -22,6 +22,7 @@ import csv
 import hashlib
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,6 +126,32 @@ def batches(ids: np.ndarray, labels: np.ndarray, batch_size: int, seed: int):
     for start in range(0, len(order), batch_size):
         take = order[start : start + batch_size]
         yield ids[take], labels[take]
+
+
+class LineWriter:
+    """Turns tqdm's carriage-return redraws into one line per update.
+
+    Under `kvsparse launch` (or any log file) stdout is not a terminal and
+    output is relayed line by line: a bar redrawn with '\\r' would show only
+    when the epoch ends.
+    """
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").rstrip()
+        if text:
+            self._stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+def progress_stream(stream=None):
+    """Where the examples' tqdm bars write: the terminal as is, else one line per update."""
+    stream = sys.stdout if stream is None else stream
+    return stream if stream.isatty() else LineWriter(stream)
 
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:

@@ -80,26 +80,6 @@ class DeepFM(nn.Module):
         self.embedding.prefetch(ids)
 
 
-class _LineWriter:
-    """Turns tqdm's carriage-return redraws into one line per update.
-
-    Under `kvsparse launch` (or any log file) stdout is not a terminal and
-    output is relayed line by line: a bar redrawn with '\\r' would show only
-    when the epoch ends.
-    """
-
-    def __init__(self, stream):
-        self._stream = stream
-
-    def write(self, text: str) -> None:
-        text = text.replace("\r", "").rstrip()
-        if text:
-            self._stream.write(text + "\n")
-
-    def flush(self) -> None:
-        self._stream.flush()
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=3)
@@ -165,7 +145,7 @@ def main(argv=None) -> int:
         progress = tqdm(
             total=steps_per_epoch,
             desc=f"epoch {epoch + 1}/{args.epochs}",
-            file=sys.stdout if sys.stdout.isatty() else _LineWriter(sys.stdout),
+            file=movielens.progress_stream(),
             mininterval=3.0,
             ascii=True,
             disable=rank != 0,
