@@ -264,7 +264,7 @@ def run_raw_zmq(work: wl.Workload, args, log_dir: str) -> dict:
 
             times = common.run_phases(args.warmup, args.steps, pull, push)
         finally:
-            client.close(stop_servers=True)
+            client.close()
     return {"times": times}
 
 

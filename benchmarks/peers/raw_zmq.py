@@ -1,11 +1,12 @@
 """The raw transport: the same request and reply bytes over ZeroMQ, with no table work.
 
-``python raw_zmq.py serve --max-bytes N`` runs one ROUTER that answers a pull request with
-a preallocated buffer of keys * dim float32 (sent without a copy) and a push request with
-its header. The frames have kvsparse's sizes (kvsparse.protocol): a 56-byte header, a
-24-byte item descriptor, then keys (pull) or keys + rows (push); a pull reply is header +
-descriptor + rows. The client side (`RawClient`) holds one DEALER per server, like a
-dist_sparse worker: it sends to every server first, then collects every reply.
+``python raw_zmq.py serve --max-bytes N`` runs one ROUTER (until SIGTERM) that answers a
+pull request with a preallocated buffer of keys * dim float32 (sent without a copy) and a
+push request with its header. The frames have kvsparse's sizes (kvsparse.protocol): a
+56-byte header, a 24-byte item descriptor, then keys (pull) or keys + rows (push); a pull
+reply is header + descriptor + rows. The client side (`RawClient`) holds one DEALER per
+server, like a dist_sparse worker: it sends to every server first, then collects every
+reply.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kvsparse import protocol
 # op, dim, request id, padded to kvsparse's header size.
 HEADER = struct.Struct(f"<IIQ{protocol.HEADER_SIZE - 16}x")
 ITEMS = bytes(protocol.ITEM_DTYPE.itemsize)
-OP_PULL, OP_PUSH, OP_STOP = 1, 2, 3
+OP_PULL, OP_PUSH = 1, 2
 
 
 def serve(max_bytes: int) -> None:
@@ -42,13 +43,8 @@ def serve(max_bytes: int) -> None:
         if op == OP_PULL:
             nbytes = len(frames[3]) // 8 * dim * 4
             sock.send_multipart([identity, header, frames[2], view[:nbytes]], copy=False)
-        elif op == OP_PUSH:
-            sock.send_multipart([identity, header], copy=False)
         else:
             sock.send_multipart([identity, header], copy=False)
-            break
-    sock.close()
-    context.term()
 
 
 class RawClient:
@@ -63,6 +59,8 @@ class RawClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            # A dead server raises zmq.Again instead of hanging the benchmark.
+            sock.setsockopt(zmq.RCVTIMEO, 60_000)
             sock.connect(address)
             self.sockets.append(sock)
         self.request_id = 0
@@ -81,9 +79,8 @@ class RawClient:
     def push(self, keys_per_server: list[np.ndarray], rows_per_server: list[np.ndarray]) -> None:
         self._round(OP_PUSH, [[ITEMS, k, r] for k, r in zip(keys_per_server, rows_per_server)])
 
-    def close(self, stop_servers: bool = True) -> None:
-        if stop_servers:
-            self._round(OP_STOP, [[] for _ in self.sockets])
+    def close(self) -> None:
+        """Closes the sockets (the servers are stopped by whoever started them)."""
         for sock in self.sockets:
             sock.close()
         self.context.term()
