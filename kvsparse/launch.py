@@ -65,8 +65,9 @@ from typing import Optional, TextIO
 
 import kvsparse
 from kvsparse import config, errors
+from kvsparse.server import LISTENING_PREFIX
 
-_LISTENING = re.compile(rb"kvsparse server listening on (tcp://\S+)")
+_LISTENING = re.compile(re.escape(LISTENING_PREFIX.encode()) + rb"(tcp://\S+)")
 # Variables the launcher sets itself; --env may not override them.
 _RESERVED = (config.SERVERS, config.RANK, config.NUM_WORKERS, config.TIMEOUT, config.STALENESS)
 # Set by the launcher's recovery and security options (kept out of _RESERVED so that a

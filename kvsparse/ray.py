@@ -65,12 +65,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from kvsparse import config as cluster_config
 from kvsparse import errors
 from kvsparse.dist import ping
+from kvsparse.server import LISTENING_PREFIX, read_first_line
 
 NAMESPACE = "kvsparse"
 NAME_PREFIX = "kvsparse-server"
 START_TIMEOUT = 60.0
 DEFAULT_RETRY_WINDOW = 120.0  # as `kvsparse launch --restart-servers`
-_LISTENING = "kvsparse server listening on "
 _PR_SET_PDEATHSIG = 1
 # A port just given up by a killed server may still be held for a moment; retry the bind.
 _BIND_RETRY_SECONDS = 10.0
@@ -239,11 +239,12 @@ class ServerShard:
                 target=_relay, args=(process.stderr, last_lines, self.name), daemon=True
             )
             relay.start()
-            line = _read_line(process.stdout, time.monotonic() + START_TIMEOUT)
-            if line.startswith(_LISTENING):
+            line = read_first_line(process.stdout, time.monotonic() + START_TIMEOUT)
+            line = line.decode(errors="replace")
+            if line.startswith(LISTENING_PREFIX):
                 # The server prints nothing more on stdout; close our end so it never blocks.
                 process.stdout.close()
-                return process, line[len(_LISTENING) :].strip()
+                return process, line[len(LISTENING_PREFIX) :].strip()
             _stop_process(process, 5.0)
             relay.join(5.0)
             message = "".join(last_lines).strip()
@@ -290,27 +291,6 @@ def _relay(stream, last_lines, name: str) -> None:
         sys.stderr.write(f"[{name}] {text}")
         sys.stderr.flush()
     stream.close()
-
-
-def _read_line(stream, deadline: float) -> str:
-    """The first line of a pipe, or what came before EOF or the deadline."""
-    import selectors
-
-    selector = selectors.DefaultSelector()
-    selector.register(stream, selectors.EVENT_READ)
-    data = b""
-    try:
-        while not data.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not selector.select(remaining):
-                break
-            chunk = os.read(stream.fileno(), 1)
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        selector.close()
-    return data.decode(errors="replace")
 
 
 def _actor_info(actor, deadline: float) -> dict:

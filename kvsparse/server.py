@@ -58,6 +58,37 @@ from kvsparse.metrics import ServerMetrics, SnapshotChannel
 from kvsparse.protocol import FLAG_DECLARE, FLAG_MONITOR, MUTATING_OPS, Op
 from kvsparse.shard import ShardState
 
+# The one stdout line a server prints once it is bound (its address follows);
+# launch.py, ray.py and the test fixtures read it with read_first_line.
+LISTENING_PREFIX = "kvsparse server listening on "
+
+
+def read_first_line(stream, deadline: float) -> bytes:
+    """One line from a binary pipe (a server's stdout), or what arrived before EOF/deadline.
+
+    Reads without blocking past the deadline (time.monotonic() based), so a
+    server that never starts cannot hang its launcher.
+    """
+    import os
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    selector.register(stream, selectors.EVENT_READ)
+    line = b""
+    try:
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not selector.select(remaining):
+                break
+            chunk = os.read(stream.fileno(), 1)
+            if not chunk:
+                break
+            line += chunk
+    finally:
+        selector.close()
+    return line
+
+
 MODES = ("bsp", "asp", "ssp")
 _U64 = struct.Struct("<Q")
 # The largest message frame a server accepts (ZMQ_MAXMSGSIZE): a bigger one
@@ -1126,7 +1157,7 @@ def main(argv=None) -> int:
     # (OpenBLAS, ZeroMQ's own); the wakeup fd wakes the poll wherever it lands.
     previous_wakeup = signal.set_wakeup_fd(server.wakeup_fd)
     try:
-        print(f"kvsparse server listening on {server.address}", flush=True)
+        print(f"{LISTENING_PREFIX}{server.address}", flush=True)
         if httpd is not None:
             host = args.metrics_host if ":" not in args.metrics_host else f"[{args.metrics_host}]"
             print(f"kvsparse metrics on http://{host}:{metrics_port}/metrics", flush=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -28,10 +27,11 @@ from pathlib import Path
 import pytest
 
 import kvsparse
+from kvsparse.server import LISTENING_PREFIX, read_first_line
 
 REPO_ROOT = Path(kvsparse.__file__).resolve().parent.parent
 SERVER_START_TIMEOUT = 30.0
-LISTENING = "kvsparse server listening on "
+LISTENING = LISTENING_PREFIX
 
 
 def subprocess_env(extra: dict | None = None) -> dict:
@@ -49,25 +49,6 @@ def subprocess_env(extra: dict | None = None) -> dict:
     return env
 
 
-def _read_line(stream, deadline: float) -> bytes:
-    """One line from a binary pipe, or what arrived before EOF or the deadline."""
-    selector = selectors.DefaultSelector()
-    selector.register(stream, selectors.EVENT_READ)
-    line = b""
-    try:
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not selector.select(remaining):
-                break
-            chunk = os.read(stream.fileno(), 1)
-            if not chunk:
-                break
-            line += chunk
-    finally:
-        selector.close()
-    return line
-
-
 class ServerProcess:
     """One ``python -m kvsparse.server`` subprocess on a free 127.0.0.1 port."""
 
@@ -81,7 +62,7 @@ class ServerProcess:
             env=subprocess_env(),
             cwd=str(REPO_ROOT),
         )
-        line = _read_line(self.process.stdout, time.monotonic() + SERVER_START_TIMEOUT)
+        line = read_first_line(self.process.stdout, time.monotonic() + SERVER_START_TIMEOUT)
         self.first_line = line.decode(errors="replace")
         if not self.first_line.startswith(LISTENING):
             self.stop()

@@ -21,7 +21,6 @@ from conftest import (
     LISTENING,
     SERVER_START_TIMEOUT,
     ServerProcess,
-    _read_line,
     last_json,
     run_workers,
     subprocess_env,
@@ -30,6 +29,7 @@ from conftest import (
 import kvsparse
 from kvsparse import _core, checkpoint, errors, optimizers
 from kvsparse.kvstore import table_id_of
+from kvsparse.server import read_first_line
 
 IDS = np.arange(400, dtype=np.int64)
 
@@ -351,7 +351,7 @@ class _HookedServer(ServerProcess):
             stderr=self.stderr,
             env={**subprocess_env(), checkpoint._TEST_HOOK_ENV: str(hook)},
         )
-        line = _read_line(self.process.stdout, time.monotonic() + SERVER_START_TIMEOUT)
+        line = read_first_line(self.process.stdout, time.monotonic() + SERVER_START_TIMEOUT)
         self.first_line = line.decode(errors="replace")
         if not self.first_line.startswith(LISTENING):
             self.stop()

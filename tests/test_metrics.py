@@ -8,10 +8,11 @@ import urllib.request
 import numpy as np
 import pytest
 import zmq
-from conftest import ServerProcess, _read_line
+from conftest import ServerProcess
 
 import kvsparse
 from kvsparse.metrics import LATENCY_BUCKETS, ServerMetrics
+from kvsparse.server import read_first_line
 
 parser = pytest.importorskip("prometheus_client.parser")
 
@@ -36,7 +37,7 @@ def value(samples: dict, name: str, **labels) -> float:
 def metrics_server():
     server = ServerProcess(extra_args=("--metrics-port", "0"))
     try:
-        line = _read_line(server.process.stdout, time.monotonic() + 30).decode()
+        line = read_first_line(server.process.stdout, time.monotonic() + 30).decode()
         assert line.startswith(METRICS_LINE), (line, server.error_output())
         url = line[len(METRICS_LINE) :].strip()
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
