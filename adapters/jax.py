@@ -52,9 +52,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
+from kvsparse.adapters._common import ensure_table, store_lock
 
 from kvsparse import errors
-from kvsparse.adapters._common import ensure_table, store_lock
 
 
 def make_anchor():

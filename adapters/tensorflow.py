@@ -93,9 +93,9 @@ import weakref
 import keras
 import numpy as np
 import tensorflow as tf
+from kvsparse.adapters._common import ensure_table, store_lock
 
 from kvsparse import _core, errors
-from kvsparse.adapters._common import ensure_table, store_lock
 
 # TensorFlow's CPU kernels check that tensor data is aligned to
 # EIGEN_MAX_ALIGN_BYTES (64 with AVX-512) and abort otherwise; NumPy only

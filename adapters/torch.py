@@ -53,10 +53,10 @@ import threading
 
 import torch
 import torch.nn.functional as functional
+from kvsparse.adapters._common import ensure_table, store_lock
 from torch import nn
 
 from kvsparse import errors
-from kvsparse.adapters._common import ensure_table, store_lock
 
 _BAG_MODES = ("sum", "mean", "max")
 

@@ -172,7 +172,7 @@ def main(argv=None) -> int:
                 worker_errors.append(f"worker {rank} exit {w.returncode}: {err.decode()[-2000:]}")
         servers_up = [p.poll() is None for p, _ in servers]
         sys.path.insert(0, REPO)
-        from kvsparse.dist import RemoteBackend
+        from kvsparse.client.remote import RemoteBackend
 
         stats = None
         if all(servers_up):

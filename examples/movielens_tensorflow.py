@@ -28,11 +28,11 @@ import keras  # noqa: E402
 import movielens  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from kvsparse.adapters import tensorflow as kvtf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kvsparse  # noqa: E402
 from kvsparse import initializers, optimizers  # noqa: E402
-from kvsparse.adapters import tensorflow as kvtf  # noqa: E402
 
 
 class DeepFM(keras.Model):

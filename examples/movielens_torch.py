@@ -27,11 +27,11 @@ import time
 
 import numpy as np
 import torch
+from kvsparse.adapters.torch import DenseGradientSync, Embedding
 from torch import nn
 from tqdm import tqdm
 
 import kvsparse
-from kvsparse.adapters.torch import DenseGradientSync, Embedding
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import movielens  # noqa: E402 - the sibling module, found through the line above

@@ -2,7 +2,7 @@
 
 import sys
 
-from kvsparse.cli import main
+from kvsparse.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

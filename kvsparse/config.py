@@ -65,6 +65,11 @@ STALENESS = "KVSPARSE_STALENESS"
 # For server processes only.
 BIND = "KVSPARSE_BIND"
 SERVER_ID = "KVSPARSE_SERVER_ID"
+# For workers and servers alike.
+KEYS = "KVSPARSE_KEYS"  # CurveZMQ key directory (`kvsparse keys DIR`)
+RETRY_WINDOW = "KVSPARSE_RETRY_WINDOW"  # seconds a worker keeps retrying a restarted server
+CHECKPOINT_DIR = "KVSPARSE_CHECKPOINT_DIR"
+NUM_THREADS = "KVSPARSE_NUM_THREADS"  # threads a batch of the C++ core may use
 
 # Variables that make MXNet's ps-lite start (DMLC_ROLE, PORT) or that tell
 # TensorFlow to build a cluster (TF_CONFIG): the launcher removes them from
@@ -667,12 +672,48 @@ def checkpoint_dir(environ: Optional[Mapping] = None) -> Optional[str]:
         '/ckpt'
     """
     environ = os.environ if environ is None else environ
-    return _get(environ, "KVSPARSE_CHECKPOINT_DIR")
+    return _get(environ, CHECKPOINT_DIR)
+
+
+def curve_keys(environ: Optional[Mapping] = None) -> Optional[str]:
+    """The CurveZMQ key directory (``KVSPARSE_KEYS``, set by ``kvsparse launch --keys``), or None.
+
+    Example:
+        >>> curve_keys({"KVSPARSE_KEYS": "/keys"})
+        '/keys'
+    """
+    environ = os.environ if environ is None else environ
+    return _get(environ, KEYS)
+
+
+def retry_window(environ: Optional[Mapping] = None) -> float:
+    """Seconds a worker keeps retrying a restarted or silent server (``KVSPARSE_RETRY_WINDOW``).
+
+    0 (no retry) when unset. Raises InvalidArgument for a value that is not
+    a number >= 0.
+
+    Example:
+        >>> retry_window({"KVSPARSE_RETRY_WINDOW": "120"})
+        120.0
+    """
+    environ = os.environ if environ is None else environ
+    text = _get(environ, RETRY_WINDOW)
+    if text is None:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidArgument(f"{RETRY_WINDOW} must be a number of seconds, got {text!r}") from None
+    if not value >= 0:
+        raise InvalidArgument(f"{RETRY_WINDOW} must be >= 0, got {text!r}")
+    return value
 
 
 __all__ = [
     "ClusterConfig",
     "checkpoint_dir",
+    "curve_keys",
+    "retry_window",
     "FOREIGN_ROLE_VARIABLES",
     "format_address",
     "from_environment",

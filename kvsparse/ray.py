@@ -64,8 +64,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvsparse import config as cluster_config
 from kvsparse import errors
-from kvsparse.dist import ping
-from kvsparse.server import LISTENING_PREFIX, read_first_line
+from kvsparse.client.remote import ping
+from kvsparse.server.listening import LISTENING_PREFIX, read_first_line
 
 NAMESPACE = "kvsparse"
 NAME_PREFIX = "kvsparse-server"
@@ -132,7 +132,7 @@ def _server_environment() -> dict:
 
 def _has_checkpoint(path: str) -> bool:
     """True if path holds a complete checkpoint (a committed manifest)."""
-    from kvsparse import checkpoint
+    from kvsparse.shard import checkpoint
 
     try:
         return checkpoint.latest_manifest(path) is not None

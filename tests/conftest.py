@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import kvsparse
-from kvsparse.server import LISTENING_PREFIX, read_first_line
+from kvsparse.server.listening import LISTENING_PREFIX, read_first_line
 
 REPO_ROOT = Path(kvsparse.__file__).resolve().parent.parent
 SERVER_START_TIMEOUT = 30.0

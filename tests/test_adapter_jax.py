@@ -12,10 +12,10 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
+from kvsparse.adapters.jax import embedding_lookup, make_anchor  # noqa: E402
 
 import kvsparse  # noqa: E402
 from kvsparse import errors, initializers, optimizers  # noqa: E402
-from kvsparse.adapters.jax import embedding_lookup, make_anchor  # noqa: E402
 
 LR = 0.5
 

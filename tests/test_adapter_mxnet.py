@@ -20,11 +20,11 @@ if "bool" not in vars(np):
     np.bool = bool  # MXNet 1.9.1 needs it to import; the adapter sets it too (tested below)
 mx = pytest.importorskip("mxnet")
 
+import kvsparse.adapters.mxnet as kam  # noqa: E402
 from conftest import REPO_ROOT, last_json, run_workers, subprocess_env  # noqa: E402
 from mxnet import autograd, gluon, nd  # noqa: E402
 from mxnet.base import _LIB, check_call  # noqa: E402
 
-import kvsparse.adapters.mxnet as kam  # noqa: E402
 from kvsparse import errors, optimizers  # noqa: E402
 
 ROWS, DIM = 40, 4

@@ -20,10 +20,10 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 from conftest import run_workers  # noqa: E402
+from kvsparse.adapters import tensorflow as kvtf  # noqa: E402
 
 import kvsparse  # noqa: E402
 from kvsparse import _core, errors, initializers, optimizers  # noqa: E402
-from kvsparse.adapters import tensorflow as kvtf  # noqa: E402
 
 
 @pytest.fixture

@@ -27,9 +27,10 @@ from conftest import (
 )
 
 import kvsparse
-from kvsparse import _core, checkpoint, errors, optimizers
-from kvsparse.kvstore import table_id_of
-from kvsparse.server import read_first_line
+from kvsparse import _core, errors, optimizers
+from kvsparse.placement import table_id_of
+from kvsparse.server.listening import read_first_line
+from kvsparse.shard import checkpoint
 
 IDS = np.arange(400, dtype=np.int64)
 
@@ -220,8 +221,8 @@ def test_restore_shard_reshards_by_key_hash(tmp_path):
     kv.save(tmp_path / "c")
     expected = kv.row_sparse_pull("emb", row_ids=IDS)
     dense = kv.pull("w")
-    from kvsparse.kvstore import dense_ranges
-    from kvsparse.shard import ShardState
+    from kvsparse.placement import dense_ranges
+    from kvsparse.shard.state import ShardState
 
     rows_seen = 0
     for index in range(3):

@@ -20,9 +20,11 @@ import zmq
 from conftest import ServerProcess
 
 import kvsparse
-from kvsparse import dist, errors, protocol
-from kvsparse.kvstore import table_id_of
-from kvsparse.protocol import FLAG_DECLARE, HEADER, ITEM_DTYPE, Header, Op
+from kvsparse import errors
+from kvsparse.client import remote as dist
+from kvsparse.placement import table_id_of
+from kvsparse.wire import protocol
+from kvsparse.wire.protocol import FLAG_DECLARE, HEADER, ITEM_DTYPE, Header, Op
 
 PROTOCOL_ERROR = protocol.ERROR_CODES[errors.ProtocolError]
 

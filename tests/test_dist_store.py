@@ -11,7 +11,8 @@ import pytest
 
 import kvsparse
 from kvsparse import errors, initializers, optimizers
-from kvsparse.kvstore import KeyInfo, table_id_of
+from kvsparse.placement import table_id_of
+from kvsparse.store.kvstore import KeyInfo
 
 SERVER_COUNTS = [1, 2, 3]
 

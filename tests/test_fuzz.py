@@ -28,11 +28,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvsparse
-from kvsparse import protocol
 from kvsparse.initializers import Zeros
 from kvsparse.optimizers import SGD
-from kvsparse.protocol import HEADER, Op
 from kvsparse.table import SparseTable
+from kvsparse.wire import protocol
+from kvsparse.wire.protocol import HEADER, Op
 
 FUZZ_MESSAGES = int(os.environ.get("KVSPARSE_FUZZ_MESSAGES", "100000"))
 BATCH = 2000

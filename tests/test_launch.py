@@ -28,7 +28,7 @@ from conftest import subprocess_env
 
 import kvsparse
 from kvsparse import errors
-from kvsparse.launch import launch, local_cluster
+from kvsparse.cluster.launch import launch, local_cluster
 
 JOB_TIMEOUT = 120.0
 PID_LINE = re.compile(r"kvsparse launch: (server|worker) (\d+) \(pid (\d+)\)")
@@ -403,7 +403,7 @@ def test_server_command_delegates_to_the_server(tmp_path):
     try:
         line = process.stdout.readline()
         assert line.startswith("kvsparse server listening on tcp://127.0.0.1:"), line
-        from kvsparse.dist import ping
+        from kvsparse.client.remote import ping
 
         assert ping(line.split()[-1], 10.0)
         process.send_signal(signal.SIGTERM)

@@ -366,7 +366,7 @@ def test_local_store_matches_numpy_model(case):
     np.testing.assert_allclose(kv.pull("w"), ref.pull("w"), rtol=1e-5, atol=1e-6)
     # Slots and step counters too, through the public optimizer-state file.
     state = kv._backend.state.optimizer_state()  # noqa: SLF001 - white-box check of slots
-    from kvsparse.kvstore import table_id_of
+    from kvsparse.placement import table_id_of
 
     for key in ("a", "b"):
         table, _ = ref.tables[key]

@@ -11,8 +11,8 @@ import zmq
 from conftest import ServerProcess
 
 import kvsparse
-from kvsparse.metrics import LATENCY_BUCKETS, ServerMetrics
-from kvsparse.server import read_first_line
+from kvsparse.server.listening import read_first_line
+from kvsparse.server.metrics import LATENCY_BUCKETS, ServerMetrics
 
 parser = pytest.importorskip("prometheus_client.parser")
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import zmq
 
-from kvsparse import errors, protocol
-from kvsparse.protocol import HEADER, HEADER_SIZE, Header, Op
+from kvsparse import errors
+from kvsparse.wire import protocol
+from kvsparse.wire.protocol import HEADER, HEADER_SIZE, Header, Op
 
 
 def raw_header(**fields):

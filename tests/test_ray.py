@@ -24,7 +24,7 @@ from conftest import REPO_ROOT, subprocess_env  # noqa: E402
 
 import kvsparse  # noqa: E402 - after the skips
 import kvsparse.ray as kvsparse_ray  # noqa: E402
-from kvsparse.dist import ping  # noqa: E402
+from kvsparse.client.remote import ping  # noqa: E402
 
 LEARNING_RATE = 0.5
 NUM_IDS = 40

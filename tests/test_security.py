@@ -13,9 +13,10 @@ import zmq
 from conftest import REPO_ROOT, ServerProcess, subprocess_env
 
 import kvsparse
-from kvsparse import errors, protocol, security
-from kvsparse.protocol import Op
-from kvsparse.server import DEFAULT_MAX_MESSAGE_SIZE, Server
+from kvsparse import errors
+from kvsparse.server.server import DEFAULT_MAX_MESSAGE_SIZE, Server
+from kvsparse.wire import protocol, security
+from kvsparse.wire.protocol import Op
 
 pytestmark = pytest.mark.skipif(
     not zmq.has("curve"), reason="this pyzmq's libzmq was built without CURVE"

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO_ROOT, subprocess_env
 
 import kvsparse
-from kvsparse import stats_cli
+from kvsparse.cli import stats as stats_cli
 
 pytest.importorskip("rich")
 

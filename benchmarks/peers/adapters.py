@@ -128,7 +128,6 @@ def interleaved(args, adapter: tuple, baseline: tuple) -> tuple[dict, dict]:
 
 def run_torch(work, args) -> tuple:
     import torch
-
     from kvsparse.adapters.torch import Embedding
 
     torch.set_num_threads(1)
@@ -149,7 +148,6 @@ def run_torch(work, args) -> tuple:
 
 def run_tensorflow(work, args) -> tuple:
     import tensorflow as tf
-
     from kvsparse.adapters.tensorflow import Embedding
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -172,9 +170,8 @@ def run_tensorflow(work, args) -> tuple:
 
 def run_mxnet(work, args) -> tuple:
     np.bool = bool  # MXNet 1.9.1 still uses the alias NumPy 1.24 removed
-    import mxnet as mx
-
     import kvsparse.adapters.mxnet  # noqa: F401  (registers the kvsparse store types)
+    import mxnet as mx
 
     kv = mx.kv.create("dist_sparse")
     shape = (work.fold_rows, wl.DIM)

@@ -2,7 +2,7 @@
 
 ``python raw_zmq.py serve --max-bytes N`` runs one ROUTER (until SIGTERM) that answers a
 pull request with a preallocated buffer of keys * dim float32 (sent without a copy) and a
-push request with its header. The frames have kvsparse's sizes (kvsparse.protocol): a
+push request with its header. The frames have kvsparse's sizes (kvsparse.wire.protocol): a
 56-byte header, a 24-byte item descriptor, then keys (pull) or keys + rows (push); a pull
 reply is header + descriptor + rows. The client side (`RawClient`) holds one DEALER per
 server, like a dist_sparse worker: it sends to every server first, then collects every
@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import zmq
 
-from kvsparse import protocol
+from kvsparse.wire import protocol
 
 # op, dim, request id, padded to kvsparse's header size.
 HEADER = struct.Struct(f"<IIQ{protocol.HEADER_SIZE - 16}x")

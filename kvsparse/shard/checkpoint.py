@@ -189,7 +189,7 @@ def write_shard_file(state, final_path: str, *, since: int | None, info: dict) -
     """Writes state's tables to final_path (tmp + fsync + rename).
 
     Args:
-        state: a `kvsparse.shard.ShardState`; it must not change while this
+        state: a `kvsparse.shard.state.ShardState`; it must not change while this
             runs (a forked child's image, or the caller's own thread).
         final_path: the shard file to create.
         since: None for a full snapshot; else only rows written at a change
@@ -478,7 +478,7 @@ def load_shard_state(state, path: str, shard_index: int, num_shards: int, seq=No
     complete one). With as many shards as were saved, only this shard's files
     are read; otherwise every old shard file is read and the rows whose
     `_core.shard_of(keys, num_shards)` is shard_index are kept (dense keys are
-    re-split by `kvsparse.kvstore.dense_ranges`).
+    re-split by `kvsparse.store.kvstore.dense_ranges`).
 
     Returns:
         The manifest loaded.
@@ -487,8 +487,8 @@ def load_shard_state(state, path: str, shard_index: int, num_shards: int, seq=No
         CheckpointError: no checkpoint, or a missing/corrupt/truncated file.
         InvalidArgument: a range-partitioned table onto another shard count.
     """
-    from kvsparse.kvstore import dense_ranges
-    from kvsparse.shard import DenseEntry
+    from kvsparse.placement import dense_ranges
+    from kvsparse.shard.state import DenseEntry
 
     if seq is None:
         manifest = latest_manifest(path)

@@ -10,7 +10,7 @@ Usage::
 The servers come from ``--servers`` or else from the cluster configuration
 (`kvsparse.config.from_environment`: ``KVSPARSE_SERVERS``, ``TF_CONFIG``,
 ``DMLC_*``). Each refresh sends every server one STATS request marked
-`kvsparse.protocol.FLAG_MONITOR`: the servers answer it without a HELLO and
+`kvsparse.wire.protocol.FLAG_MONITOR`: the servers answer it without a HELLO and
 do not count it as traffic, so watching a job does not change it.
 
 Two tables are printed: one row per shard (rows, bytes, requests, keys, keys/s)
@@ -33,8 +33,9 @@ import sys
 import time
 from typing import Optional, TextIO
 
-from kvsparse import errors, protocol
-from kvsparse.protocol import FLAG_MONITOR, Op
+from kvsparse import errors
+from kvsparse.wire import protocol
+from kvsparse.wire.protocol import FLAG_MONITOR, Op
 
 
 def fetch_stats(servers: list, timeout: float = 5.0, keys: Optional[str] = None) -> list:
@@ -64,7 +65,7 @@ def fetch_stats(servers: list, timeout: float = 5.0, keys: Optional[str] = None)
             sock.setsockopt(zmq.LINGER, 0)
             sockets.append(sock)
             if keys is not None:
-                from kvsparse import security
+                from kvsparse.wire import security
 
                 security.secure_client_socket(sock, keys)
             sock.connect(address)
@@ -312,7 +313,7 @@ def main(argv: Optional[list] = None, stdout: Optional[TextIO] = None) -> int:
         return 2
     keys = args.keys
     if keys is None:
-        from kvsparse import security
+        from kvsparse.wire import security
 
         keys = security.keys_from_environment()
     servers = found.servers

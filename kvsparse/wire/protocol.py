@@ -278,7 +278,7 @@ def stamp_incarnation(header_frame: bytes, incarnation: int) -> bytes:
     A server draws a random nonzero 32-bit incarnation when it starts; a
     client that sees it change knows the server restarted (and lost what it
     had not checkpointed), so it says HELLO again and resends what was in
-    flight (`kvsparse.dist`).
+    flight (`kvsparse.client.remote`).
     """
     return header_frame[: HEADER_SIZE - 4] + struct.pack("<I", incarnation)
 

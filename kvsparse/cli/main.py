@@ -11,7 +11,7 @@ Usage::
 `kvsparse.config.server_bind_address` (``KVSPARSE_BIND``,
 ``KVSPARSE_SERVER_ID``, ``TF_CONFIG`` task ``ps``, ``DMLC_ROLE=server``).
 
-Exit codes: ``launch`` returns the job's code (see `kvsparse.launch.launch`);
+Exit codes: ``launch`` returns the job's code (see `kvsparse.cluster.launch.launch`);
 1 for an error of the launcher itself; 2 for a usage error or a command that
 is not implemented yet; ``stats`` returns 1 when a server does not answer; ``keys DIR``
 returns 1 if the keys cannot be written.
@@ -174,7 +174,7 @@ def _launch_parser() -> argparse.ArgumentParser:
 
 
 def _launch(argv: list) -> int:
-    from kvsparse.launch import launch
+    from kvsparse.cluster.launch import launch
 
     parser = _launch_parser()
     if "--" in argv:
@@ -230,7 +230,7 @@ def _split_without_separator(parser: argparse.ArgumentParser, argv: list) -> tup
 def _server(argv: list) -> int:
     # kvsparse.server.main reads the bind address from the environment when no --bind is
     # given (kvsparse.config.server_bind_address), so the command delegates as is.
-    from kvsparse import server
+    from kvsparse.server import server
 
     result = server.main(argv)
     return 0 if result is None else int(result)
@@ -246,7 +246,7 @@ def _keys(argv: list) -> int:
     parser.add_argument("directory", metavar="DIR")
     parser.add_argument("--force", action="store_true", help="replace existing key files")
     args = parser.parse_args(argv)
-    from kvsparse import security
+    from kvsparse.wire import security
 
     try:
         paths = security.make_keys(args.directory, overwrite=args.force)
@@ -295,7 +295,7 @@ def main(argv: Optional[list] = None) -> int:
     if command == "keys":
         return _keys(rest)
     if command == "stats":
-        from kvsparse import stats_cli
+        from kvsparse.cli import stats as stats_cli
 
         return stats_cli.main(rest)
     return _not_implemented(command)

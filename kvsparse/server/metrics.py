@@ -23,7 +23,7 @@ Exported families (``op`` is the wire op name in lower case, e.g.
 - ``kvsparse_table_rows{table,kind}``, ``kvsparse_table_bytes{table,kind}``:
   what the shard holds now.
 - ``kvsparse_table_<field>{table,kind}``: every other numeric field that
-  `kvsparse.shard.ShardState.stats` reports for a table: for sparse tables
+  `kvsparse.shard.state.ShardState.stats` reports for a table: for sparse tables
   ``admissions``, ``evictions``, ``evicted_ttl``, ``evicted_capacity``,
   ``rejected`` (counters, ``_total``) and ``candidates`` (a gauge: ids seen
   but not admitted yet). A field the shard does not report is not exported.

@@ -1,14 +1,14 @@
 """The distributed store's client: `RemoteBackend` speaks the wire protocol to the servers.
 
 ``kvsparse.create('dist_sparse', ...)`` (and the other dist kinds) end up in
-`create_dist_store`, which returns a `kvsparse.kvstore.KVStore` over a
+`kvsparse.store.factory.create_remote_store`, which returns a KVStore over a
 `RemoteBackend`. The backend has one ZeroMQ DEALER socket per server. A call
 sends its requests to every server involved first and then collects the
 replies, so servers work in parallel; all tables touched by one call go to a
 server in one request. Pulls go to the servers that hold some of the keys;
 pushes go to every server (with no keys where a server holds none), so that
 BSP rounds, SSP clocks and per-table step counts agree on all shards. Keys
-and rows are sent and received without copies (see `kvsparse.protocol`).
+and rows are sent and received without copies (see `kvsparse.wire.protocol`).
 
 A store may be used from several threads (calls are serialized); a forked
 child must create its own store.
@@ -40,7 +40,7 @@ request id at most once. What a restarted server holds is what it restored
 replayed.
 
 Security: with ``keys=`` or ``KVSPARSE_KEYS`` (a ``kvsparse keys``
-directory) the sockets use CurveZMQ (`kvsparse.security`). A server that
+directory) the sockets use CurveZMQ (`kvsparse.wire.security`). A server that
 refuses the handshake (no keys, or keys it does not know) raises
 ServerUnavailable at once, naming the server.
 
@@ -61,19 +61,12 @@ import time
 import numpy as np
 import zmq
 
-from kvsparse import errors, protocol
-from kvsparse.kvstore import KVStore, dense_ranges
-from kvsparse.protocol import Op
+from kvsparse import errors
+from kvsparse.placement import dense_ranges
+from kvsparse.wire import protocol
+from kvsparse.wire.protocol import Op
 
 DEFAULT_TIMEOUT = 60.0
-
-_KIND_MODES = {
-    "dist_sparse": "bsp",
-    "dist_sync": "bsp",
-    "dist": "bsp",
-    "dist_async": "asp",
-    "dist_sparse_async": "asp",
-}
 
 
 def _context() -> zmq.Context:
@@ -90,7 +83,7 @@ def _new_socket(address: str, keys: str | None = None, connect: bool = True) -> 
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     if keys is not None:
-        from kvsparse import security
+        from kvsparse.wire import security
 
         try:
             security.secure_client_socket(sock, keys)
@@ -199,7 +192,7 @@ class RemoteBackend:
             retry_window = _retry_window_from_environment()
         self.retry_window = float(retry_window)
         if keys is None:
-            from kvsparse import security
+            from kvsparse.wire import security
 
             keys = security.keys_from_environment()
         self.keys = keys
@@ -750,7 +743,7 @@ class RemoteBackend:
         """{server: checkpoint request body} -> {server: decoded JSON reply}.
 
         The servers work in parallel (a save forks each one's writer); see
-        kvsparse.checkpoint for the actions.
+        kvsparse.shard.checkpoint for the actions.
         """
         frames = {s: (Op.CHECKPOINT, 0, 0, [protocol.encode_json(b)]) for s, b in requests.items()}
         replies = self._exchange(frames)
@@ -794,7 +787,7 @@ def ping(address: str, timeout: float = 1.0, keys: str | None = None) -> bool:
         False
     """
     if keys is None:
-        from kvsparse import security
+        from kvsparse.wire import security
 
         keys = security.keys_from_environment()
     sock = _new_socket(address, keys)
@@ -820,81 +813,4 @@ def ping(address: str, timeout: float = 1.0, keys: str | None = None) -> bool:
         sock.close(0)
 
 
-def create_dist_store(
-    kind: str = "dist_sparse",
-    servers=None,
-    rank=None,
-    num_workers=None,
-    timeout=None,
-    staleness=None,
-    retry_window=None,
-    keys=None,
-) -> KVStore:
-    """A KVStore whose tables live on `kvsparse server` processes.
-
-    Args:
-        kind: 'dist_sparse', 'dist_sync' or 'dist' (BSP), 'dist_async' or
-            'dist_sparse_async' (ASP).
-        servers: server addresses; None reads the configuration
-            (`kvsparse.config.from_environment`: KVSPARSE_*, TF_CONFIG,
-            DMLC_*, torchrun), and the other None arguments come from it too.
-            Given explicitly, rank defaults to 0 and num_workers to 1.
-        rank: this worker's rank.
-        num_workers: how many workers share the store.
-        timeout: seconds without an answer from a server before
-            ServerUnavailable (default 60).
-        staleness: k for SSP (a worker runs at most k pushes ahead); None
-            keeps the kind's mode.
-        retry_window: seconds to keep trying a restarted or silent server
-            before ServerUnavailable (see `RemoteBackend`); None:
-            ``KVSPARSE_RETRY_WINDOW`` or 0 (no retry).
-        keys: CurveZMQ key directory; None: ``KVSPARSE_KEYS`` or none.
-
-    Raises:
-        InvalidArgument: an unknown kind or a bad configuration.
-        ServerUnavailable: a server did not answer.
-
-    Example:
-        >>> kv = create_dist_store('dist_sync', servers=['tcp://127.0.0.1:5701'],
-        ...                        rank=0, num_workers=1)      # doctest: +SKIP
-    """
-    from kvsparse import config as cluster_config
-
-    kind = kind.lower()
-    if kind not in _KIND_MODES:
-        raise errors.InvalidArgument(
-            f"unknown dist store kind {kind!r}; use one of {sorted(_KIND_MODES)}"
-        )
-    if servers is None:
-        found = cluster_config.from_environment()
-        settings = {
-            "servers": found.servers,
-            "rank": found.rank if rank is None else rank,
-            "num_workers": found.num_workers if num_workers is None else num_workers,
-            "timeout": found.timeout if timeout is None else timeout,
-            "staleness": found.staleness if staleness is None else staleness,
-        }
-    else:
-        settings = {
-            "servers": list(servers) if isinstance(servers, (list, tuple)) else servers,
-            "rank": 0 if rank is None else rank,
-            "num_workers": 1 if num_workers is None else num_workers,
-            "timeout": timeout,
-            "staleness": staleness,
-        }
-    config = cluster_config.ClusterConfig(**settings)
-    mode = "ssp" if config.staleness is not None else _KIND_MODES[kind]
-    backend = RemoteBackend(
-        config.servers,
-        config.rank,
-        config.num_workers,
-        mode=mode,
-        staleness=config.staleness,
-        timeout=config.timeout,
-        retry_window=retry_window,
-        keys=keys,
-    )
-    return KVStore(backend, kind)
-
-
-__all__ = ["DEFAULT_TIMEOUT", "RETRY_WINDOW", "RemoteBackend", "create_dist_store", "ping"]
+__all__ = ["DEFAULT_TIMEOUT", "RETRY_WINDOW", "RemoteBackend", "ping"]

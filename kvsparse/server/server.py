@@ -10,14 +10,14 @@ once it is bound, then serves until SIGTERM or SIGINT. Without ``--bind`` it
 binds what the environment says (`kvsparse.config.server_bind_address`), else
 ``tcp://127.0.0.1:0``.
 
-The server holds a `kvsparse.shard.ShardState` (the same code the `local`
+The server holds a `kvsparse.shard.state.ShardState` (the same code the `local`
 store runs) and applies optimizers there. It learns the number of workers and
 the consistency mode from the first client's HELLO; a later HELLO that
 disagrees gets an error reply. The event loop is single-threaded: table
 operations release the GIL inside the C++ core, and waiting on the socket
 blocks in zmq_poll without the GIL.
 
-Consistency (see `kvsparse.dist` for the client side):
+Consistency (see `kvsparse.client.remote` for the client side):
 
 - BSP: a push of table T is held until every worker pushed T in this round;
   the pushes are then summed (in rank order), applied once, and every pusher
@@ -53,41 +53,12 @@ import traceback
 import numpy as np
 import zmq
 
-from kvsparse import errors, protocol
-from kvsparse.metrics import ServerMetrics, SnapshotChannel
-from kvsparse.protocol import FLAG_DECLARE, FLAG_MONITOR, MUTATING_OPS, Op
-from kvsparse.shard import ShardState
-
-# The one stdout line a server prints once it is bound (its address follows);
-# launch.py, ray.py and the test fixtures read it with read_first_line.
-LISTENING_PREFIX = "kvsparse server listening on "
-
-
-def read_first_line(stream, deadline: float) -> bytes:
-    """One line from a binary pipe (a server's stdout), or what arrived before EOF/deadline.
-
-    Reads without blocking past the deadline (time.monotonic() based), so a
-    server that never starts cannot hang its launcher.
-    """
-    import os
-    import selectors
-
-    selector = selectors.DefaultSelector()
-    selector.register(stream, selectors.EVENT_READ)
-    line = b""
-    try:
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not selector.select(remaining):
-                break
-            chunk = os.read(stream.fileno(), 1)
-            if not chunk:
-                break
-            line += chunk
-    finally:
-        selector.close()
-    return line
-
+from kvsparse import errors
+from kvsparse.server.listening import LISTENING_PREFIX
+from kvsparse.server.metrics import ServerMetrics, SnapshotChannel
+from kvsparse.shard.state import ShardState
+from kvsparse.wire import protocol
+from kvsparse.wire.protocol import FLAG_DECLARE, FLAG_MONITOR, MUTATING_OPS, Op
 
 MODES = ("bsp", "asp", "ssp")
 _U64 = struct.Struct("<Q")
@@ -191,7 +162,7 @@ class Server:
     Args:
         bind: ZeroMQ endpoint, e.g. ``tcp://127.0.0.1:0`` (port 0: any free port).
         context: a zmq.Context (default: a new one, terminated by close()).
-        keys: a directory made by ``kvsparse keys`` (`kvsparse.security`): the
+        keys: a directory made by ``kvsparse keys`` (`kvsparse.wire.security`): the
             server then speaks CurveZMQ only (encrypted), with its secret key
             from there, and accepts only clients whose public key is there.
             None: no authentication (bind to 127.0.0.1 then).
@@ -231,7 +202,7 @@ class Server:
         self._authenticator = None
         try:
             if keys is not None:
-                from kvsparse import security
+                from kvsparse.wire import security
 
                 self._authenticator = security.secure_server_socket(self.socket, self.context, keys)
             self.socket.bind(bind)
@@ -337,7 +308,7 @@ class Server:
             pass
 
     def metrics_snapshot(self) -> dict:
-        """Counters and table sizes, copied (call on the serving thread; see kvsparse.metrics)."""
+        """Counters and table sizes, copied (serving thread only; see server.metrics)."""
         return self.metrics.snapshot(self._table_names(), self.state.stats())
 
     def _table_names(self) -> dict:
@@ -900,10 +871,10 @@ class Server:
             raise errors.ProtocolError("EVICT takes no payload")
         return [protocol.encode_json(self.state.evict())]
 
-    # -- checkpoints (kvsparse.checkpoint) -------------------------------------------------------
+    # -- checkpoints (kvsparse.shard.checkpoint) -------------------------------------------
 
     def _checkpoint(self, header, payload, pending):
-        from kvsparse import checkpoint
+        from kvsparse.shard import checkpoint
 
         body = _json_payload(payload, "CHECKPOINT")
         shard_index, num_shards = self.config["server_index"], self.config["num_servers"]
@@ -1127,7 +1098,7 @@ def main(argv=None) -> int:
         print(f"kvsparse server: {exc}", file=sys.stderr)
         return 2
     if args.restore is not None:
-        from kvsparse import checkpoint
+        from kvsparse.shard import checkpoint
 
         try:
             checkpoint.restore_shard(server.state, args.restore, args.shard_index, args.num_shards)
@@ -1138,7 +1109,7 @@ def main(argv=None) -> int:
 
     httpd = None
     if args.metrics_port is not None:
-        from kvsparse import metrics
+        from kvsparse.server.server import metrics
 
         try:
             httpd, _, metrics_port = metrics.start_http_server(

@@ -72,14 +72,14 @@ class ShardState:
         self.dense: dict[int, DenseEntry] = {}
         self.default_optimizer: dict | None = None
         self.counters = ShardCounters()
-        # Checkpoints (kvsparse.checkpoint): rows written now are stamped with
+        # Checkpoints (kvsparse.shard.checkpoint): rows written now are stamped with
         # change_epoch; saved_epoch is the epoch the last save or load covered.
         self.change_epoch = 1
         self.saved_epoch = 0
         self.checkpoint_base: tuple | None = None  # (realpath, seq) last saved or loaded
 
     def set_change_epoch(self, epoch: int) -> None:
-        """Stamps later writes of every sparse table with epoch (see kvsparse.checkpoint)."""
+        """Stamps later writes of every sparse table with epoch (see kvsparse.shard.checkpoint)."""
         self.change_epoch = epoch
         for entry in self.sparse.values():
             entry.table.change_epoch = epoch

@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 
@@ -32,18 +31,8 @@ import numpy as np
 
 from kvsparse import _core, errors, optimizers
 from kvsparse.arrays import as_float32, as_ids, as_numpy, flat_ids, rows_view
+from kvsparse.placement import dense_ranges, table_id_of
 from kvsparse.table import SparseTable
-
-
-def table_id_of(key) -> int:
-    """The 64-bit wire id of a key: a fixed hash, so every worker agrees on it."""
-    text = ("s:" if isinstance(key, str) else "i:") + str(key)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-
-
-def dense_ranges(size: int, num_shards: int) -> list[tuple[int, int]]:
-    """Contiguous [start, stop) ranges of a flat dense array, one per shard (TensorNet)."""
-    return [(s * size // num_shards, (s + 1) * size // num_shards) for s in range(num_shards)]
 
 
 @dataclass

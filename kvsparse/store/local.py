@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvsparse.shard import ShardState
+from kvsparse.shard.state import ShardState
 
 
 class LocalBackend:
@@ -62,8 +62,8 @@ class LocalBackend:
             self.state.load_optimizer_state(table_id, state)
 
     def checkpoint(self, requests):
-        """{shard: request body} -> {shard: reply} (see kvsparse.checkpoint.handle)."""
-        from kvsparse import checkpoint
+        """{shard: request body} -> {shard: reply} (see kvsparse.shard.checkpoint.handle)."""
+        from kvsparse.shard import checkpoint
 
         return {s: checkpoint.handle(self.state, body, 0, 1) for s, body in requests.items()}
 

@@ -29,7 +29,7 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   with ``--restore CHECKPOINT_DIR --shard-index I --num-shards N`` when
   ``checkpoint_dir`` holds a complete checkpoint; the workers get
   ``KVSPARSE_RETRY_WINDOW`` so that they say HELLO again and resend what
-  was in flight (`kvsparse.dist`). Without it a dead server ends the job.
+  was in flight (`kvsparse.client.remote`). Without it a dead server ends the job.
 - ``checkpoint_dir`` (``--checkpoint-dir``) reaches the workers as
   ``KVSPARSE_CHECKPOINT_DIR``; ``keys`` (``--keys``, a ``kvsparse keys``
   directory) makes the servers CurveZMQ-only and reaches the workers as
@@ -40,7 +40,7 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
 
 Example:
     >>> import sys
-    >>> from kvsparse.launch import launch
+    >>> from kvsparse.cluster.launch import launch
     >>> script = 'import kvsparse; print(kvsparse.create("dist_sparse").rank)'
     >>> launch([sys.executable, '-c', script], num_servers=2, num_workers=2)  # doctest: +SKIP
     [worker 0] 0
@@ -65,7 +65,7 @@ from typing import Optional, TextIO
 
 import kvsparse
 from kvsparse import config, errors
-from kvsparse.server import LISTENING_PREFIX
+from kvsparse.server.listening import LISTENING_PREFIX
 
 _LISTENING = re.compile(re.escape(LISTENING_PREFIX.encode()) + rb"(tcp://\S+)")
 # Variables the launcher sets itself; --env may not override them.
@@ -293,7 +293,7 @@ class _Cluster:
                     "(see its [server] lines above)"
                 )
             self.log(f"server {child.index} (pid {child.pid}) listening on {child.address}")
-        from kvsparse.dist import ping
+        from kvsparse.client.remote import ping
 
         for child in self.servers:
             while not ping(
@@ -466,7 +466,7 @@ def _signals_stop(cluster: _Cluster) -> Iterator[None]:
 
 def _has_checkpoint(path: str) -> bool:
     """True if path holds a complete checkpoint (a committed manifest)."""
-    from kvsparse import checkpoint
+    from kvsparse.shard import checkpoint
 
     try:
         return checkpoint.latest_manifest(path) is not None
@@ -558,7 +558,7 @@ def launch(
     config.ClusterConfig(["tcp://127.0.0.1:1"], 0, num_workers, timeout, staleness)
     cluster = _Cluster(_Output(stdout or sys.stdout), _Output(stderr or sys.stderr), grace_period)
     if keys is not None:
-        from kvsparse import security
+        from kvsparse.wire import security
 
         keys = os.path.abspath(os.fspath(keys))
         # Fails now, before anything starts, if the directory has no usable keys.

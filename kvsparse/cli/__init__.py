@@ -1,0 +1,1 @@
+"""The ``kvsparse`` command line: ``launch``, ``server``, ``stats``, ``keys``."""

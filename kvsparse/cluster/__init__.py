@@ -1,0 +1,6 @@
+"""The cluster wing: starting and watching server and worker processes.
+
+`launch` runs a whole job on this host (``kvsparse launch -s S -n N --
+cmd``). It starts servers as child processes and never imports the server
+code beyond reading their listening line.
+"""

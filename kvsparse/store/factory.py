@@ -1,0 +1,139 @@
+"""Which store `kvsparse.create(name)` builds: a backend behind the KVStore API.
+
+``'local'`` is one shard in this process (`kvsparse.store.local`); the dist
+kinds talk to `kvsparse server` processes through `kvsparse.client`. The
+environment is read here, through `kvsparse.config`, never below.
+
+Safe to call from several threads (each call builds a new store).
+
+Example:
+    >>> import kvsparse
+    >>> kvsparse.create("local").type
+    'local'
+"""
+
+from __future__ import annotations
+
+from kvsparse import config as cluster_config
+from kvsparse import errors
+from kvsparse.store.kvstore import KVStore
+
+LOCAL_KINDS = ("local", "device", "local_update_cpu", "local_allreduce_cpu")
+# A dist kind and the consistency mode its servers run.
+_KIND_MODES = {
+    "dist_sparse": "bsp",
+    "dist_sync": "bsp",
+    "dist": "bsp",
+    "dist_async": "asp",
+    "dist_sparse_async": "asp",
+}
+
+
+def create(name: str = "local", **kwargs) -> KVStore:
+    """Creates a KVStore.
+
+    Args:
+        name: 'local' (one in-process shard), or 'dist_sparse' / 'dist_sync'
+            (BSP), 'dist_async' (ASP) for the ZeroMQ servers; ``staleness=k``
+            gives SSP.
+        **kwargs: for dist kinds: servers=[addresses], rank=, num_workers=,
+            timeout=, staleness=, retry_window=, keys= (default: what the
+            launcher or the environment set; see `create_remote_store`).
+
+    Raises:
+        InvalidArgument (a ValueError): an unknown kind, or options for 'local'.
+    """
+    if not isinstance(name, str):
+        raise errors.InvalidArgument(f"store kind must be a str, got {name!r}")
+    kind = name.lower()
+    if kind in LOCAL_KINDS:
+        if kwargs:
+            raise errors.InvalidArgument(f"the local store takes no options, got {sorted(kwargs)}")
+        from kvsparse.store.local import LocalBackend
+
+        return KVStore(LocalBackend(), "local")
+    if kind in _KIND_MODES:
+        return create_remote_store(kind, **kwargs)
+    raise errors.InvalidArgument(
+        f"unknown store kind {name!r}; use 'local', 'dist_sparse', 'dist_sync' or 'dist_async'"
+    )
+
+
+def create_remote_store(
+    kind: str = "dist_sparse",
+    servers=None,
+    rank=None,
+    num_workers=None,
+    timeout=None,
+    staleness=None,
+    retry_window=None,
+    keys=None,
+) -> KVStore:
+    """A KVStore whose tables live on `kvsparse server` processes.
+
+    Args:
+        kind: 'dist_sparse', 'dist_sync' or 'dist' (BSP), 'dist_async' or
+            'dist_sparse_async' (ASP).
+        servers: server addresses; None reads the configuration
+            (`kvsparse.config.from_environment`: KVSPARSE_*, TF_CONFIG,
+            DMLC_*, torchrun), and the other None arguments come from it too.
+            Given explicitly, rank defaults to 0 and num_workers to 1.
+        rank: this worker's rank.
+        num_workers: how many workers share the store.
+        timeout: seconds without an answer from a server before
+            ServerUnavailable (default 60).
+        staleness: k for SSP (a worker runs at most k pushes ahead); None
+            keeps the kind's mode.
+        retry_window: seconds to keep trying a restarted or silent server
+            before ServerUnavailable (see `RemoteBackend`); None:
+            ``KVSPARSE_RETRY_WINDOW`` or 0 (no retry).
+        keys: CurveZMQ key directory; None: ``KVSPARSE_KEYS`` or none.
+
+    Raises:
+        InvalidArgument: an unknown kind or a bad configuration.
+        ServerUnavailable: a server did not answer.
+
+    Example:
+        >>> kv = create_remote_store('dist_sync', servers=['tcp://127.0.0.1:5701'],
+        ...                        rank=0, num_workers=1)      # doctest: +SKIP
+    """
+    kind = kind.lower()
+    if kind not in _KIND_MODES:
+        raise errors.InvalidArgument(
+            f"unknown dist store kind {kind!r}; use one of {sorted(_KIND_MODES)}"
+        )
+    if servers is None:
+        found = cluster_config.from_environment()
+        settings = {
+            "servers": found.servers,
+            "rank": found.rank if rank is None else rank,
+            "num_workers": found.num_workers if num_workers is None else num_workers,
+            "timeout": found.timeout if timeout is None else timeout,
+            "staleness": found.staleness if staleness is None else staleness,
+        }
+    else:
+        settings = {
+            "servers": list(servers) if isinstance(servers, (list, tuple)) else servers,
+            "rank": 0 if rank is None else rank,
+            "num_workers": 1 if num_workers is None else num_workers,
+            "timeout": timeout,
+            "staleness": staleness,
+        }
+    config = cluster_config.ClusterConfig(**settings)
+    mode = "ssp" if config.staleness is not None else _KIND_MODES[kind]
+    from kvsparse.client.remote import RemoteBackend
+
+    backend = RemoteBackend(
+        config.servers,
+        config.rank,
+        config.num_workers,
+        mode=mode,
+        staleness=config.staleness,
+        timeout=config.timeout,
+        retry_window=cluster_config.retry_window() if retry_window is None else retry_window,
+        keys=cluster_config.curve_keys() if keys is None else keys,
+    )
+    return KVStore(backend, kind)
+
+
+__all__ = ["LOCAL_KINDS", "create", "create_remote_store"]
