@@ -32,6 +32,7 @@ Errors: a missing, truncated or corrupt file raises `CheckpointError`
 
 from __future__ import annotations
 
+import enum
 import json
 import mmap
 import os
@@ -68,6 +69,22 @@ _TEST_HOOK_ENV = "KVSPARSE_TEST_SAVE_HOOK"
 
 class CheckpointError(errors.InvalidArgument):
     """A checkpoint file is missing, truncated, corrupt or of an unknown version."""
+
+
+class CheckpointAction(str, enum.Enum):
+    """The ``action`` field of a CHECKPOINT request body.
+
+    A ``str`` enum: a member equals (and JSON-encodes as) its value, so bodies
+    built with it and bodies decoded from the wire compare the same. Immutable,
+    so safe to use from any thread.
+    """
+
+    PREPARE = "prepare"  # server 0: next sequence number and the latest manifest
+    SAVE = "save"  # every server: write its shard file (full or incremental)
+    COMMIT = "commit"  # server 0: check the shard files, write the manifest
+    LOAD = "load"  # every server: replace its tables with the checkpoint's
+    DESCRIBE = "describe"  # server 0: the manifest a load used (or the latest)
+    EXPORT = "export"  # every server: keys and values as .npz for serving
 
 
 def shard_file_name(seq: int, shard_index: int, num_shards: int) -> str:
@@ -657,20 +674,23 @@ def export_shard(state, path: str, shard_index: int, num_shards: int, table_ids,
 def handle(state, body: dict, shard_index: int, num_shards: int) -> dict:
     """Runs a checkpoint request body in-process (the local store; inline server actions).
 
-    Actions: "prepare", "save" (full or incremental), "commit", "load", "export".
+    Actions: the `CheckpointAction` members.
     """
-    action = body.get("action")
     path = body.get("path")
     if not isinstance(path, str) or not path:
         raise errors.InvalidArgument("checkpoint path must be a non-empty str")
-    if action == "prepare":
+    try:
+        action = CheckpointAction(body.get("action"))
+    except ValueError:
+        raise errors.InvalidArgument(f"unknown checkpoint action {body.get('action')!r}") from None
+    if action is CheckpointAction.PREPARE:
         return prepare(path)
-    if action == "commit":
+    if action is CheckpointAction.COMMIT:
         commit(path, body["manifest"])
         return {}
-    if action == "load":
+    if action is CheckpointAction.LOAD:
         return load_shard_state(state, path, shard_index, num_shards)
-    if action == "describe":
+    if action is CheckpointAction.DESCRIBE:
         base = state.checkpoint_base
         if base is not None and base[0] == os.path.realpath(path):
             return read_manifest(path, base[1])
@@ -678,21 +698,18 @@ def handle(state, body: dict, shard_index: int, num_shards: int) -> dict:
         if manifest is None:
             raise CheckpointError(f"{path}: no complete checkpoint found")
         return manifest
-    if action == "save":
+    if action is CheckpointAction.SAVE:
         since, epoch = begin_save(state, bool(body.get("incremental")), path, body.get("parent"))
         result = save_shard(
             state, path, int(body["seq"]), shard_index, num_shards, since, body.get("parent")
         )
         end_save(state, path, int(body["seq"]), epoch)
         return result
-    if action == "export":
-        return export_shard(
-            state, path, shard_index, num_shards, body["table_ids"], body["export_id"]
-        )
-    raise errors.InvalidArgument(f"unknown checkpoint action {action!r}")
+    return export_shard(state, path, shard_index, num_shards, body["table_ids"], body["export_id"])
 
 
 __all__ = [
+    "CheckpointAction",
     "CheckpointError",
     "FORMAT",
     "VERSION",
