@@ -720,3 +720,17 @@ __all__ = [
     "parse_server_address",
     "server_bind_address",
 ]
+
+
+def mxnet_role(environ: Optional[Mapping] = None) -> Optional[str]:
+    """``DMLC_ROLE``, which makes ``import mxnet`` start a ps-lite node, or None.
+
+    The MXNet adapter reads it before importing MXNet, to refuse a server or
+    scheduler role with a message instead of hanging. Safe from any thread.
+
+    Example:
+        >>> mxnet_role({"DMLC_ROLE": "server"})
+        'server'
+    """
+    environ = os.environ if environ is None else environ
+    return _get(environ, "DMLC_ROLE")
