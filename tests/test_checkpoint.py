@@ -188,9 +188,9 @@ def test_corrupt_or_truncated_files_are_a_clear_error(tmp_path, damage):
     if damage == "truncate":
         data = data[: len(data) // 2]
     elif damage == "flip_block":
-        data[checkpoint._HEAD.size + 10] ^= 0xFF
+        data[checkpoint.format.HEADER.size + 10] ^= 0xFF
     elif damage == "flip_index":
-        data[-checkpoint._TAIL.size - 5] ^= 0xFF
+        data[-checkpoint.format.TRAILER.size - 5] ^= 0xFF
     elif damage == "version":
         data[8] = 99
     else:
@@ -338,8 +338,35 @@ def test_save_while_training_kill_all_servers_load_onto_three(server_factory, tm
     _same_states(path + "/states-resume-final.npz", path + "/states-train-final.npz")
 
 
+# `python -m kvsparse.server` whose shard writers obey a hook file: after a writer's first
+# block, the file's content "sleep" stops it for a minute, "die" makes it exit at once (a
+# crash mid-write). The patch is made before the server starts, so its forked writers
+# inherit it. Usage: python -c HOOKED_SERVER HOOK_FILE [server args...]
+HOOKED_SERVER = r"""
+import os, runpy, sys, time
+from kvsparse.shard.checkpoint.format import BlockWriter
+
+hook = sys.argv.pop(1)
+plain_block = BlockWriter.block
+
+def block(self, arrays, rows=0):
+    entry = plain_block(self, arrays, rows)
+    if self.blocks == 1 and os.path.exists(hook):
+        with open(hook) as f:
+            action = f.read().strip()
+        if action == "sleep":
+            time.sleep(60)
+        elif action == "die":
+            os._exit(3)
+    return entry
+
+BlockWriter.block = block
+runpy.run_module("kvsparse.server", run_name="__main__", alter_sys=True)
+"""
+
+
 class _HookedServer(ServerProcess):
-    """A server whose checkpoint writer obeys the test hook file."""
+    """A server whose checkpoint writer obeys the test hook file (HOOKED_SERVER)."""
 
     def __init__(self, hook):
         import tempfile
@@ -347,10 +374,10 @@ class _HookedServer(ServerProcess):
         self.stderr = tempfile.TemporaryFile()
         self.later_output = b""
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvsparse.server", "--bind", "tcp://127.0.0.1:0"],
+            [sys.executable, "-c", HOOKED_SERVER, str(hook), "--bind", "tcp://127.0.0.1:0"],
             stdout=subprocess.PIPE,
             stderr=self.stderr,
-            env={**subprocess_env(), checkpoint._TEST_HOOK_ENV: str(hook)},
+            env=subprocess_env(),
         )
         line = read_first_line(self.process.stdout, time.monotonic() + SERVER_START_TIMEOUT)
         self.first_line = line.decode(errors="replace")
@@ -467,3 +494,23 @@ def test_save_and_load_without_a_path_use_the_launchers_checkpoint_dir(tmp_path,
     other = kvsparse.create("local")
     other.load()
     np.testing.assert_array_equal(other.row_sparse_pull("t", row_ids=np.array([3])), [[1, 1]])
+
+
+def test_checkpoint_actions_travel_as_plain_strings(tmp_path):
+    action = checkpoint.CheckpointAction.PREPARE
+    assert action == "prepare" and json.dumps({"action": action}) == '{"action": "prepare"}'
+    assert {a.value for a in checkpoint.CheckpointAction} == {
+        "prepare",
+        "save",
+        "commit",
+        "load",
+        "describe",
+        "export",
+    }
+    state = kvsparse.create("local")._backend.state
+    reply = checkpoint.handle(state, {"action": "prepare", "path": str(tmp_path / "c")}, 0, 1)
+    assert reply == {"seq": 1, "latest": None}
+    with pytest.raises(errors.InvalidArgument, match="unknown checkpoint action 'rename'"):
+        checkpoint.handle(state, {"action": "rename", "path": str(tmp_path)}, 0, 1)
+    with pytest.raises(errors.InvalidArgument, match="non-empty str"):
+        checkpoint.handle(state, {"action": action}, 0, 1)

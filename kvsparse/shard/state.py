@@ -22,9 +22,17 @@ import numpy as np
 from kvsparse import _core, errors
 from kvsparse.table import policy_of
 
+# What sparse_entry / dense_entry say when the key exists as the other kind.
+_DENSE_NOT_SPARSE = (
+    "key {name!r} is dense; use pull/push, not row_sparse_pull or a push of (ids, rows)"
+)
+_SPARSE_NOT_DENSE = "key {name!r} is a sparse table; use row_sparse_pull and push (ids, rows)"
+
 
 @dataclass
 class SparseEntry:
+    """A sparse table of this shard: its key name, spec and rows (ShardState's thread rule)."""
+
     name: str
     spec: dict
     table: _core.Table
@@ -33,6 +41,11 @@ class SparseEntry:
 
 @dataclass
 class DenseEntry:
+    """This shard's slice of a dense key, its optimizer slots and step counter.
+
+    Part of a ShardState: used by one thread at a time, like it.
+    """
+
     name: str
     values: np.ndarray  # this shard's slice, float32 1-D
     optimizer_spec: dict | None
@@ -51,6 +64,12 @@ class DenseEntry:
             self.optimizer = _core.Optimizer(spec)
             self.slots = self.optimizer.initial_slots(self.values.size)
 
+    def slots_array(self) -> np.ndarray:
+        """The slots, (num_slots, size) float32; (0, size) when the key has no optimizer."""
+        if self.slots is None:
+            return np.empty((0, self.values.size), np.float32)
+        return self.slots
+
 
 @dataclass
 class ShardCounters:
@@ -61,6 +80,10 @@ class ShardCounters:
 
 class ShardState:
     """One shard's tables and dense slices.
+
+    Not thread-safe: one thread uses a ShardState at a time (a server's loop
+    thread; the local store's caller). A server's forked checkpoint writer
+    reads its own copy-on-write image of it.
 
     Example:
         >>> state = ShardState()
@@ -78,6 +101,12 @@ class ShardState:
         self.saved_epoch = 0
         self.checkpoint_base: tuple | None = None  # (realpath, seq) last saved or loaded
 
+    def clear(self) -> None:
+        """Drops every table and dense key and the store-wide optimizer (before a load)."""
+        self.sparse.clear()
+        self.dense.clear()
+        self.default_optimizer = None
+
     def set_change_epoch(self, epoch: int) -> None:
         """Stamps later writes of every sparse table with epoch (see kvsparse.shard.checkpoint)."""
         self.change_epoch = epoch
@@ -87,26 +116,12 @@ class ShardState:
     # -- lookup helpers -------------------------------------------------------------------
 
     def sparse_entry(self, table_id: int) -> SparseEntry:
-        entry = self.sparse.get(table_id)
-        if entry is None:
-            if table_id in self.dense:
-                raise errors.InvalidArgument(
-                    f"key {self.dense[table_id].name!r} is dense; use pull/push, "
-                    "not row_sparse_pull or a push of (ids, rows)"
-                )
-            raise errors.UnknownKey(f"table id {table_id:#x} is not initialized on this shard")
-        return entry
+        """The sparse table table_id; UnknownKey if absent, InvalidArgument if it is dense."""
+        return _entry_of(table_id, self.sparse, self.dense, _DENSE_NOT_SPARSE)
 
     def dense_entry(self, table_id: int) -> DenseEntry:
-        entry = self.dense.get(table_id)
-        if entry is None:
-            if table_id in self.sparse:
-                raise errors.InvalidArgument(
-                    f"key {self.sparse[table_id].name!r} is a sparse table; "
-                    "use row_sparse_pull and push (ids, rows)"
-                )
-            raise errors.UnknownKey(f"table id {table_id:#x} is not initialized on this shard")
-        return entry
+        """The dense key table_id; UnknownKey if absent, InvalidArgument if it is sparse."""
+        return _entry_of(table_id, self.dense, self.sparse, _SPARSE_NOT_DENSE)
 
     # -- creation and configuration ----------------------------------------------------------
 
@@ -259,10 +274,7 @@ class ShardState:
                 "table_step": entry.table.table_step,
             }
         for table_id, entry in self.dense.items():
-            slots = entry.slots
-            if slots is None:
-                slots = np.empty((0, entry.values.size), np.float32)
-            state[table_id] = {"slots": slots, "step": entry.step}
+            state[table_id] = {"slots": entry.slots_array(), "step": entry.step}
         return state
 
     def load_optimizer_state(self, table_id: int, state: dict) -> None:
@@ -282,7 +294,7 @@ class ShardState:
             return
         entry = self.dense_entry(table_id)
         slots = np.ascontiguousarray(state["slots"], np.float32)
-        current = entry.slots if entry.slots is not None else np.empty((0, entry.values.size))
+        current = entry.slots_array()
         if slots.shape != current.shape:
             raise errors.ShapeError(
                 f"key {entry.name!r}: saved slots have shape {slots.shape}, "
@@ -318,3 +330,13 @@ class ShardState:
             "keys": self.counters.keys,
             "keys_per_second": self.counters.keys / elapsed,
         }
+
+
+def _entry_of(table_id: int, entries: dict, other_kind: dict, wrong_kind: str):
+    """entries[table_id], else the error that says why the key is not there."""
+    entry = entries.get(table_id)
+    if entry is not None:
+        return entry
+    if table_id in other_kind:
+        raise errors.InvalidArgument(wrong_kind.format(name=other_kind[table_id].name))
+    raise errors.UnknownKey(f"table id {table_id:#x} is not initialized on this shard")

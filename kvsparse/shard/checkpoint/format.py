@@ -1,0 +1,228 @@
+"""The shard file format: framing, checksummed blocks, the index, and its version.
+
+A shard file (docs/checkpoint-format.md) is::
+
+    HEADER (magic, version, flags) | block | block | ... | index JSON | TRAILER
+
+Each block is arrays written back to back; the index (JSON) names every
+block's offset, length and CRC-32, and the trailer holds the index's length,
+its CRC-32 and an end magic, so a truncated file is recognised. This module
+owns the bytes: `BlockWriter` writes them, `read_shard_file` / `ShardFile`
+read and check them. What the index's sections mean (tables, rows) belongs to
+`kvsparse.shard.checkpoint.shard_io`.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import sys
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvsparse import errors
+from kvsparse.shard.checkpoint.files import AtomicFile
+
+FORMAT = "kvsparse-checkpoint"
+VERSION = 1
+MAGIC = b"KVSPCKPT"
+END_MAGIC = b"KVSPEND1"
+# magic (8) + version (u32) + flags (u32)
+HEADER = struct.Struct("<8sII")
+# index length (u64) + index crc32 (u32) + end magic (8)
+TRAILER = struct.Struct("<QI8s")
+BLOCK_ROWS = 65536
+PROGRESS_ROWS = 1_000_000  # a tqdm bar for files with at least this many rows
+
+
+class CheckpointError(errors.InvalidArgument):
+    """A checkpoint file is missing, truncated, corrupt or of an unknown version."""
+
+
+def progress_bar(total_rows: int, desc: str):
+    """A tqdm bar on stderr for at least PROGRESS_ROWS rows, else None."""
+    if total_rows < PROGRESS_ROWS:
+        return None
+    from tqdm import tqdm  # only for large files: keeps tqdm off the import path
+
+    return tqdm(total=total_rows, unit="rows", desc=desc, file=sys.stderr, mininterval=2.0)
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+class BlockWriter:
+    """Writes one shard file: the header, checksummed blocks, then the index (finish).
+
+    The file lives under a temporary name until finish() renames it, so an
+    aborted or crashed writer never leaves a file a reader would take.
+    Not thread-safe: one thread (a server's forked writer, or the local
+    store's caller) writes one file.
+
+    Args:
+        final_path: the shard file to create.
+        total_rows: rows the file will hold (for the progress bar).
+        desc: the progress bar's label.
+    """
+
+    def __init__(self, final_path: str, total_rows: int, desc: str):
+        self._out = AtomicFile(final_path)
+        self._out.file.write(HEADER.pack(MAGIC, VERSION, 0))
+        self._offset = HEADER.size
+        self.blocks = 0  # blocks written so far
+        self._progress = progress_bar(total_rows, desc)
+
+    def block(self, arrays: list[np.ndarray], rows: int = 0) -> dict:
+        """Writes arrays back to back; returns their entry {"offset", "length", "crc32"}.
+
+        rows: how far to advance the progress bar.
+        """
+        start, crc = self._offset, 0
+        for array in arrays:
+            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            if not data.nbytes:
+                continue
+            crc = zlib.crc32(data, crc)
+            self._out.file.write(data)
+            self._offset += data.nbytes
+        self.blocks += 1
+        if self._progress is not None and rows:
+            self._progress.update(rows)
+        return {"offset": start, "length": self._offset - start, "crc32": crc}
+
+    def sparse_block(self, keys, values, slots, steps) -> dict:
+        """Writes rows of a sparse table; the entry `ShardFile.sparse_blocks` reads."""
+        return {"rows": int(keys.size), **self.block([keys, values, slots, steps], rows=keys.size)}
+
+    def removed_block(self, ids: np.ndarray) -> dict:
+        """Writes the ids removed from a table; the entry `ShardFile.removed` reads."""
+        return {"rows": int(ids.size), **self.block([ids])}
+
+    def finish(self, index: dict) -> int:
+        """Writes the index and trailer, then renames the file into place; returns its size."""
+        body = json.dumps(index, separators=(",", ":")).encode()
+        self._out.file.write(body)
+        self._out.file.write(TRAILER.pack(len(body), zlib.crc32(body), END_MAGIC))
+        size = self._out.commit()
+        self._close_progress()
+        return size
+
+    def abort(self) -> None:
+        """Removes the unfinished file."""
+        self._close_progress()
+        self._out.abort()
+
+    def _close_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardFile:
+    """An opened, validated shard file: its index and raw bytes (a read-only map).
+
+    Each section is checked against its CRC-32 when read. Arrays returned are
+    read-only views of the file. Safe to read from several threads at once.
+    """
+
+    path: str
+    index: dict
+    data: memoryview = field(repr=False)
+
+    def section(self, entry: dict) -> memoryview:
+        """The bytes of a block entry, after checking its bounds and CRC-32."""
+        start, length = int(entry["offset"]), int(entry["length"])
+        if start < HEADER.size or start + length > len(self.data):
+            raise CheckpointError(f"{self.path}: a section lies outside the file (corrupt index)")
+        view = self.data[start : start + length]
+        if zlib.crc32(view) != int(entry["crc32"]):
+            raise CheckpointError(
+                f"{self.path}: checksum mismatch in the section at byte {start} (corrupt file)"
+            )
+        return view
+
+    def sparse_blocks(self, section: dict):
+        """Yields (keys, values, slots, steps) of each block of a sparse table section."""
+        dim, num_slots = int(section["dim"]), int(section["num_slots"])
+        for block in section["blocks"]:
+            n = int(block["rows"])
+            expected = n * (8 + 4 * dim + 4 * num_slots * dim + 8)
+            if int(block["length"]) != expected:
+                raise CheckpointError(f"{self.path}: block length does not match its row count")
+            raw = self.section(block)
+            a = 8 * n
+            b = a + 4 * n * dim
+            c = b + 4 * n * num_slots * dim
+            keys = np.frombuffer(raw[:a], np.int64)
+            values = np.frombuffer(raw[a:b], np.float32).reshape(n, dim)
+            slots = np.frombuffer(raw[b:c], np.float32).reshape(n, num_slots, dim)
+            steps = np.frombuffer(raw[c:], np.int64)
+            yield keys, values, slots, steps
+
+    def removed(self, section: dict) -> np.ndarray:
+        """The ids a delta's sparse table section removed (empty for a full checkpoint)."""
+        entry = section.get("removed")
+        if not entry:
+            return np.empty(0, np.int64)
+        raw = self.section(entry)
+        if len(raw) != 8 * int(entry["rows"]):
+            raise CheckpointError(f"{self.path}: removed-ids section has the wrong length")
+        return np.frombuffer(raw, np.int64)
+
+    def dense(self, section: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(values, slots) of a dense key's section: (size,) and (num_slots, size) float32."""
+        size, num_slots = int(section["size"]), int(section["num_slots"])
+        if int(section["length"]) != 4 * size * (1 + num_slots):
+            raise CheckpointError(f"{self.path}: dense section has the wrong length")
+        raw = self.section(section)
+        values = np.frombuffer(raw[: 4 * size], np.float32)
+        slots = np.frombuffer(raw[4 * size :], np.float32).reshape(num_slots, size)
+        return values, slots
+
+
+def read_shard_file(path: str) -> ShardFile:
+    """Opens and validates a shard file's framing and index (sections are checked when read).
+
+    Thread-safe.
+
+    Raises:
+        CheckpointError: missing, truncated, corrupt, or another format version.
+
+    Example:
+        >>> f = read_shard_file("ckpt/ckpt-000001.shard-00000-of-00002.kvs")  # doctest: +SKIP
+        >>> [t["name"] for t in f.index["sparse"]]                             # doctest: +SKIP
+        ['user']
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            # Mapped, not read: sections become arrays without a copy of the file.
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read the checkpoint file ({exc})") from None
+    if len(data) < HEADER.size + TRAILER.size:
+        raise CheckpointError(f"{path}: truncated checkpoint file ({len(data)} bytes)")
+    magic, version, _ = HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise CheckpointError(f"{path}: not a kvsparse checkpoint file (bad magic)")
+    if version != VERSION:
+        raise CheckpointError(
+            f"{path}: checkpoint format version {version}; this kvsparse reads {VERSION}"
+        )
+    index_len, index_crc, end = TRAILER.unpack_from(data, len(data) - TRAILER.size)
+    if end != END_MAGIC or index_len > len(data) - HEADER.size - TRAILER.size:
+        raise CheckpointError(f"{path}: truncated checkpoint file (no valid index at the end)")
+    body = data[len(data) - TRAILER.size - index_len : len(data) - TRAILER.size]
+    if zlib.crc32(body) != index_crc:
+        raise CheckpointError(f"{path}: checksum mismatch in the index (corrupt file)")
+    index = json.loads(body)
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise CheckpointError(f"{path}: unknown checkpoint index format")
+    return ShardFile(path, index, memoryview(data))

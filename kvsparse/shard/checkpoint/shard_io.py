@@ -1,0 +1,355 @@
+"""A shard's state to and from checkpoint files: save, load (resharding), restore, export.
+
+What the index of a shard file says (one section per sparse table, with its
+spec, optimizer and blocks of rows; one per dense key) is written and read
+here; the bytes themselves are `kvsparse.shard.checkpoint.format`'s.
+
+Loading onto another number of shards than were saved reads every old shard
+file and keeps the rows whose `_core.shard_of(keys, num_shards)` is this
+shard (`Resharding`); dense keys are re-split by
+`kvsparse.placement.dense_ranges`.
+
+None of these functions may run on one ShardState from several threads at
+once (ShardState is single-threaded); the state must not change while a
+shard file is written from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvsparse import _core, errors
+from kvsparse.placement import dense_ranges
+from kvsparse.shard.checkpoint.files import AtomicFile
+from kvsparse.shard.checkpoint.format import (
+    BLOCK_ROWS,
+    FORMAT,
+    VERSION,
+    BlockWriter,
+    CheckpointError,
+    ShardFile,
+    progress_bar,
+    read_shard_file,
+)
+from kvsparse.shard.checkpoint.manifest import chain, require_manifest, shard_file_name
+from kvsparse.shard.state import DenseEntry, ShardState, SparseEntry
+
+# -- saving -----------------------------------------------------------------------------------
+
+
+def table_optimizer_spec(state: ShardState, entry: SparseEntry) -> dict | None:
+    """The optimizer a sparse table runs: its own, else the store-wide one."""
+    return entry.spec.get("optimizer") if entry.own_optimizer else state.default_optimizer
+
+
+def write_shard_file(state: ShardState, final_path: str, *, since: int | None, info: dict) -> dict:
+    """Writes state's tables to final_path (tmp + fsync + rename).
+
+    Args:
+        state: the shard; it must not change while this runs (a forked
+            child's image, or the caller's own thread).
+        final_path: the shard file to create.
+        since: None for a full snapshot; else only rows written at a change
+            epoch > since, and the ids removed since then.
+        info: extra fields for the index (seq, shard_index, num_shards, ...).
+
+    Returns:
+        {"file", "bytes", "rows"}.
+    """
+    total = sum(len(e.table) for e in state.sparse.values())
+    writer = BlockWriter(final_path, total, desc=os.path.basename(final_path))
+    try:
+        index = {
+            "format": FORMAT,
+            "version": VERSION,
+            **info,
+            "kind": "full" if since is None else "delta",
+            "default_optimizer": state.default_optimizer,
+            "sparse": [],
+            "dense": [],
+        }
+        rows_written = 0
+        for table_id, entry in state.sparse.items():
+            section = _sparse_section(state, table_id, entry)
+            if since is not None:
+                section["removed"] = writer.removed_block(entry.table.removed_since(since))
+            # Rows are stamped with epochs >= 1: since 0 is every row.
+            # Buffers reused: each block is written out before the next is read.
+            for keys, values, slots, steps in entry.table.iter_state(since or 0, BLOCK_ROWS, True):
+                section["blocks"].append(writer.sparse_block(keys, values, slots, steps))
+                rows_written += int(keys.size)
+            index["sparse"].append(section)
+        for table_id, entry in state.dense.items():
+            slots = np.ascontiguousarray(entry.slots_array(), np.float32)
+            block = writer.block([entry.values, slots])
+            index["dense"].append(
+                {
+                    "table_id": table_id,
+                    "name": entry.name,
+                    "size": int(entry.values.size),
+                    "num_slots": int(slots.shape[0]),
+                    "optimizer": entry.optimizer_spec,
+                    "own_optimizer": entry.own_optimizer,
+                    "step": int(entry.step),
+                    **block,
+                }
+            )
+        size = writer.finish(index)
+    except BaseException:
+        writer.abort()
+        raise
+    return {"file": os.path.basename(final_path), "bytes": size, "rows": rows_written}
+
+
+def _sparse_section(state: ShardState, table_id: int, entry: SparseEntry) -> dict:
+    """A sparse table's index section, before its blocks are written."""
+    table = entry.table
+    return {
+        "table_id": table_id,
+        "name": entry.name,
+        "spec": entry.spec,
+        "own_optimizer": entry.own_optimizer,
+        "optimizer": table_optimizer_spec(state, entry),
+        "dim": table.dim,
+        "num_slots": table.num_slots,
+        "table_step": int(table.table_step),
+        "blocks": [],
+        "removed": None,
+    }
+
+
+def begin_save(state: ShardState, incremental: bool, path: str, parent: int | None) -> tuple:
+    """Runs in the serving process right before the snapshot: (since, snapshot_epoch).
+
+    Advances the change epoch, so that writes after this moment belong to the
+    next delta.
+
+    Raises:
+        InvalidArgument: an incremental save whose parent is not the
+            checkpoint this shard last saved or loaded.
+    """
+    since = None
+    if incremental:
+        base = state.checkpoint_base
+        if base is None or base != (os.path.realpath(path), parent):
+            raise errors.InvalidArgument(
+                f"incremental save: this shard's last checkpoint is {base}, not "
+                f"checkpoint {parent} of {path}; make a full save first"
+            )
+        since = state.saved_epoch
+    snapshot_epoch = state.change_epoch
+    state.set_change_epoch(snapshot_epoch + 1)
+    return since, snapshot_epoch
+
+
+def end_save(state: ShardState, path: str, seq: int, snapshot_epoch: int) -> None:
+    """Runs in the serving process once its shard file is written: the next delta's base."""
+    state.saved_epoch = snapshot_epoch
+    state.checkpoint_base = (os.path.realpath(path), seq)
+    for entry in state.sparse.values():
+        entry.table.prune_removed(snapshot_epoch)
+
+
+def save_shard(state: ShardState, path, seq, shard_index, num_shards, since, parent) -> dict:
+    """Writes this shard's file of checkpoint seq; returns {"file", "bytes", "rows"}."""
+    final = os.path.join(path, shard_file_name(seq, shard_index, num_shards))
+    info = {"seq": seq, "shard_index": shard_index, "num_shards": num_shards, "parent": parent}
+    return write_shard_file(state, final, since=since, info=info)
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resharding:
+    """Which rows of a checkpoint saved on old_count shards belong to shard index of count.
+
+    Immutable: safe to share between threads.
+    """
+
+    index: int
+    count: int
+    old_count: int
+
+    @property
+    def same(self) -> bool:
+        """True when the shard count did not change: each shard reads only its own file."""
+        return self.old_count == self.count
+
+    def files(self) -> list[int]:
+        """The old shard files this shard reads."""
+        return [self.index] if self.same else list(range(self.old_count))
+
+    def sparse_rows(self, keys, values, slots, steps) -> tuple:
+        """The rows of a block that belong to this shard."""
+        if self.same:
+            return keys, values, slots, steps
+        mine = _core.shard_of(keys, self.count) == self.index
+        return keys[mine], values[mine], slots[mine], steps[mine]
+
+    def dense_slice(self, values: np.ndarray, slots: np.ndarray) -> tuple:
+        """This shard's slice of a dense key's whole (values, slots)."""
+        if self.same:
+            return values, slots
+        a, b = dense_ranges(values.size, self.count)[self.index]
+        return values[a:b], slots[:, a:b]
+
+
+def load_shard_state(state: ShardState, path: str, shard_index: int, num_shards: int, seq=None):
+    """Replaces state's tables with shard shard_index of num_shards of a checkpoint.
+
+    Reads the chain (full + deltas) of checkpoint seq (default: the latest
+    complete one). With as many shards as were saved, only this shard's files
+    are read; otherwise every old shard file is read and the rows whose
+    `_core.shard_of(keys, num_shards)` is shard_index are kept (dense keys are
+    re-split by `kvsparse.placement.dense_ranges`).
+
+    Returns:
+        The manifest loaded.
+
+    Raises:
+        CheckpointError: no checkpoint, or a missing/corrupt/truncated file.
+        InvalidArgument: a range-partitioned table onto another shard count.
+    """
+    manifest = require_manifest(path, seq)
+    steps = chain(path, manifest)
+    for m in steps:
+        if int(m["num_shards"]) != int(steps[0]["num_shards"]):
+            raise CheckpointError(f"{path}: checkpoint chain mixes shard counts")
+    reshard = Resharding(shard_index, num_shards, int(steps[0]["num_shards"]))
+    files = reshard.files()
+    state.clear()
+    dense_parts: dict[int, dict] = {}
+    total_rows = sum(int(m["shards"][i].get("rows", 0)) for m in steps for i in files)
+    progress = progress_bar(total_rows, f"load shard {shard_index}")
+    try:
+        for m in steps:
+            state.default_optimizer = m.get("default_optimizer")
+            for old_index in files:
+                f = read_shard_file(os.path.join(path, m["shards"][old_index]["file"]))
+                if f.index["kind"] != m["kind"] or int(f.index["seq"]) != int(m["seq"]):
+                    raise CheckpointError(f"{f.path}: does not belong to checkpoint {m['seq']}")
+                for section in f.index["sparse"]:
+                    _load_sparse_section(state, f, section, reshard, progress)
+                # A delta holds every dense key in full: the newest copy wins.
+                for section in f.index["dense"]:
+                    part = dense_parts.setdefault(section["table_id"], {})
+                    part[old_index] = f.dense(section)
+                    part["section"] = section
+    finally:
+        if progress is not None:
+            progress.close()
+    for table_id, parts in dense_parts.items():
+        state.dense[table_id] = _dense_entry(path, parts, reshard)
+    state.set_change_epoch(state.change_epoch + 1)
+    state.saved_epoch = state.change_epoch - 1
+    state.checkpoint_base = (os.path.realpath(path), int(manifest["seq"]))
+    return manifest
+
+
+def _load_sparse_section(
+    state: ShardState, f: ShardFile, section: dict, reshard: Resharding, progress
+) -> None:
+    table_id = int(section["table_id"])
+    spec = section["spec"]
+    entry = state.sparse.get(table_id)
+    if entry is None:
+        if not reshard.same and spec.get("boundaries") is not None:
+            raise errors.InvalidArgument(
+                f"table {section['name']!r} has a RangePartitioner for {reshard.old_count} "
+                f"servers; it cannot be loaded onto {reshard.count}"
+            )
+        state.create_sparse(table_id, section["name"], spec)
+        entry = state.sparse[table_id]
+        if not entry.own_optimizer:
+            entry.table.set_optimizer(section["optimizer"])
+    table = entry.table
+    if table.dim != int(section["dim"]) or table.num_slots != int(section["num_slots"]):
+        raise CheckpointError(f"{f.path}: table {section['name']!r} changed shape in the chain")
+    removed = f.removed(section)
+    if removed.size:
+        table.remove(removed)
+    # Views of the file: no copy.
+    blocks = [reshard.sparse_rows(*block) for block in f.sparse_blocks(section)]
+    # All at once: rows come in the saved map's bucket order, and a map growing meanwhile
+    # would make linear probing cluster (see EmbeddingTable::ReserveRows).
+    table.reserve(len(table) + sum(b[0].size for b in blocks))
+    for keys, values, slots, steps in blocks:
+        table.write_state(keys, values, slots, steps)
+        if progress is not None:
+            progress.update(int(keys.size) if reshard.same else 0)
+    if progress is not None and not reshard.same:
+        progress.update(sum(int(b["rows"]) for b in section["blocks"]))
+    table.table_step = int(section["table_step"])
+
+
+def _dense_entry(path: str, parts: dict, reshard: Resharding) -> DenseEntry:
+    """A dense key's entry from its newest section and its parts by old shard index."""
+    section = parts["section"]
+    files = reshard.files()
+    values = np.concatenate([parts[i][0] for i in files])
+    slots = np.concatenate([parts[i][1] for i in files], axis=-1)
+    values, slots = reshard.dense_slice(values, slots)
+    entry = DenseEntry(section["name"], values.copy(), None, bool(section["own_optimizer"]))
+    entry.set_optimizer(section["optimizer"])
+    if entry.slots is not None:
+        if entry.slots.shape != slots.shape:
+            raise CheckpointError(f"{path}: dense key {section['name']!r} slots do not fit")
+        entry.slots[...] = slots
+    entry.step = int(section["step"])
+    return entry
+
+
+def restore_shard(state: ShardState, path: str, shard_index: int, num_shards: int) -> None:
+    """Loads the latest complete checkpoint in path (base + deltas) into state.
+
+    For a server restarting after a crash (``kvsparse server --restore PATH
+    --shard-index I --num-shards N``): the state then holds exactly what
+    shard I of N held at that checkpoint, optimizer slots and step counters
+    included, resharded by key hash if the checkpoint had another shard count.
+
+    Raises:
+        CheckpointError: no complete checkpoint, or a corrupt/truncated file.
+
+    Example:
+        >>> state = ShardState()                                   # doctest: +SKIP
+        >>> restore_shard(state, "/ckpt", shard_index=1, num_shards=3)  # doctest: +SKIP
+    """
+    load_shard_state(state, path, shard_index, num_shards)
+
+
+# -- inference export -------------------------------------------------------------------------
+
+
+def export_shard(state: ShardState, path, shard_index, num_shards, table_ids, export_id) -> dict:
+    """Writes ``part-{i:05d}-of-{n:05d}.npz``: keys and values of the chosen sparse tables.
+
+    The layout is the one `kvsparse.serving.EmbeddingLookup` reads. Returns
+    {"file", "rows"}.
+    """
+    os.makedirs(path, exist_ok=True)
+    arrays, meta = {}, {"format": "kvsparse-export", "version": 1, "export_id": export_id}
+    meta.update({"part": shard_index, "num_parts": num_shards, "tables": []})
+    for position, table_id in enumerate(table_ids):
+        entry = state.sparse_entry(int(table_id))
+        chunks = list(entry.table.iter_chunks(BLOCK_ROWS))
+        keys = np.concatenate([c[0] for c in chunks]) if chunks else np.empty(0, np.int64)
+        values = (
+            np.concatenate([c[1] for c in chunks])
+            if chunks
+            else np.empty((0, entry.table.dim), np.float32)
+        )
+        order = np.argsort(keys, kind="stable")
+        arrays[f"t{position}_keys"] = keys[order]
+        arrays[f"t{position}_values"] = values[order]
+        meta["tables"].append({"name": entry.name, "dim": entry.table.dim, "spec": entry.spec})
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    final = os.path.join(path, f"part-{shard_index:05d}-of-{num_shards:05d}.npz")
+    with AtomicFile(final, suffix=".npz") as f:
+        np.savez(f, **arrays)
+    rows = sum(int(a.shape[0]) for k, a in arrays.items() if k.endswith("_keys"))
+    return {"file": os.path.basename(final), "rows": rows}
