@@ -2,6 +2,7 @@
 
 Inputs cross without a copy where their layout allows it: DLPack objects are
 viewed through kvsparse._core.from_dlpack, NumPy arrays are used as they are.
+Every function here keeps no state and may be called from several threads at once.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from kvsparse import _core, errors
 
 
 def is_capsule(obj) -> bool:
+    """Whether obj is a DLPack capsule (or any other PyCapsule)."""
     return type(obj).__name__ == "PyCapsule"
+
+
+def as_list(obj) -> list:
+    """The items of a list or tuple, or [obj] for anything else (MXNet's key/value forms)."""
+    return list(obj) if isinstance(obj, (list, tuple)) else [obj]
 
 
 def as_numpy(obj, *, what: str, writable: bool = False) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""LocalBackend: the `local` store's one in-process shard."""
+"""LocalBackend: the `local` store's one in-process shard (a `kvsparse.store.backend.Backend`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ class LocalBackend:
     """Serves the KVStore frontend from a ShardState in this process.
 
     The same ShardState code runs inside each `kvsparse server`, so `local`
-    and `dist_sparse` compute the same results.
+    and `dist_sparse` compute the same results. Not safe to call from several
+    threads at once (the store above it is not either).
     """
 
     num_shards = 1
@@ -20,12 +21,15 @@ class LocalBackend:
         self.state = ShardState()
 
     def init_sparse(self, table_id, name, spec):
+        """Creates the sparse table (an identical existing one is kept)."""
         self.state.create_sparse(table_id, name, spec)
 
     def init_dense(self, table_id, name, values):
+        """Creates the dense key holding values."""
         self.state.create_dense(table_id, name, values)
 
     def set_optimizer(self, spec):
+        """Sets (spec) or removes (None) the store-wide optimizer."""
         self.state.set_optimizer(spec)
 
     def pull_sparse(self, items):
@@ -48,6 +52,7 @@ class LocalBackend:
             out[...] = self.state.pull_dense(table_id)
 
     def push_dense(self, items):
+        """items: [(table_id, flat gradient)]; all checked before any applies."""
         self.state.counters.requests += 1
         for table_id, grad in items:
             self.state.check_dense_push(table_id, grad)
@@ -55,14 +60,16 @@ class LocalBackend:
             self.state.push_dense(table_id, grad)
 
     def optimizer_states(self):
+        """[{table_id: state}] of the one shard."""
         return [self.state.optimizer_state()]
 
     def load_optimizer_states(self, loads):
+        """loads: [(shard, table_id, state)]; the shard is always 0 here."""
         for _, table_id, state in loads:
             self.state.load_optimizer_state(table_id, state)
 
     def checkpoint(self, requests):
-        """{shard: request body} -> {shard: reply} (see kvsparse.shard.checkpoint.handle)."""
+        """{shard: request body} -> {shard: reply}, run in this process (`checkpoint.handle`)."""
         from kvsparse.shard import checkpoint
 
         return {s: checkpoint.handle(self.state, body, 0, 1) for s, body in requests.items()}
@@ -75,7 +82,9 @@ class LocalBackend:
         return [self.state.evict()]
 
     def stats(self):
+        """[stats of the one shard], its address 'local'."""
         return [{"address": "local", **self.state.stats()}]
 
     def close(self):
+        """Drops the tables."""
         self.state = ShardState()

@@ -1,0 +1,85 @@
+"""The interface between the KVStore API and where the tables live.
+
+`KVStore` checks and batches every call, then hands it to a `Backend`:
+`kvsparse.store.local.LocalBackend` (one shard in this process) or
+`kvsparse.client.remote.RemoteBackend` (one shard per `kvsparse server`).
+Both implement every member below with the same signature
+(tests/test_backend.py checks it), so an operation cannot be added to one of
+them only.
+
+What a backend receives is already validated and planned by the frontend:
+keys of a sparse request are unique, grouped by shard (``offsets[s]`` to
+``offsets[s + 1]`` belong to shard ``s``), gradient rows summed per key, and
+every array C-contiguous. A backend never sees a user's key: tables are named
+by their 64-bit table id (`kvsparse.placement.table_id_of`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What `KVStore` calls; see the module docstring for the shape of the items.
+
+    Neither backend is safe to call from several threads at once: the
+    frontend (and the adapters' `store_lock`) call one from one thread at a time.
+    """
+
+    num_shards: int
+    """How many shards hold the tables (1 for the local backend)."""
+    rank: int
+    """This worker's rank, 0..num_workers-1."""
+    num_workers: int
+    """How many workers share the shards."""
+
+    def init_sparse(self, table_id: int, name: str, spec: dict) -> None:
+        """Creates sparse table `table_id` (`SparseTable.to_dict()` spec) on every shard."""
+
+    def init_dense(self, table_id: int, name: str, values: np.ndarray) -> None:
+        """Creates dense key `table_id` holding flat float32 `values` (rank 0's win)."""
+
+    def set_optimizer(self, spec: dict | None) -> None:
+        """Sets (`Optimizer.to_dict()`) or removes (None) the store-wide optimizer."""
+
+    def pull_sparse(self, items: list) -> list:
+        """items: [(table_id, keys, offsets)] -> per item, [rows of each shard] ((n, dim))."""
+
+    def push_sparse(self, items: list) -> None:
+        """items: [(table_id, keys, offsets, summed rows)]; all checked before any applies."""
+
+    def pull_dense(self, items: list) -> None:
+        """items: [(table_id, flat float32 out)]; fills each out."""
+
+    def push_dense(self, items: list) -> None:
+        """items: [(table_id, flat float32 gradient)]; all checked before any applies."""
+
+    def optimizer_states(self) -> list:
+        """Per shard, {table_id: state} (what `ShardState.optimizer_state` returns)."""
+
+    def load_optimizer_states(self, loads: list) -> None:
+        """loads: [(shard, table_id, state)]; restores optimizer slots and step counters."""
+
+    def checkpoint(self, requests: dict) -> dict:
+        """{shard: CHECKPOINT request body} -> {shard: reply}.
+
+        The bodies' actions are `kvsparse.shard.checkpoint.CheckpointAction` members.
+        """
+
+    def barrier(self) -> None:
+        """Blocks until every worker called barrier."""
+
+    def evict(self) -> list:
+        """Runs TTL eviction now: per shard, {table name: rows evicted}."""
+
+    def stats(self) -> list:
+        """Per shard, {'address', 'tables': {name: {'kind', 'rows', 'bytes', ...}}, ...}."""
+
+    def close(self) -> None:
+        """Releases the connections or the tables (idempotent)."""
+
+
+__all__ = ["Backend"]

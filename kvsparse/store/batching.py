@@ -1,0 +1,135 @@
+"""One key's part of a request: user values checked and turned into what a backend takes.
+
+`KVStore` calls these for each key of a push or pull before anything is sent,
+so a rejected call changes nothing. Sparse ids are planned by shard in C++
+(`_core.plan_batch`: unique ids grouped by shard, ``offsets[s]:offsets[s + 1]``
+for shard ``s``, ``slot`` mapping each input id to its unique one), and the
+gradient rows of duplicate ids are summed (`_core.sum_rows`).
+
+Every function keeps no state and may be called from several threads at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvsparse import _core, errors
+from kvsparse.arrays import as_float32, as_ids, as_list, as_numpy, flat_ids, rows_view
+from kvsparse.store.keys import KeyInfo
+
+
+def sparse_push(info: KeyInfo, value, num_shards: int) -> tuple:
+    """(table_id, keys grouped by shard, offsets, summed rows) of a push to a sparse table.
+
+    Args:
+        info: the table's KeyInfo.
+        value: (ids, rows) or a list of them (concatenated, then summed per id).
+        num_shards: how many shards the store has.
+
+    Raises:
+        InvalidArgument: value is not (ids, rows) pairs. DTypeError, ShapeError.
+        NonFiniteGradient: NaN/inf in a summed row of a table with nonfinite='raise'.
+    """
+    pairs = [value] if isinstance(value, tuple) else as_list(value)
+    id_parts, grad_parts = [], []
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise errors.InvalidArgument(
+                f"a push to sparse key {info.key!r} takes (ids, rows) or a list of them"
+            )
+        ids = flat_ids(as_ids(pair[0], key=info.key))
+        grads = as_float32(pair[1], what=f"rows pushed to key {info.key!r}")
+        id_parts.append(ids)
+        grad_parts.append(
+            rows_view(grads, ids.size, info.dim, what=f"rows pushed to key {info.key!r}")
+        )
+    ids = id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts)
+    grads = grad_parts[0] if len(grad_parts) == 1 else np.concatenate(grad_parts)
+    keys, offsets, slot = _core.plan_batch(ids, num_shards, info.boundaries)
+    summed = _core.sum_rows(grads, slot, keys.size)
+    if info.nonfinite != "skip":  # with 'skip' the shard leaves rows with NaN/inf untouched
+        bad = _core.first_nonfinite_row(summed)
+        if bad >= 0:
+            raise errors.NonFiniteGradient(
+                f"key {info.key!r}: gradient for id {int(keys[bad])} has a NaN or inf value; "
+                "nothing was applied (SparseTable(nonfinite='skip') drops such rows instead)"
+            )
+    return info.table_id, keys, offsets, summed
+
+
+def dense_push(info: KeyInfo, value) -> np.ndarray:
+    """The flat float32 sum of the values pushed to a dense key (an array or a list).
+
+    Raises:
+        ShapeError: a value of another size. InvalidArgument: an empty list.
+        NonFiniteGradient: NaN/inf in the sum.
+    """
+    total = None
+    for part in as_list(value):
+        array = as_float32(part, what=f"value pushed to key {info.key!r}")
+        if array.size != info.size:
+            raise errors.ShapeError(
+                f"value pushed to key {info.key!r} must have shape {info.shape}, got {array.shape}"
+            )
+        array = array.reshape(-1)
+        total = np.array(array, copy=True) if total is None else total + array
+    if total is None:
+        raise errors.InvalidArgument(f"empty push to key {info.key!r}")
+    if not np.isfinite(total).all():
+        raise errors.NonFiniteGradient(
+            f"key {info.key!r}: gradient has a NaN or inf value; nothing was applied"
+        )
+    return np.ascontiguousarray(total, np.float32)
+
+
+def rows_output(info: KeyInfo, ids: np.ndarray, out) -> tuple:
+    """(what row_sparse_pull returns, the float32 array the rows land in) for one key.
+
+    A new array when out is None; else out, viewed writable (NumPy or DLPack).
+
+    Raises:
+        DTypeError: out is not float32. ShapeError: out has another size.
+    """
+    shape = ids.shape + (info.dim,)
+    if out is None:
+        result = np.empty(shape, np.float32)
+        return result, result
+    target = as_numpy(out, what=f"out of key {info.key!r}", writable=True)
+    if target.dtype != np.float32:
+        raise errors.DTypeError(f"out of key {info.key!r} must be float32, got {target.dtype}")
+    if target.shape != shape and target.size != int(np.prod(shape)):
+        raise errors.ShapeError(
+            f"out of key {info.key!r} must have shape {shape}, got {target.shape}"
+        )
+    return out, target
+
+
+def gather_rows(shard_rows: list, offsets, slot, target: np.ndarray, dim: int) -> None:
+    """Writes the row of each requested id (slot order) from the shards' replies into target."""
+    if target.flags.c_contiguous:
+        _core.gather_from_shards(shard_rows, offsets, slot, target.reshape(-1, dim))
+    else:
+        tmp = np.empty((slot.size, dim), np.float32)
+        _core.gather_from_shards(shard_rows, offsets, slot, tmp)
+        target[...] = tmp.reshape(target.shape)
+
+
+def dense_outputs(info: KeyInfo, out) -> list:
+    """The writable float32 arrays a pull of a dense key fills: out, or each of a list of copies.
+
+    Raises:
+        ShapeError: an out of another size or dtype.
+    """
+    arrays = []
+    for target in [] if out is None else as_list(out):  # MXNet: out may be a list of copies
+        array = as_numpy(target, what=f"out of key {info.key!r}", writable=True)
+        if array.size != info.size or array.dtype != np.float32:
+            raise errors.ShapeError(
+                f"out of key {info.key!r} must be float32 of shape {info.shape}, "
+                f"got {array.dtype} {array.shape}"
+            )
+        arrays.append(array)
+    return arrays
+
+
+__all__ = ["dense_outputs", "dense_push", "gather_rows", "rows_output", "sparse_push"]

@@ -1,0 +1,186 @@
+"""The keys a store has initialized: what each one is, and which kind of key it uses.
+
+A `KeyRegistry` belongs to one `KVStore`. It refuses keys that are neither
+int nor str, mixing int and str keys, and a second init of a key; it gives
+each key its `KeyInfo` (table id, sparse or dense, dim or shape, partitioner
+boundaries), and writes and reads the key records of a checkpoint manifest.
+
+Example:
+    >>> import kvsparse
+    >>> registry = KeyRegistry()
+    >>> info = registry.sparse_info("user", kvsparse.SparseTable(dim=4), num_shards=1)
+    >>> registry.add(info)
+    >>> registry.info("user").dim
+    4
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvsparse import errors
+from kvsparse.placement import table_id_of
+from kvsparse.table import SparseTable
+
+
+@dataclass
+class KeyInfo:
+    """What the store knows of one initialized key (`KVStore.key_info`).
+
+    A plain record; do not change one that a store handed out.
+    """
+
+    key: object
+    table_id: int
+    sparse: bool
+    dim: int = 0  # sparse
+    shape: tuple = ()  # dense
+    boundaries: list | None = None  # sparse, range partitioner
+    nonfinite: str = "raise"  # sparse: 'raise' or 'skip'
+
+    @property
+    def size(self) -> int:
+        """How many values a dense key holds."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def to_record(self) -> dict:
+        """The key's record in a checkpoint manifest (docs/checkpoint-format.md)."""
+        return {
+            "key": self.key,
+            "table_id": self.table_id,
+            "sparse": self.sparse,
+            "dim": self.dim,
+            "shape": list(self.shape),
+            "boundaries": self.boundaries,
+            "nonfinite": self.nonfinite,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict) -> KeyInfo:
+        """The KeyInfo of a manifest record written by `to_record`."""
+        return cls(
+            record["key"],
+            int(record["table_id"]),
+            bool(record["sparse"]),
+            dim=int(record["dim"]),
+            shape=tuple(record["shape"]),
+            boundaries=record["boundaries"],
+            nonfinite=record["nonfinite"],
+        )
+
+
+class KeyRegistry:
+    """The initialized keys of one store, in init order, and the key kind they use.
+
+    Keys are int or str (NumPy integers count as int and are stored as int);
+    once a key is added, keys of the other kind are refused. Not safe to call
+    from several threads at once (its store is not either).
+    """
+
+    def __init__(self):
+        self._infos: dict = {}
+        self._key_type: type | None = None
+
+    @staticmethod
+    def normalize(key):
+        """The form a key is stored under: str as it is, integers as int."""
+        return key if isinstance(key, str) else int(key)
+
+    def check_type(self, key) -> None:
+        """Raises KeyTypeError unless key is an int or str of this store's kind."""
+        if isinstance(key, bool) or not isinstance(key, (int, str, np.integer)):
+            raise errors.KeyTypeError(f"keys must be int or str, got {type(key).__name__} {key!r}")
+        kind = str if isinstance(key, str) else int
+        if self._key_type is not None and kind is not self._key_type:
+            raise errors.KeyTypeError(
+                f"key {key!r} is {kind.__name__} but this store uses "
+                f"{self._key_type.__name__} keys; int and str keys cannot be mixed"
+            )
+
+    def check_new(self, key, seen: set):
+        """The normalized key, checked to be of the right kind and not initialized yet.
+
+        Args:
+            key: the key to check.
+            seen: keys already accepted in the same init call; key is added.
+
+        Raises:
+            KeyTypeError, DuplicateKey.
+        """
+        self.check_type(key)
+        key = self.normalize(key)
+        if key in self._infos or key in seen:
+            raise errors.DuplicateKey(f"key {key!r} is already initialized")
+        seen.add(key)
+        return key
+
+    def info(self, key) -> KeyInfo:
+        """The KeyInfo of an initialized key.
+
+        Raises:
+            KeyTypeError: key is not int or str, or not of this store's kind.
+            UnknownKey: the key is not initialized.
+        """
+        self.check_type(key)
+        info = self._infos.get(self.normalize(key))
+        if info is None:
+            raise errors.UnknownKey(f"key {key!r} is not initialized; call kv.init first")
+        return info
+
+    def __contains__(self, key) -> bool:
+        return self.normalize(key) in self._infos
+
+    def infos(self) -> list:
+        """Every KeyInfo, in init order."""
+        return list(self._infos.values())
+
+    def names(self) -> dict:
+        """{the name a shard gives a table (str(key)): key}."""
+        return {str(key): key for key in self._infos}
+
+    @staticmethod
+    def sparse_info(key, table: SparseTable, num_shards: int) -> tuple:
+        """(KeyInfo, the spec a backend gets) of sparse table `table` under normalized `key`.
+
+        Raises:
+            InvalidArgument: a RangePartitioner without num_shards - 1 boundaries.
+        """
+        if table.partitioner is not None and len(table.partitioner.boundaries) != num_shards - 1:
+            raise errors.InvalidArgument(
+                f"key {key!r}: a RangePartitioner needs {num_shards - 1} "
+                f"boundaries for {num_shards} servers"
+            )
+        spec = table.to_dict()
+        info = KeyInfo(
+            key,
+            table_id_of(key),
+            True,
+            dim=table.dim,
+            boundaries=spec["boundaries"],
+            nonfinite=table.nonfinite,
+        )
+        return info, spec
+
+    @staticmethod
+    def dense_info(key, shape: tuple) -> KeyInfo:
+        """The KeyInfo of a dense key of this shape under normalized `key`."""
+        return KeyInfo(key, table_id_of(key), False, shape=tuple(shape))
+
+    def add(self, info: KeyInfo) -> None:
+        """Registers an initialized key; the first one fixes the store's key kind."""
+        self._infos[info.key] = info
+        if self._key_type is None:
+            self._key_type = str if isinstance(info.key, str) else int
+
+    def replace(self, infos) -> None:
+        """Forgets every key, then registers infos (a checkpoint's keys)."""
+        self._infos = {}
+        self._key_type = None
+        for info in infos:
+            self._infos[info.key] = info
+            self._key_type = str if isinstance(info.key, str) else int
+
+
+__all__ = ["KeyInfo", "KeyRegistry"]
