@@ -43,8 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import kvsparse  # noqa: E402
+from kvsparse.server.listening import parse_listening_line, read_first_line  # noqa: E402
 
-LISTENING = "kvsparse server listening on "
+SERVER_START_SECONDS = 60
 
 
 def start_servers(n):
@@ -56,11 +57,13 @@ def start_servers(n):
             stdout=subprocess.PIPE,
             env=env,
         )
-        line = process.stdout.readline().decode()
-        if not line.startswith(LISTENING):
-            raise RuntimeError(f"server did not start: {line!r}")
         processes.append(process)
-        addresses.append(line[len(LISTENING) :].strip())
+        line = read_first_line(process.stdout, time.monotonic() + SERVER_START_SECONDS)
+        address = parse_listening_line(line)
+        if address is None:  # the caller never sees these processes: stopped here
+            stop_servers(processes)
+            raise RuntimeError(f"server did not start: {line!r}")
+        addresses.append(address)
     return processes, addresses
 
 

@@ -1,12 +1,9 @@
 """Lookup-only use of exported tables, without servers ("a sparse table as a dictionary").
 
-`KVStore.export(path)` writes one NumPy ``.npz`` per server into path
-(``part-{i:05d}-of-{n:05d}.npz``): for each table ``t{j}_keys`` (int64,
-sorted) and ``t{j}_values`` (float32, rows x dim), and a ``meta`` array of
-UTF-8 JSON (``{"format": "kvsparse-export", "version": 1, "export_id",
-"part", "num_parts", "tables": [{"name", "dim", "spec"}]}``). NumPy .npz was
-chosen because numpy is the one dependency kvsparse already has (pyarrow is
-not installed in its environment) and every array tool reads it.
+`KVStore.export(path)` writes one NumPy ``.npz`` per server into path; the
+layout is `kvsparse.shard.checkpoint.export`'s (its writer), read here. NumPy
+.npz was chosen because numpy is the one dependency kvsparse already has
+(pyarrow is not installed in its environment) and every array tool reads it.
 
 `EmbeddingLookup(path)` merges the parts into one sorted key array per table
 and answers lookups with a vectorized ``np.searchsorted``.
@@ -22,14 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import numpy as np
 
 from kvsparse import errors
+from kvsparse.shard.checkpoint.export import EXPORT_FORMAT, EXPORT_VERSION, PART_RE
 
 DEFAULTS = ("zeros", "initializer")
-_PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})\.npz$")
 
 
 class LookupTable:
@@ -43,6 +39,9 @@ class LookupTable:
         default: what a missing id gets: 'zeros' (default) or 'initializer'
             (the value the training store would have given an unseen id:
             the table's initializer with its seed).
+
+    Read-only once built: lookup and contains may be called from several
+    threads at once.
     """
 
     def __init__(self, name, keys, values, spec=None, default="zeros"):
@@ -111,6 +110,8 @@ class EmbeddingLookup:
         InvalidArgument: no export there, parts missing, or parts of
             different exports mixed.
 
+    Read-only once built: lookups may run from several threads at once.
+
     Example:
         >>> emb = EmbeddingLookup("/serve/emb")          # doctest: +SKIP
         >>> emb.tables                                   # doctest: +SKIP
@@ -122,7 +123,7 @@ class EmbeddingLookup:
     def __init__(self, path, default: str = "zeros"):
         path = os.fspath(path)
         try:
-            names = sorted(n for n in os.listdir(path) if _PART_RE.match(n))
+            names = sorted(n for n in os.listdir(path) if PART_RE.match(n))
         except OSError as exc:
             raise errors.InvalidArgument(f"{path}: cannot read the export ({exc})") from None
         if not names:
@@ -136,7 +137,7 @@ class EmbeddingLookup:
                 raise errors.InvalidArgument(
                     f"{path}/{name}: unreadable export part ({exc})"
                 ) from None
-            if meta.get("format") != "kvsparse-export" or meta.get("version") != 1:
+            if meta.get("format") != EXPORT_FORMAT or meta.get("version") != EXPORT_VERSION:
                 raise errors.InvalidArgument(f"{path}/{name}: unknown export format")
             parts.append(data)
             metas.append(meta)
@@ -159,9 +160,11 @@ class EmbeddingLookup:
 
     @property
     def tables(self) -> list[str]:
+        """The exported tables' names, sorted."""
         return sorted(self._tables)
 
     def __getitem__(self, name) -> LookupTable:
+        """The table called name; UnknownKey if the export has none."""
         try:
             return self._tables[str(name)]
         except KeyError:

@@ -55,6 +55,7 @@ class DenseEntry:
     step: int = 0
 
     def set_optimizer(self, spec: dict | None) -> None:
+        """Runs spec from now on (None: pushes replace the values); slots and step restart."""
         self.optimizer_spec = spec
         self.step = 0
         if spec is None or spec.get("kind") in (None, "none"):
@@ -63,6 +64,13 @@ class DenseEntry:
         else:
             self.optimizer = _core.Optimizer(spec)
             self.slots = self.optimizer.initial_slots(self.values.size)
+
+    def check_size(self, size: int, got: str) -> None:
+        """Raises ShapeError unless size is this slice's size; got says what came instead."""
+        if size != self.values.size:
+            raise errors.ShapeError(
+                f"key {self.name!r}: this shard holds {self.values.size} values, {got}"
+            )
 
     def slots_array(self) -> np.ndarray:
         """The slots, (num_slots, size) float32; (0, size) when the key has no optimizer."""
@@ -73,6 +81,8 @@ class DenseEntry:
 
 @dataclass
 class ShardCounters:
+    """Requests and keys a shard served, since started (ShardState's thread rule)."""
+
     requests: int = 0
     keys: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -216,17 +226,15 @@ class ShardState:
     # -- dense -------------------------------------------------------------------------------
 
     def pull_dense(self, table_id: int) -> np.ndarray:
+        """This shard's slice of a dense key (the live array, not a copy)."""
         entry = self.dense_entry(table_id)
         self.counters.keys += 1
         return entry.values
 
     def check_dense_push(self, table_id: int, grad: np.ndarray) -> None:
+        """Raises what push_dense would raise, without changing anything."""
         entry = self.dense_entry(table_id)
-        if grad.size != entry.values.size:
-            raise errors.ShapeError(
-                f"key {entry.name!r}: this shard holds {entry.values.size} values, "
-                f"the push has {grad.size}"
-            )
+        entry.check_size(grad.size, f"the push has {grad.size}")
         if not np.isfinite(grad).all():
             raise errors.NonFiniteGradient(f"key {entry.name!r}: gradient has a NaN or inf value")
 
@@ -243,12 +251,9 @@ class ShardState:
         entry.optimizer.update(entry.values, entry.slots, grad, entry.step)
 
     def assign_dense(self, table_id: int, values: np.ndarray) -> None:
+        """Replaces this shard's slice of a dense key with values (no optimizer)."""
         entry = self.dense_entry(table_id)
-        if values.size != entry.values.size:
-            raise errors.ShapeError(
-                f"key {entry.name!r}: this shard holds {entry.values.size} values, "
-                f"got {values.size}"
-            )
+        entry.check_size(values.size, f"got {values.size}")
         entry.values[...] = values.reshape(-1)
 
     # -- optimizer state and stats ---------------------------------------------------------

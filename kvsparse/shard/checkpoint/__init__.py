@@ -28,7 +28,9 @@ The modules, one concern each:
   (server 0's part of a save).
 - `shard_io`: a `ShardState` to and from shard files: `save_shard`,
   `load_shard_state` (with resharding), `restore_shard` (what a restarting
-  server runs), `export_shard` (NumPy .npz for `kvsparse.serving`).
+  server runs).
+- `export`: `export_shard`, the inference export (NumPy .npz) that
+  `kvsparse.serving` reads.
 - `actions`: the CHECKPOINT request's `CheckpointAction` and `handle`.
 
 Errors: a missing, truncated or corrupt file raises `CheckpointError`
@@ -41,6 +43,7 @@ Example:
 """
 
 from kvsparse.shard.checkpoint.actions import CheckpointAction, handle
+from kvsparse.shard.checkpoint.export import export_shard
 from kvsparse.shard.checkpoint.files import remove_temporary_files
 from kvsparse.shard.checkpoint.format import (
     FORMAT,
@@ -62,7 +65,6 @@ from kvsparse.shard.checkpoint.manifest import (
 from kvsparse.shard.checkpoint.shard_io import (
     begin_save,
     end_save,
-    export_shard,
     load_shard_state,
     restore_shard,
     save_shard,

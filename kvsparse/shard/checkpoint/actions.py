@@ -13,13 +13,8 @@ import os
 
 from kvsparse import errors
 from kvsparse.shard.checkpoint import manifest as manifests
-from kvsparse.shard.checkpoint.shard_io import (
-    begin_save,
-    end_save,
-    export_shard,
-    load_shard_state,
-    save_shard,
-)
+from kvsparse.shard.checkpoint.export import export_shard
+from kvsparse.shard.checkpoint.shard_io import begin_save, end_save, load_shard_state, save_shard
 from kvsparse.shard.state import ShardState
 
 

@@ -44,7 +44,7 @@ class CheckpointError(errors.InvalidArgument):
 
 
 def progress_bar(total_rows: int, desc: str):
-    """A tqdm bar on stderr for at least PROGRESS_ROWS rows, else None."""
+    """A tqdm bar on stderr for at least PROGRESS_ROWS rows, else None. Thread-safe."""
     if total_rows < PROGRESS_ROWS:
         return None
     from tqdm import tqdm  # only for large files: keeps tqdm off the import path

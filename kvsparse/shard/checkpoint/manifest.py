@@ -24,17 +24,17 @@ _MANIFEST_RE = re.compile(r"^ckpt-(\d{6})\.manifest\.json$")
 
 
 def shard_file_name(seq: int, shard_index: int, num_shards: int) -> str:
-    """The name of shard shard_index's file of checkpoint seq."""
+    """The name of shard shard_index's file of checkpoint seq. Thread-safe."""
     return f"ckpt-{seq:06d}.shard-{shard_index:05d}-of-{num_shards:05d}.kvs"
 
 
 def manifest_name(seq: int) -> str:
-    """The name of checkpoint seq's manifest."""
+    """The name of checkpoint seq's manifest. Thread-safe."""
     return f"ckpt-{seq:06d}.manifest.json"
 
 
 def list_manifests(path: str) -> list[int]:
-    """Sequence numbers of the complete checkpoints in path, ascending."""
+    """Sequence numbers of the complete checkpoints in path, ascending. Thread-safe."""
     try:
         names = os.listdir(path)
     except FileNotFoundError:
@@ -43,7 +43,7 @@ def list_manifests(path: str) -> list[int]:
 
 
 def read_manifest(path: str, seq: int) -> dict:
-    """The manifest of checkpoint seq; CheckpointError if unreadable or corrupt."""
+    """The manifest of checkpoint seq; CheckpointError if unreadable or corrupt. Thread-safe."""
     name = os.path.join(path, manifest_name(seq))
     try:
         with open(name, "rb") as f:
@@ -56,13 +56,16 @@ def read_manifest(path: str, seq: int) -> dict:
 
 
 def latest_manifest(path: str) -> dict | None:
-    """The newest complete checkpoint's manifest in path, or None if there is none."""
+    """The newest complete checkpoint's manifest in path, or None if there is none.
+
+    Thread-safe.
+    """
     seqs = list_manifests(path)
     return read_manifest(path, seqs[-1]) if seqs else None
 
 
 def require_manifest(path: str, seq: int | None = None) -> dict:
-    """The manifest of checkpoint seq, or of the latest one when seq is None.
+    """The manifest of checkpoint seq, or of the latest one when seq is None. Thread-safe.
 
     Raises:
         CheckpointError: no complete checkpoint in path, or an unreadable manifest.
@@ -76,7 +79,7 @@ def require_manifest(path: str, seq: int | None = None) -> dict:
 
 
 def chain(path: str, manifest: dict) -> list[dict]:
-    """[full manifest, delta, delta, ...] ending with manifest."""
+    """[full manifest, delta, delta, ...] ending with manifest. Thread-safe."""
     out = [manifest]
     while out[0]["kind"] == "delta":
         out.insert(0, read_manifest(path, int(out[0]["parent"])))
@@ -84,7 +87,10 @@ def chain(path: str, manifest: dict) -> list[dict]:
 
 
 def prepare(path: str) -> dict:
-    """Server 0: creates path if needed; {"seq": next number, "latest": manifest or None}."""
+    """Server 0: creates path if needed; {"seq": next number, "latest": manifest or None}.
+
+    Thread-safe, but two saves into one directory at once may get the same number.
+    """
     os.makedirs(path, exist_ok=True)
     latest = latest_manifest(path)
     # Numbers of failed saves are skipped too: their stray files never get reused.
@@ -94,6 +100,8 @@ def prepare(path: str) -> dict:
 
 def commit(path: str, manifest: dict) -> None:
     """Server 0: checks every shard file of manifest exists with its size, then writes it.
+
+    Thread-safe (the manifest appears whole, by rename).
 
     Raises:
         CheckpointError: a shard file is missing or has another size than its save reported.

@@ -1,4 +1,4 @@
-"""A shard's state to and from checkpoint files: save, load (resharding), restore, export.
+"""A shard's state to and from checkpoint files: save, load (resharding), restore.
 
 What the index of a shard file says (one section per sparse table, with its
 spec, optimizer and blocks of rows; one per dense key) is written and read
@@ -16,7 +16,6 @@ shard file is written from it.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -24,7 +23,6 @@ import numpy as np
 
 from kvsparse import _core, errors
 from kvsparse.placement import dense_ranges
-from kvsparse.shard.checkpoint.files import AtomicFile
 from kvsparse.shard.checkpoint.format import (
     BLOCK_ROWS,
     FORMAT,
@@ -42,7 +40,7 @@ from kvsparse.shard.state import DenseEntry, ShardState, SparseEntry
 
 
 def table_optimizer_spec(state: ShardState, entry: SparseEntry) -> dict | None:
-    """The optimizer a sparse table runs: its own, else the store-wide one."""
+    """The optimizer a sparse table runs: its own, else the store-wide one (reads only)."""
     return entry.spec.get("optimizer") if entry.own_optimizer else state.default_optimizer
 
 
@@ -59,6 +57,8 @@ def write_shard_file(state: ShardState, final_path: str, *, since: int | None, i
 
     Returns:
         {"file", "bytes", "rows"}.
+
+    Only reads state, so nothing may change it meanwhile (not thread-safe with writers).
     """
     total = sum(len(e.table) for e in state.sparse.values())
     writer = BlockWriter(final_path, total, desc=os.path.basename(final_path))
@@ -126,7 +126,7 @@ def begin_save(state: ShardState, incremental: bool, path: str, parent: int | No
     """Runs in the serving process right before the snapshot: (since, snapshot_epoch).
 
     Advances the change epoch, so that writes after this moment belong to the
-    next delta.
+    next delta. Not thread-safe: the state's own thread calls it.
 
     Raises:
         InvalidArgument: an incremental save whose parent is not the
@@ -147,7 +147,10 @@ def begin_save(state: ShardState, incremental: bool, path: str, parent: int | No
 
 
 def end_save(state: ShardState, path: str, seq: int, snapshot_epoch: int) -> None:
-    """Runs in the serving process once its shard file is written: the next delta's base."""
+    """Runs in the serving process once its shard file is written: the next delta's base.
+
+    Not thread-safe: the state's own thread calls it.
+    """
     state.saved_epoch = snapshot_epoch
     state.checkpoint_base = (os.path.realpath(path), seq)
     for entry in state.sparse.values():
@@ -155,7 +158,10 @@ def end_save(state: ShardState, path: str, seq: int, snapshot_epoch: int) -> Non
 
 
 def save_shard(state: ShardState, path, seq, shard_index, num_shards, since, parent) -> dict:
-    """Writes this shard's file of checkpoint seq; returns {"file", "bytes", "rows"}."""
+    """Writes this shard's file of checkpoint seq; returns {"file", "bytes", "rows"}.
+
+    Reads state only; it must not change meanwhile (see write_shard_file).
+    """
     final = os.path.join(path, shard_file_name(seq, shard_index, num_shards))
     info = {"seq": seq, "shard_index": shard_index, "num_shards": num_shards, "parent": parent}
     return write_shard_file(state, final, since=since, info=info)
@@ -207,6 +213,8 @@ def load_shard_state(state: ShardState, path: str, shard_index: int, num_shards:
     are read; otherwise every old shard file is read and the rows whose
     `_core.shard_of(keys, num_shards)` is shard_index are kept (dense keys are
     re-split by `kvsparse.placement.dense_ranges`).
+
+    Not thread-safe: it replaces every table of state.
 
     Returns:
         The manifest loaded.
@@ -311,6 +319,7 @@ def restore_shard(state: ShardState, path: str, shard_index: int, num_shards: in
     --shard-index I --num-shards N``): the state then holds exactly what
     shard I of N held at that checkpoint, optimizer slots and step counters
     included, resharded by key hash if the checkpoint had another shard count.
+    Not thread-safe: it replaces every table of state.
 
     Raises:
         CheckpointError: no complete checkpoint, or a corrupt/truncated file.
@@ -320,36 +329,3 @@ def restore_shard(state: ShardState, path: str, shard_index: int, num_shards: in
         >>> restore_shard(state, "/ckpt", shard_index=1, num_shards=3)  # doctest: +SKIP
     """
     load_shard_state(state, path, shard_index, num_shards)
-
-
-# -- inference export -------------------------------------------------------------------------
-
-
-def export_shard(state: ShardState, path, shard_index, num_shards, table_ids, export_id) -> dict:
-    """Writes ``part-{i:05d}-of-{n:05d}.npz``: keys and values of the chosen sparse tables.
-
-    The layout is the one `kvsparse.serving.EmbeddingLookup` reads. Returns
-    {"file", "rows"}.
-    """
-    os.makedirs(path, exist_ok=True)
-    arrays, meta = {}, {"format": "kvsparse-export", "version": 1, "export_id": export_id}
-    meta.update({"part": shard_index, "num_parts": num_shards, "tables": []})
-    for position, table_id in enumerate(table_ids):
-        entry = state.sparse_entry(int(table_id))
-        chunks = list(entry.table.iter_chunks(BLOCK_ROWS))
-        keys = np.concatenate([c[0] for c in chunks]) if chunks else np.empty(0, np.int64)
-        values = (
-            np.concatenate([c[1] for c in chunks])
-            if chunks
-            else np.empty((0, entry.table.dim), np.float32)
-        )
-        order = np.argsort(keys, kind="stable")
-        arrays[f"t{position}_keys"] = keys[order]
-        arrays[f"t{position}_values"] = values[order]
-        meta["tables"].append({"name": entry.name, "dim": entry.table.dim, "spec": entry.spec})
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
-    final = os.path.join(path, f"part-{shard_index:05d}-of-{num_shards:05d}.npz")
-    with AtomicFile(final, suffix=".npz") as f:
-        np.savez(f, **arrays)
-    rows = sum(int(a.shape[0]) for k, a in arrays.items() if k.endswith("_keys"))
-    return {"file": os.path.basename(final), "rows": rows}
