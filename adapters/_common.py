@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 
 from kvsparse import errors
 from kvsparse.table import SparseTable
@@ -22,7 +23,8 @@ def store_lock(kv) -> threading.Lock:
     """The lock the adapters take around every call to `kv`.
 
     Take it yourself if you call `kv` from another thread while an adapter
-    may be using it (a prefetch in flight, a host callback running).
+    may be using it (a prefetch in flight, a host callback running). Safe to
+    call from several threads at once.
 
     Example:
         >>> with store_lock(kv):
@@ -48,6 +50,8 @@ def ensure_table(
 ) -> int:
     """Creates sparse table `key` on `kv` unless it exists; returns its dim.
 
+    Safe to call from several threads at once (it runs under `store_lock`).
+
     Args:
         kv: a kvsparse.KVStore.
         key: the table's key.
@@ -65,23 +69,50 @@ def ensure_table(
         >>> ensure_table(kv, 'user', 16, optimizer=kvsparse.optimizers.Adagrad(0.05))
         16
     """
-    with store_lock(kv):
-        if key in kv:
-            info = kv.key_info(key)
-            if not info.sparse:
-                raise errors.InvalidArgument(f"key {key!r} is a dense key, not a sparse table")
-            if embedding_dim is not None and int(embedding_dim) != info.dim:
-                raise errors.ShapeError(
-                    f"table {key!r} has dim {info.dim}, but embedding_dim={embedding_dim} was asked"
+    return TableOptions(initializer, optimizer, seed, partitioner, nonfinite).ensure(
+        kv, key, embedding_dim
+    )
+
+
+@dataclass(frozen=True)
+class TableOptions:
+    """The kvsparse.SparseTable settings an adapter creates a missing table with.
+
+    The adapters' ``initializer=, optimizer=, seed=, partitioner=, nonfinite=``
+    arguments, kept together until the table is looked up. Immutable; `ensure`
+    may be called from several threads at once (it takes the store's lock).
+    """
+
+    initializer: object = None
+    optimizer: object = None
+    seed: int = 0
+    partitioner: object = None
+    nonfinite: str = "raise"
+
+    def ensure(self, kv, key, embedding_dim=None) -> int:
+        """Creates sparse table `key` on `kv` with these settings unless it exists; its dim.
+
+        Raises: as `ensure_table`.
+        """
+        with store_lock(kv):
+            if key in kv:
+                info = kv.key_info(key)
+                if not info.sparse:
+                    raise errors.InvalidArgument(f"key {key!r} is a dense key, not a sparse table")
+                if embedding_dim is not None and int(embedding_dim) != info.dim:
+                    raise errors.ShapeError(
+                        f"table {key!r} has dim {info.dim}, "
+                        f"but embedding_dim={embedding_dim} was asked"
+                    )
+                return info.dim
+            if embedding_dim is None:
+                raise errors.UnknownKey(
+                    f"table {key!r} does not exist; pass embedding_dim= to create it, "
+                    "or kv.init it first"
                 )
-            return info.dim
-        if embedding_dim is None:
-            raise errors.UnknownKey(
-                f"table {key!r} does not exist; pass embedding_dim= to create it, "
-                "or kv.init it first"
-            )
-        settings = {"dim": int(embedding_dim), "optimizer": optimizer, "seed": seed}
-        if initializer is not None:
-            settings["initializer"] = initializer
-        kv.init(key, SparseTable(partitioner=partitioner, nonfinite=nonfinite, **settings))
-        return int(embedding_dim)
+            settings = {"dim": int(embedding_dim), "optimizer": self.optimizer, "seed": self.seed}
+            if self.initializer is not None:
+                settings["initializer"] = self.initializer
+            table = SparseTable(partitioner=self.partitioner, nonfinite=self.nonfinite, **settings)
+            kv.init(key, table)
+            return int(embedding_dim)

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
-from kvsparse.adapters._common import ensure_table, store_lock
+from kvsparse.adapters._common import TableOptions, ensure_table, store_lock
 
 from kvsparse import errors
 
@@ -172,16 +172,8 @@ def embedding_lookup(
         >>> rows.shape
         (2, 2, 8)
     """
-    dim = ensure_table(
-        kv,
-        key,
-        embedding_dim,
-        initializer=initializer,
-        optimizer=optimizer,
-        seed=seed,
-        partitioner=partitioner,
-        nonfinite=nonfinite,
-    )
+    options = TableOptions(initializer, optimizer, seed, partitioner, nonfinite)
+    dim = options.ensure(kv, key, embedding_dim)
     if anchor is None:
         anchor = make_anchor()
     elif jnp.result_type(anchor) != jnp.float32:

@@ -53,7 +53,7 @@ import threading
 
 import torch
 import torch.nn.functional as functional
-from kvsparse.adapters._common import ensure_table, store_lock
+from kvsparse.adapters._common import TableOptions, ensure_table, store_lock
 from torch import nn
 
 from kvsparse import errors
@@ -188,9 +188,9 @@ class _Lookup:
 
 
 class _TableModule(nn.Module):
-    def __init__(self, kv, key, embedding_dim, padding_idx, table_settings):
+    def __init__(self, kv, key, embedding_dim, padding_idx, options: TableOptions):
         super().__init__()
-        dim = ensure_table(kv, key, embedding_dim, **table_settings)
+        dim = options.ensure(kv, key, embedding_dim)
         if padding_idx is not None:
             padding_idx = int(padding_idx)
         self.key = key
@@ -286,14 +286,8 @@ class Embedding(_TableModule):
         partitioner=None,
         nonfinite: str = "raise",
     ):
-        settings = dict(
-            initializer=initializer,
-            optimizer=optimizer,
-            seed=seed,
-            partitioner=partitioner,
-            nonfinite=nonfinite,
-        )
-        super().__init__(kv, key, embedding_dim, padding_idx, settings)
+        options = TableOptions(initializer, optimizer, seed, partitioner, nonfinite)
+        super().__init__(kv, key, embedding_dim, padding_idx, options)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self._rows(_check_ids(ids))
@@ -339,14 +333,8 @@ class EmbeddingBag(_TableModule):
     ):
         if mode not in _BAG_MODES:
             raise errors.InvalidArgument(f"mode must be one of {_BAG_MODES}, got {mode!r}")
-        settings = dict(
-            initializer=initializer,
-            optimizer=optimizer,
-            seed=seed,
-            partitioner=partitioner,
-            nonfinite=nonfinite,
-        )
-        super().__init__(kv, key, embedding_dim, padding_idx, settings)
+        options = TableOptions(initializer, optimizer, seed, partitioner, nonfinite)
+        super().__init__(kv, key, embedding_dim, padding_idx, options)
         self.mode = mode
         self.include_last_offset = include_last_offset
 

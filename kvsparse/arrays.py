@@ -22,6 +22,16 @@ def as_list(obj) -> list:
     return list(obj) if isinstance(obj, (list, tuple)) else [obj]
 
 
+def per_key(value, single: bool) -> list:
+    """One item per key of a call: [value] for a single key, else value's items."""
+    return [value] if single else as_list(value)
+
+
+def outputs_per_key(out, single: bool, count: int) -> list:
+    """One output (or None) per key: like per_key, with out=None meaning None for each of count."""
+    return per_key(out, single) if single or out is not None else [None] * count
+
+
 def as_numpy(obj, *, what: str, writable: bool = False) -> np.ndarray:
     """A NumPy view of obj (ndarray, __dlpack__ object or DLPack capsule)."""
     if isinstance(obj, np.ndarray):

@@ -24,7 +24,7 @@ from conftest import last_json, run_workers  # noqa: E402
 from kvsparse.adapters.torch import DenseGradientSync, Embedding, EmbeddingBag  # noqa: E402
 
 import kvsparse  # noqa: E402
-import kvsparse.store.kvstore  # noqa: E402
+import kvsparse.store.batching  # noqa: E402
 from kvsparse import errors, initializers, optimizers  # noqa: E402
 
 VOCAB = 40
@@ -382,7 +382,7 @@ def test_no_grad_forward_pushes_nothing(kv):
 
 
 class CoreSpy:
-    """Stands in for kvsparse._core in kvsparse.store.kvstore; records the memory it is given."""
+    """Stands in for kvsparse._core in kvsparse.store.batching; records the memory it is given."""
 
     def __init__(self, core):
         self._core = core
@@ -403,8 +403,8 @@ class CoreSpy:
 
 @pytest.fixture
 def core_spy(monkeypatch):
-    spy = CoreSpy(kvsparse.store.kvstore._core)
-    monkeypatch.setattr(kvsparse.store.kvstore, "_core", spy)
+    spy = CoreSpy(kvsparse.store.batching._core)
+    monkeypatch.setattr(kvsparse.store.batching, "_core", spy)
     return spy
 
 

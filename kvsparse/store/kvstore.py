@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvsparse import _core, errors, optimizers
-from kvsparse.arrays import as_float32, as_ids, as_list, flat_ids
+from kvsparse.arrays import as_float32, as_ids, as_list, flat_ids, outputs_per_key, per_key
 from kvsparse.store import batching
 from kvsparse.store.backend import Backend
 from kvsparse.store.checkpoints import Checkpoints, OptimizerStateFile
@@ -48,17 +48,32 @@ _POLICY_COUNTERS = (
 )
 
 
-def _per_key(value, single: bool) -> list:
-    """One item per key: [value] for a single key, else value's items."""
-    return [value] if single else as_list(value)
+class StoreFront:
+    """What every store front shares: ``with`` closes it, and its repr.
+
+    For `KVStore` and the MXNet adapter's store; a subclass provides close(),
+    type, rank, num_workers and num_servers, and names itself in _repr_name.
+    """
+
+    _repr_name = "kvsparse.KVStore"
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (
+            f"<{self._repr_name} type={self.type} rank={self.rank} "
+            f"num_workers={self.num_workers} servers={self.num_servers}>"
+        )
 
 
-def _outputs(out, single: bool, count: int) -> list:
-    """One output (or None) per key; out=None for a list of keys means None for each."""
-    return _per_key(out, single) if single or out is not None else [None] * count
-
-
-class KVStore:
+class KVStore(StoreFront):
     """MXNet-style key-value store whose sparse tables live on shards.
 
     Use ``kvsparse.create(kind)`` rather than this constructor. Not safe to
@@ -163,8 +178,8 @@ class KVStore:
             raise errors.InvalidArgument("row_sparse_pull needs row_ids")
         single = not isinstance(key, (list, tuple))
         keys = as_list(key)
-        ids_list = _per_key(row_ids, single)
-        outs = _outputs(out, single, len(keys))
+        ids_list = per_key(row_ids, single)
+        outs = outputs_per_key(out, single, len(keys))
         if len(ids_list) != len(keys) or len(outs) != len(keys):
             raise errors.InvalidArgument("row_sparse_pull: keys, row_ids and out differ in length")
         items, results, targets = [], [], []
@@ -201,7 +216,7 @@ class KVStore:
         """
         del priority
         keys = as_list(key)
-        values = _per_key(value, not isinstance(key, (list, tuple)))
+        values = per_key(value, not isinstance(key, (list, tuple)))
         if len(keys) != len(values):
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(values)} values")
         sparse_items, dense_items = [], []
@@ -225,7 +240,7 @@ class KVStore:
         del priority, ignore_sparse
         single = not isinstance(key, (list, tuple))
         keys = as_list(key)
-        outs = _outputs(out, single, len(keys))
+        outs = outputs_per_key(out, single, len(keys))
         if len(outs) != len(keys):
             raise errors.InvalidArgument("pull: keys and out differ in length")
         items, results, fills = [], [], []
@@ -252,7 +267,7 @@ class KVStore:
     def broadcast(self, key, value, out=None, priority=0):
         """init(key, value) if the key is new, then pull(key, out) (MXNet semantics)."""
         keys = as_list(key)
-        values = _per_key(value, not isinstance(key, (list, tuple)))
+        values = per_key(value, not isinstance(key, (list, tuple)))
         new = [(k, v) for k, v in zip(keys, values) if k not in self._keys]
         if new:
             self.init([k for k, _ in new], [v for _, v in new])
@@ -415,15 +430,3 @@ class KVStore:
     def close(self) -> None:
         """Releases the connections (dist) or the tables (local)."""
         self._backend.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __repr__(self):
-        return (
-            f"<kvsparse.KVStore type={self.type} rank={self.rank} "
-            f"num_workers={self.num_workers} servers={self.num_servers}>"
-        )
