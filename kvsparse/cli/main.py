@@ -230,7 +230,7 @@ def _split_without_separator(parser: argparse.ArgumentParser, argv: list) -> tup
 def _server(argv: list) -> int:
     # kvsparse.server.main reads the bind address from the environment when no --bind is
     # given (kvsparse.config.server_bind_address), so the command delegates as is.
-    from kvsparse.server import server
+    from kvsparse.server import main as server
 
     result = server.main(argv)
     return 0 if result is None else int(result)

@@ -1,8 +1,8 @@
-"""``python -m kvsparse.server``: one server process (see `kvsparse.server.server.main`)."""
+"""``python -m kvsparse.server``: one server process (see `kvsparse.server.main.main`)."""
 
 import sys
 
-from kvsparse.server.server import main
+from kvsparse.server.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -71,6 +71,9 @@ _COUNTER_FIELDS = frozenset(
 class ServerMetrics:
     """Counters a server's event loop updates; plain ints, no locks (one thread writes).
 
+    Threads: not thread-safe; the event loop's thread only (others read
+    copies through `SnapshotChannel`).
+
     Example:
         >>> m = ServerMetrics()
         >>> m.count_table("pull_sparse", 7, 3)
@@ -125,11 +128,24 @@ class ServerMetrics:
         }
 
 
+def table_names(state) -> dict:
+    """{table id: name} of every table a ShardState holds: the metrics' table labels.
+
+    Threads: reads the state unlocked; the thread that changes it only.
+    """
+    names = {table_id: entry.name for table_id, entry in state.sparse.items()}
+    names.update((table_id, entry.name) for table_id, entry in state.dense.items())
+    return names
+
+
 class SnapshotChannel:
     """Hands snapshots from the event loop to scraping threads.
 
     A scraping thread calls `request` (which wakes the loop through `wake`
     and waits); the loop calls `answer` whenever it wakes up.
+
+    Threads: request() may be called from several threads at once; answer()
+    from the event loop's thread only.
     """
 
     def __init__(self, wake: Callable[[], None]):
@@ -168,6 +184,8 @@ class ServerCollector:
     Args:
         channel: where to get snapshots (`SnapshotChannel`).
         timeout: seconds a scrape waits for the event loop.
+
+    Threads: collect() may run on several scraping threads at once.
     """
 
     def __init__(self, channel: SnapshotChannel, timeout: float = 5.0):
@@ -199,12 +217,13 @@ class ServerCollector:
         if snap is None:
             return
 
-        requests = CounterMetricFamily(
-            "kvsparse_requests", "Requests received, by op", labels=["op"]
-        )
-        for op, count in sorted(snap["requests"].items()):
-            requests.add_metric([op], count)
-        yield requests
+        def counter_by(name: str, help_text: str, label: str, counts: dict):
+            family = CounterMetricFamily(name, help_text, labels=[label])
+            for value, count in sorted(counts.items()):
+                family.add_metric([value], count)
+            return family
+
+        yield counter_by("kvsparse_requests", "Requests received, by op", "op", snap["requests"])
 
         table_requests = CounterMetricFamily(
             "kvsparse_table_requests",
@@ -223,12 +242,7 @@ class ServerCollector:
         yield table_requests
         yield table_keys
 
-        errors = CounterMetricFamily(
-            "kvsparse_errors", "Error replies, by error class", labels=["kind"]
-        )
-        for kind, count in sorted(snap["errors"].items()):
-            errors.add_metric([kind], count)
-        yield errors
+        yield counter_by("kvsparse_errors", "Error replies, by error class", "kind", snap["errors"])
 
         latency = HistogramMetricFamily(
             "kvsparse_request_duration_seconds",
@@ -314,4 +328,5 @@ __all__ = [
     "ServerMetrics",
     "SnapshotChannel",
     "start_http_server",
+    "table_names",
 ]

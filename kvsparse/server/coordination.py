@@ -1,0 +1,438 @@
+"""What a server coordinates between workers, one small class per concern.
+
+- `JobConfig`: the job's configuration, set by the first HELLO; later ones must agree.
+- `SspGate`: the workers' clocks; holds a pull that is too far ahead (SSP).
+- `BspRounds`: holds each table's pushes until every worker pushed, then applies their sum.
+- `Barrier`: answers BARRIER once every worker sent one.
+- `OptimizerEpochs`: another rank's n-th SET_OPTIMIZER waits for rank 0's n-th.
+- `DenseInitWaiters`: a FLAG_DECLARE INIT_DENSE waits for rank 0's values.
+
+A held request is any object with ``finish(frames)`` and ``fail(exc)``
+(`kvsparse.server.dispatch.Pending`); these classes call one of them exactly
+once, when the request's turn comes. None of them touches a socket.
+
+Threads: none of these classes is thread-safe; the server's event loop
+thread only.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from kvsparse import errors
+
+
+class Round:
+    """One contribution per rank; complete when every rank has contributed.
+
+    A second contribution from a rank already in the round (a worker that
+    retried after an error, or two clients with one rank) waits for the next
+    round instead of completing this one early.
+
+    Example:
+        >>> r = Round()
+        >>> r.add(1, "b", num_workers=2)
+        []
+        >>> r.add(0, "a", num_workers=2)
+        [['a', 'b']]
+    """
+
+    __slots__ = ("current", "backlog")
+
+    def __init__(self):
+        # rank -> contribution of the round being filled; read by BspRounds' orphan check.
+        self.current: dict[int, object] = {}
+        self.backlog: list[tuple[int, object]] = []
+
+    def add(self, rank: int, value, num_workers: int) -> list[list]:
+        """Adds value; returns the rounds it completed, each a list of values in rank order."""
+        self.backlog.append((rank, value))
+        completed = []
+        while True:
+            waiting, self.backlog = self.backlog, []
+            for entry_rank, entry in waiting:
+                if entry_rank in self.current:
+                    self.backlog.append((entry_rank, entry))
+                else:
+                    self.current[entry_rank] = entry
+            if len(self.current) < num_workers:
+                return completed
+            completed.append([self.current[r] for r in sorted(self.current)])
+            self.current = {}
+
+    def values(self) -> list:
+        """Every value not in a completed round yet."""
+        return list(self.current.values()) + [value for _, value in self.backlog]
+
+    def __bool__(self) -> bool:
+        return bool(self.current or self.backlog)
+
+
+class JobConfig:
+    """The job's configuration: the first HELLO's, which every later HELLO must repeat."""
+
+    FIELDS = ("num_workers", "mode", "staleness", "num_servers", "server_index")
+
+    def __init__(self):
+        self._config: dict | None = None
+
+    @property
+    def configured(self) -> bool:
+        """True once a HELLO was accepted."""
+        return self._config is not None
+
+    def adopt(self, config: dict) -> bool:
+        """Takes a HELLO's configuration (a dict of FIELDS); True if it is the first.
+
+        Raises:
+            InvalidArgument: it differs from the first one.
+        """
+        if self._config is None:
+            self._config = dict(config)
+            return True
+        if config != self._config:
+            differences = ", ".join(
+                f"{name}={config[name]!r} (server has {self._config[name]!r})"
+                for name in self.FIELDS
+                if config[name] != self._config[name]
+            )
+            raise errors.InvalidArgument(
+                f"this client's configuration differs from the one the server was started "
+                f"with by the first client: {differences}"
+            )
+        return False
+
+    def _field(self, name: str):
+        if self._config is None:
+            raise errors.ProtocolError("no HELLO yet: send HELLO first")
+        return self._config[name]
+
+    @property
+    def num_workers(self) -> int:
+        return self._field("num_workers")
+
+    @property
+    def mode(self) -> str:
+        """'bsp', 'asp' or 'ssp'."""
+        return self._field("mode")
+
+    @property
+    def num_servers(self) -> int:
+        return self._field("num_servers")
+
+    @property
+    def server_index(self) -> int:
+        return self._field("server_index")
+
+
+class SspGate:
+    """Stale synchronous parallel: a pull at clock c waits until every clock is >= c - staleness.
+
+    A worker's clock is its number of pushes, carried in every request header.
+    """
+
+    def __init__(self):
+        self._clocks: list[int] = []
+        self._staleness: int | None = None  # None: not SSP, never blocks
+        self._held: list[tuple[int, object]] = []
+        self._changed = False
+
+    def start(self, num_workers: int, staleness: int | None) -> None:
+        """Sets the number of workers (clocks at 0) and the staleness bound (None: no gate)."""
+        self._clocks = [0] * num_workers
+        self._staleness = staleness
+
+    def advance(self, rank: int, clock: int) -> None:
+        """Notes a request from rank at clock (clocks only move forward)."""
+        if clock > self._clocks[rank]:
+            self._clocks[rank] = clock
+            self._changed = True
+
+    def blocked(self, clock: int) -> bool:
+        """True if a pull at clock must wait for a slower worker."""
+        return self._staleness is not None and min(self._clocks) < clock - self._staleness
+
+    def hold(self, clock: int, request) -> None:
+        """Holds a blocked pull until release() lets it go."""
+        self._held.append((clock, request))
+
+    def release(self) -> list:
+        """The held pulls no longer blocked (removed from the gate), once after a clock moved."""
+        changed, self._changed = self._changed, False
+        if not changed or not self._held:
+            return []
+        held, self._held = self._held, []
+        released = []
+        for clock, request in held:
+            if self.blocked(clock):
+                self._held.append((clock, request))
+            else:
+                released.append(request)
+        return released
+
+    def __len__(self) -> int:
+        """The number of pulls held."""
+        return len(self._held)
+
+
+class PushKind(str, enum.Enum):
+    """What a push changes: sparse rows or a dense slice."""
+
+    SPARSE = "sparse"
+    DENSE = "dense"
+
+
+def apply_pushes(state, kind: PushKind, table_id: int, parts: list) -> None:
+    """Applies the sum of one table's pushes to state (a ShardState).
+
+    parts: sparse (keys, rows, step) or dense (grad,) tuples, in the order
+    they are summed (rank order in BSP: the same sum on every run).
+    """
+    if kind is PushKind.SPARSE:
+        # The core sums duplicate keys before it applies the optimizer.
+        keys = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
+        rows = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
+        if keys.size:
+            state.push_sparse(table_id, keys, rows)
+        elif any(p[2] for p in parts):
+            # The push had keys on other shards: count it here too (Adam's per-table step).
+            state.advance_sparse_step(table_id)
+        return
+    total = parts[0][0]
+    if len(parts) > 1:
+        total = total.copy()
+        for part in parts[1:]:
+            total += part[0]
+    state.push_dense(table_id, total)
+
+
+class _Push:
+    """One BSP push request: answered once each of its tables' rounds is applied."""
+
+    __slots__ = ("request", "clock", "remaining", "error")
+
+    def __init__(self, request, clock: int, remaining: int):
+        self.request = request
+        self.clock = clock
+        self.remaining = remaining
+        self.error = None
+
+    def table_done(self, error) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self.remaining -= 1
+        if self.remaining == 0:
+            if self.error is not None:
+                self.request.fail(self.error)
+            else:
+                self.request.finish([])
+
+
+class BspRounds:
+    """Bulk synchronous pushes: each table's round is applied once every worker pushed it.
+
+    Args:
+        state: the ShardState the rounds are applied to.
+        restarted: this server replaces one that died: until a table's first full
+            round, a push of a step the dead server completed is applied alone.
+    """
+
+    def __init__(self, state, *, restarted: bool = False):
+        self._state = state
+        self._restarted = restarted
+        self._rounds: dict[tuple, Round] = {}
+        self._settled: set = set()  # (kind, table_id) that had a full round since the restart
+
+    def contribute(
+        self, request, rank: int, clock: int, kind: PushKind, parsed: list, num_workers: int
+    ) -> bool:
+        """Adds a validated push to each of its tables' rounds; False if it has no table.
+
+        parsed: (table_id, *part) tuples (see apply_pushes). The request is
+        answered when all its tables' rounds are applied (an error in any of
+        them fails it); with no table, the caller answers it.
+        """
+        groups: dict[int, list] = {}
+        for table_id, *data in parsed:
+            groups.setdefault(table_id, []).append(data)
+        if not groups:
+            return False
+        push = _Push(request, clock, len(groups))
+        for table_id, parts in groups.items():
+            key = (kind, table_id)
+            round_ = self._rounds.setdefault(key, Round())
+            recovering = self._restarted and key not in self._settled
+            if recovering and self._orphaned(kind, table_id, round_, push, parts):
+                completed = []
+            else:
+                completed = round_.add(rank, (push, parts), num_workers)
+            if not round_:
+                del self._rounds[key]
+            for contributions in completed:
+                if recovering:
+                    self._settled.add(key)
+                self._apply(kind, table_id, contributions)
+        return True
+
+    def _orphaned(self, kind, table_id, round_: Round, push: _Push, parts) -> bool:
+        """After a restart: applies alone the pushes whose round the dead server completed.
+
+        A crash can lose some replies of a round it had applied: the workers
+        that got theirs move on, the others resend the same step (same clock)
+        to the restarted server, where it would otherwise wait for, and then
+        be summed with, the next step of the others. Until a table's first
+        full round here, a push with a lower clock than another rank's is
+        such an orphan: applied alone (on the restored state) and answered.
+        Returns True if the new push was one.
+        """
+        late = sorted(r for r, (p, _) in round_.current.items() if p.clock < push.clock)
+        for rank in late:
+            self._apply(kind, table_id, [round_.current.pop(rank)])
+        if any(p.clock > push.clock for p, _ in round_.current.values()):
+            self._apply(kind, table_id, [(push, parts)])
+            return True
+        return False
+
+    def _apply(self, kind: PushKind, table_id: int, contributions: list) -> None:
+        # Contributions come in rank order: the same sum on every run.
+        parts = [part for _, group in contributions for part in group]
+        error = None
+        try:
+            apply_pushes(self._state, kind, table_id, parts)
+        except Exception as exc:  # noqa: BLE001 - reported to every worker of the round
+            error = exc
+        for push, _ in contributions:
+            push.table_done(error)
+
+    def waiting(self) -> int:
+        """The number of push requests held."""
+        return len({id(v[0]) for r in self._rounds.values() for v in r.values()})
+
+
+class Barrier:
+    """BARRIER: every worker's request is answered once all num_workers sent one."""
+
+    def __init__(self):
+        self._round = Round()
+
+    def arrive(self, rank: int, request, num_workers: int) -> None:
+        """Holds request until the barrier completes (answering the others if this completes it)."""
+        for completed in self._round.add(rank, request, num_workers):
+            for other in completed:
+                other.finish([])
+
+    def __len__(self) -> int:
+        """The number of requests held."""
+        return len(self._round.values())
+
+
+class OptimizerEpochs:
+    """SET_OPTIMIZER: rank 0's n-th call sets it; another rank's n-th call waits for that one.
+
+    A follower whose spec differs from rank 0's n-th fails with InvalidArgument.
+    """
+
+    def __init__(self):
+        self._history: list = []  # rank 0's specs, one per call
+        self._waiting: list[tuple] = []
+
+    def lead(self, spec) -> None:
+        """Records rank 0's next spec (already applied) and answers the followers it was for."""
+        self._history.append(spec)
+        waiting, self._waiting = self._waiting, []
+        for request, epoch, follower_spec in waiting:
+            if epoch > len(self._history):
+                self._waiting.append((request, epoch, follower_spec))
+                continue
+            try:
+                self._check(epoch, follower_spec)
+            except errors.InvalidArgument as exc:
+                request.fail(exc)
+            else:
+                request.finish([])
+
+    def follow(self, request, epoch: int, spec) -> bool:
+        """A follower's call: True if rank 0's call epoch is in (checked), False if held.
+
+        Raises:
+            InvalidArgument: rank 0 set a different spec in its call epoch.
+        """
+        if epoch <= len(self._history):
+            self._check(epoch, spec)
+            return True
+        self._waiting.append((request, epoch, spec))
+        return False
+
+    def _check(self, epoch: int, spec) -> None:
+        leader = self._history[epoch - 1]
+        if leader != spec:
+            raise errors.InvalidArgument(
+                f"set_optimizer call {epoch}: rank 0 set {leader!r}, this worker {spec!r}; "
+                "every worker must set the same optimizer"
+            )
+
+    def __len__(self) -> int:
+        """The number of follower calls held."""
+        return len(self._waiting)
+
+
+class DenseInitWaiters:
+    """INIT_DENSE with FLAG_DECLARE: held until rank 0's values for the table are in place."""
+
+    def __init__(self):
+        self._waiting: dict[int, list] = {}
+
+    @staticmethod
+    def check_size(name: str, held: int, declared: int) -> None:
+        """Raises DuplicateKey if the shard holds another number of values than declared."""
+        if held != declared:
+            raise errors.DuplicateKey(
+                f"key {name!r}: rank 0 initialized {held} values on this shard, "
+                f"this worker {declared}"
+            )
+
+    def wait(self, table_id: int, request, name: str, size: int) -> None:
+        """Holds a declaring request until release(table_id)."""
+        self._waiting.setdefault(table_id, []).append((request, name, size))
+
+    def release(self, table_id: int, held: int) -> None:
+        """Answers the requests waiting for table_id, which now holds held values."""
+        for request, name, size in self._waiting.pop(table_id, []):
+            try:
+                self.check_size(name, held, size)
+            except errors.DuplicateKey as exc:
+                request.fail(exc)
+            else:
+                request.finish([])
+
+    def __len__(self) -> int:
+        """The number of requests held."""
+        return sum(len(w) for w in self._waiting.values())
+
+
+class Coordination:
+    """One server's coordination objects (public attributes), made for one ShardState.
+
+    Attributes: job (JobConfig), ssp (SspGate), bsp (BspRounds), barrier
+    (Barrier), optimizer (OptimizerEpochs), dense_init (DenseInitWaiters).
+    """
+
+    def __init__(self, state, *, restarted: bool = False):
+        self.job = JobConfig()
+        self.ssp = SspGate()
+        self.bsp = BspRounds(state, restarted=restarted)
+        self.barrier = Barrier()
+        self.optimizer = OptimizerEpochs()
+        self.dense_init = DenseInitWaiters()
+
+    def waiting(self) -> dict:
+        """The number of requests each object holds (STATS ``waiting``)."""
+        return {
+            "bsp_pushes": self.bsp.waiting(),
+            "ssp_pulls": len(self.ssp),
+            "barrier": len(self.barrier),
+            "dense_inits": len(self.dense_init),
+            "set_optimizer": len(self.optimizer),
+        }

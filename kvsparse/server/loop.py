@@ -1,0 +1,164 @@
+"""The server's event loop: a ROUTER socket, a wake-up socket and watched pipes, polled together.
+
+The loop knows nothing of ops: it hands every received multipart message to
+the callback `EventLoop.serve` was given, sends what it is told to send, and
+wakes up when another thread (a metrics scrape, a signal handler) writes to
+its wake-up socket. Waiting blocks in zmq_poll, which releases the GIL.
+
+Example:
+    >>> loop = EventLoop("tcp://127.0.0.1:0")              # doctest: +SKIP
+    >>> loop.serve(on_message=print, on_wakeup=lambda: None)  # until loop.stop()  # doctest: +SKIP
+    >>> loop.close()                                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Callable
+
+import zmq
+
+from kvsparse import errors
+
+# The largest message frame a server accepts (ZMQ_MAXMSGSIZE): a bigger one
+# makes ZeroMQ drop the connection before anything is allocated for it.
+DEFAULT_MAX_MESSAGE_SIZE = 1 << 30
+# Messages handled per poll wake-up: a flood from one client cannot starve the stop check.
+_BATCH = 1024
+
+
+class EventLoop:
+    """A bound ROUTER socket and the poll loop around it.
+
+    Args:
+        bind: ZeroMQ endpoint, e.g. ``tcp://127.0.0.1:0`` (port 0: any free port).
+        context: a zmq.Context (default: a new one, terminated by close()).
+        keys: a CurveZMQ key directory (`kvsparse.wire.security`), or None.
+        max_message_size: bytes (ZMQ_MAXMSGSIZE); -1: no limit.
+
+    Raises:
+        zmq.ZMQError: the address cannot be bound.
+        InvalidArgument: keys is not a usable key directory.
+
+    Threads: serve(), send(), watch() and close() belong to the one thread that
+    serves; stop() and wake() may be called from any thread or a signal handler.
+    """
+
+    def __init__(
+        self,
+        bind: str,
+        context: zmq.Context | None = None,
+        *,
+        keys: str | None = None,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    ):
+        self._own_context = context is None
+        self.context = context if context is not None else zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        # A dropped reply would leave a worker waiting: never drop at the high-water mark.
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_size))
+        self._authenticator = None
+        try:
+            if keys is not None:
+                from kvsparse.wire import security
+
+                self._authenticator = security.secure_server_socket(self.socket, self.context, keys)
+            self.socket.bind(bind)
+        except (zmq.ZMQError, errors.KVSparseError):
+            self.socket.close(0)
+            if self._authenticator is not None:
+                self._authenticator.stop()
+            if self._own_context:
+                self.context.term()
+            raise
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stopping = False
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self._wake_write.setblocking(False)
+        # fd -> callback run by serve() once fd is readable (a forked checkpoint writer's pipe).
+        self._watched: dict[int, Callable[[], None]] = {}
+        self._poller: zmq.Poller | None = None
+
+    def serve(self, on_message: Callable[[list], None], on_wakeup: Callable[[], None]) -> None:
+        """Polls until stop(): on_message(frames) per message, on_wakeup() after a wake().
+
+        frames is the received multipart message, routing id frame first
+        (zmq.Frame objects). on_message must not raise.
+        """
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        # Registered by fd: zmq.Poller reports a non-zmq socket by its fd, not the object.
+        wake_fd = self._wake_read.fileno()
+        poller.register(wake_fd, zmq.POLLIN)
+        self._poller = poller
+        for fd in self._watched:
+            poller.register(fd, zmq.POLLIN)
+        while not self._stopping:
+            events = dict(poller.poll())
+            for fd in [fd for fd in self._watched if fd in events]:
+                poller.unregister(fd)
+                self._watched.pop(fd)()
+            if self.socket in events:
+                for _ in range(_BATCH):
+                    try:
+                        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    on_message(frames)
+            if wake_fd in events:
+                try:
+                    while self._wake_read.recv(4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                on_wakeup()
+
+    def send(self, routing: bytes, frames: list) -> None:
+        """Sends frames (uncopied: do not change them afterwards) to the peer routing names."""
+        self.socket.send_multipart([routing, *frames], copy=False)
+
+    def watch(self, fd: int, callback: Callable[[], None]) -> None:
+        """Runs callback() once fd is readable, from serve(); at once if serve() never ran.
+
+        The fd is unregistered before the callback runs; the callback closes it.
+        """
+        if self._poller is None:  # not serving (a direct handle() call): run it here
+            callback()
+            return
+        self._watched[fd] = callback
+        self._poller.register(fd, zmq.POLLIN)
+
+    def stop(self) -> None:
+        """Makes serve() return after the message it is handling (safe in a signal handler)."""
+        self._stopping = True
+        self._write_wakeup(b"x")
+
+    def wake(self) -> None:
+        """Makes serve() call on_wakeup() soon (any thread)."""
+        self._write_wakeup(b"m")
+
+    def _write_wakeup(self, byte: bytes) -> None:
+        try:
+            self._wake_write.send(byte)
+        except OSError:  # full (the loop wakes anyway) or closed (the waiter times out)
+            pass
+
+    @property
+    def wakeup_fd(self) -> int:
+        """A non-blocking fd whose writes wake serve() (for signal.set_wakeup_fd)."""
+        return self._wake_write.fileno()
+
+    def close(self) -> None:
+        """Closes the sockets (and the context, if the loop made it)."""
+        self.socket.close(0)
+        self._wake_read.close()
+        self._wake_write.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+        if self._own_context:
+            self.context.term()

@@ -1,0 +1,169 @@
+"""``kvsparse server`` / ``python -m kvsparse.server``: the command line of one server process.
+
+It prints exactly one line, ``kvsparse server listening on tcp://HOST:PORT``,
+once it is bound, then serves until SIGTERM or SIGINT. Without ``--bind`` it
+binds what the environment says (`kvsparse.config.server_bind_address`), else
+``tcp://127.0.0.1:0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import zmq
+
+from kvsparse import config, errors
+from kvsparse.server.listening import LISTENING_PREFIX
+from kvsparse.server.loop import DEFAULT_MAX_MESSAGE_SIZE
+from kvsparse.server.server import Server
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvsparse server",
+        description="Serve one shard of kvsparse tables over ZeroMQ.",
+    )
+    parser.add_argument(
+        "--bind",
+        default=None,
+        help="ZeroMQ endpoint to bind, e.g. tcp://127.0.0.1:5701 (port 0: a free port). "
+        "Default: KVSPARSE_BIND or this process's entry of the cluster configuration, "
+        "else tcp://127.0.0.1:0.",
+    )
+    parser.add_argument(
+        "--keys",
+        default=None,
+        metavar="DIR",
+        help="CurveZMQ key directory made by `kvsparse keys DIR`: encrypt all traffic and "
+        "accept only clients whose public key is in DIR (default: KVSPARSE_KEYS, else none)",
+    )
+    parser.add_argument(
+        "--restarted",
+        action="store_true",
+        help="this server replaces one that died (kvsparse launch --restart-servers sets it): "
+        "pushes of a BSP step the dead server completed are applied alone",
+    )
+    parser.add_argument(
+        "--max-message-size",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_SIZE,
+        metavar="BYTES",
+        help="largest message frame accepted; a bigger one drops the sender's connection "
+        f"(default: {DEFAULT_MAX_MESSAGE_SIZE}; -1: no limit)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port, printed; "
+        "default: no metrics endpoint; needs prometheus-client)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="interface of the metrics endpoint (default: 127.0.0.1; 0.0.0.0 in a container)",
+    )
+    parser.add_argument(
+        "--restore",
+        default=None,
+        metavar="PATH",
+        help="before serving, load the latest complete checkpoint in PATH (base + deltas) "
+        "for this shard (needs --shard-index and --num-shards)",
+    )
+    parser.add_argument("--shard-index", type=int, default=None, metavar="I")
+    parser.add_argument("--num-shards", type=int, default=None, metavar="N")
+    return parser
+
+
+def main(argv=None) -> int:
+    """``kvsparse server``: serve one shard until SIGTERM/SIGINT.
+
+    Args:
+        argv: command-line arguments (default: sys.argv[1:]); ``--bind ADDRESS``.
+
+    Returns:
+        The exit status (0 after a clean stop, 1 if the address cannot be bound).
+
+    Example:
+        $ kvsparse server --bind tcp://127.0.0.1:0
+        kvsparse server listening on tcp://127.0.0.1:40123
+    """
+    args = _parser().parse_args(argv)
+    if args.restore is not None and (
+        args.shard_index is None
+        or args.num_shards is None
+        or not 0 <= args.shard_index < args.num_shards
+    ):
+        print("kvsparse server: --restore needs --shard-index I --num-shards N", file=sys.stderr)
+        return 2
+    bind = args.bind
+    keys = args.keys if args.keys is not None else config.curve_keys()
+    if bind is None:
+        try:
+            bind = config.server_bind_address() or "tcp://127.0.0.1:0"
+        except errors.InvalidArgument as exc:
+            print(f"kvsparse server: {exc}", file=sys.stderr)
+            return 2
+    try:
+        server = Server(
+            bind, keys=keys, max_message_size=args.max_message_size, restarted=args.restarted
+        )
+    except zmq.ZMQError as exc:
+        print(f"kvsparse server: cannot bind {bind}: {exc}", file=sys.stderr)
+        return 1
+    except errors.KVSparseError as exc:
+        print(f"kvsparse server: {exc}", file=sys.stderr)
+        return 2
+    if args.restore is not None:
+        from kvsparse.shard import checkpoint
+
+        try:
+            checkpoint.restore_shard(server.state, args.restore, args.shard_index, args.num_shards)
+        except errors.KVSparseError as exc:
+            server.close()
+            print(f"kvsparse server: cannot restore: {exc}", file=sys.stderr)
+            return 2
+
+    httpd = None
+    if args.metrics_port is not None:
+        from kvsparse.server import metrics
+
+        try:
+            httpd, _, metrics_port = metrics.start_http_server(
+                server.metrics_channel, args.metrics_port, args.metrics_host
+            )
+        except (ImportError, OSError) as exc:
+            server.close()
+            print(f"kvsparse server: cannot serve metrics: {exc}", file=sys.stderr)
+            return 1
+
+    def stop(signum, frame):
+        server.stop()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # The C-level handler may run on a thread other than the one blocked in zmq_poll
+    # (OpenBLAS, ZeroMQ's own); the wakeup fd wakes the poll wherever it lands.
+    previous_wakeup = signal.set_wakeup_fd(server.wakeup_fd)
+    try:
+        print(f"{LISTENING_PREFIX}{server.address}", flush=True)
+        if httpd is not None:
+            host = args.metrics_host if ":" not in args.metrics_host else f"[{args.metrics_host}]"
+            print(f"kvsparse metrics on http://{host}:{metrics_port}/metrics", flush=True)
+        server.serve()
+    finally:
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+        signal.set_wakeup_fd(previous_wakeup)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
