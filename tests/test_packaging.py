@@ -1,4 +1,4 @@
-"""Packaging: an unbuilt tree says how to build; the debug switch reaches the build."""
+"""Packaging: what a wheel holds; an unbuilt tree says how to build; the debug switch."""
 
 from __future__ import annotations
 
@@ -6,18 +6,74 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ADAPTERS = ("__init__", "_common", "torch", "tensorflow", "mxnet", "jax")
+
+
+def _copy_sources(tree: Path, folders=("kvsparse",)) -> None:
+    """The Python sources of folders under tree, without the compiled core or caches."""
+    for folder in folders:
+        shutil.copytree(
+            os.path.join(ROOT, folder),
+            tree / folder,
+            ignore=shutil.ignore_patterns("*.so", "__pycache__", "*.egg-info"),
+        )
+
+
+def _packages(top: Path) -> set:
+    """Dotted names of top (a kvsparse folder) and every folder in it holding Python files."""
+    return {
+        ".".join(folder.relative_to(top.parent).parts)
+        for folder in [top, *top.rglob("*")]
+        if folder.is_dir() and folder.name != "__pycache__" and any(folder.glob("*.py"))
+    }
+
+
+def test_built_package_holds_the_adapters_and_every_subpackage(tmp_path):
+    # build_py of a copy: the pure-Python part of a wheel, without touching the
+    # checkout (no egg-info, no build/). cythonize is stubbed: build_py compiles
+    # nothing, and the real one would write C++ sources.
+    tree, lib = tmp_path / "src", tmp_path / "lib"
+    _copy_sources(tree, ("kvsparse", "adapters"))
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy2(os.path.join(ROOT, name), tree / name)
+    code = (
+        "import runpy, sys, Cython.Build;"
+        "Cython.Build.cythonize = lambda modules, **kw: modules;"
+        "sys.argv = ['setup.py', '-q', 'build_py', '--build-lib', sys.argv[1]];"
+        "runpy.run_path('setup.py', run_name='__main__')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(lib)],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    adapters = lib / "kvsparse" / "adapters"
+    for name in ADAPTERS:
+        path = adapters / f"{name}.py"
+        assert path.is_file() and not path.is_symlink(), f"{path} missing from the build"
+    assert not (lib / "adapters").exists()
+    # A wing added to kvsparse/ but not to pyproject.toml's packages would be left out.
+    in_tree = _packages(tree / "kvsparse") | {"kvsparse.adapters"}
+    built = _packages(lib / "kvsparse")
+    assert not in_tree - built, f"add to pyproject.toml's packages: {sorted(in_tree - built)}"
+    assert built == in_tree
+    for name in ("py.typed", "_core.pyi"):
+        assert (lib / "kvsparse" / name).is_file(), f"package data {name} missing"
+
+
+def test_source_tree_has_no_adapters_symlink():
+    assert not os.path.lexists(os.path.join(ROOT, "kvsparse", "adapters"))
 
 
 def test_unbuilt_source_tree_says_how_to_build(tmp_path):
     tree = tmp_path / "src"
-    shutil.copytree(
-        os.path.join(ROOT, "kvsparse"),
-        tree / "kvsparse",
-        symlinks=True,
-        ignore=shutil.ignore_patterns("*.so", "__pycache__"),
-    )
+    _copy_sources(tree)
     # -S: no site-packages, so an editable install's finder cannot supply the
     # built kvsparse instead of the unbuilt copy.
     result = subprocess.run(
