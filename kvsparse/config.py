@@ -1,7 +1,10 @@
 """Cluster configuration: where the servers are, and who this worker is.
 
 This is the one module that reads environment variables (CONVENTIONS habit 6).
-Everything else takes a `ClusterConfig` (or plain arguments) explicitly.
+Everything else takes a `ClusterConfig` (or plain arguments) explicitly. The
+one other module that touches ``os.environ``, `kvsparse.cluster.process`,
+copies it into the processes it starts and reads no setting from it;
+``tests/test_layout.py`` checks that no other module reads the environment.
 
 `from_environment()` fills a `ClusterConfig` from the conventions users
 already have. Each field is taken from the first of these sources that sets
@@ -70,10 +73,13 @@ KEYS = "KVSPARSE_KEYS"  # CurveZMQ key directory (`kvsparse keys DIR`)
 RETRY_WINDOW = "KVSPARSE_RETRY_WINDOW"  # seconds a worker keeps retrying a restarted server
 CHECKPOINT_DIR = "KVSPARSE_CHECKPOINT_DIR"
 NUM_THREADS = "KVSPARSE_NUM_THREADS"  # threads a batch of the C++ core may use
+# Seconds workers retry a restarted server when `kvsparse launch --restart-servers`
+# or `kvsparse.ray` start them and the user gives no --retry-window.
+DEFAULT_RETRY_WINDOW = 120.0
 
 # Variables that make MXNet's ps-lite start (DMLC_ROLE, PORT) or that tell
-# TensorFlow to build a cluster (TF_CONFIG): the launcher removes them from
-# the processes it starts.
+# TensorFlow to build a cluster (TF_CONFIG): no process that kvsparse starts
+# inherits them (kvsparse.cluster.process).
 FOREIGN_ROLE_VARIABLES = ("DMLC_ROLE", "PORT", "TF_CONFIG")
 
 _DMLC_VARIABLES = (
@@ -107,6 +113,8 @@ class ClusterConfig:
     Raises:
         InvalidArgument: an empty server list, a malformed address, a rank
             out of range, a non-positive timeout or a negative staleness.
+
+    Immutable (frozen): safe to share between threads.
 
     Example:
         >>> ClusterConfig(servers=['127.0.0.1:7000'], rank=0, num_workers=2).servers
@@ -236,7 +244,7 @@ def _split_host_port(text: str, variable: str, shown: str) -> tuple[str, str]:
 
 
 def format_address(host: str, port: int) -> str:
-    """``tcp://host:port``, with brackets around an IPv6 host.
+    """``tcp://host:port``, with brackets around an IPv6 host. Thread-safe.
 
     Example:
         >>> format_address('::1', 7000)
@@ -254,6 +262,8 @@ def parse_server_address(text, variable: str = "server address") -> str:
 
     Raises:
         InvalidArgument: not a str, another scheme, no host or a bad port.
+
+    Thread-safe.
 
     Example:
         >>> parse_server_address('localhost:7000')
@@ -508,6 +518,8 @@ def from_environment(environ: Optional[Mapping] = None) -> ClusterConfig:
         InvalidArgument: no server list in any convention, or a malformed
             value (the message names the variable).
 
+    Thread-safe: it only reads the variables.
+
     Example:
         >>> from_environment({'KVSPARSE_SERVERS': 'tcp://127.0.0.1:7000'}).num_workers
         1
@@ -605,6 +617,8 @@ def server_bind_address(environ: Optional[Mapping] = None) -> Optional[str]:
     Raises:
         InvalidArgument: a malformed or inconsistent value (named).
 
+    Thread-safe: it only reads the variables.
+
     Example:
         >>> server_bind_address({'DMLC_ROLE': 'server', 'DMLC_SERVER_ID': '1',
         ...                      'DMLC_NUM_SERVER': '2', 'DMLC_PS_ROOT_URI': '127.0.0.1',
@@ -665,7 +679,7 @@ def checkpoint_dir(environ: Optional[Mapping] = None) -> Optional[str]:
     """The checkpoint directory set by ``kvsparse launch --checkpoint-dir`` (or None).
 
     Read from ``KVSPARSE_CHECKPOINT_DIR``; ``kv.save()`` and ``kv.load()``
-    use it when called without a path.
+    use it when called without a path. Thread-safe.
 
     Example:
         >>> checkpoint_dir({"KVSPARSE_CHECKPOINT_DIR": "/ckpt"})
@@ -677,6 +691,8 @@ def checkpoint_dir(environ: Optional[Mapping] = None) -> Optional[str]:
 
 def curve_keys(environ: Optional[Mapping] = None) -> Optional[str]:
     """The CurveZMQ key directory (``KVSPARSE_KEYS``, set by ``kvsparse launch --keys``), or None.
+
+    Thread-safe.
 
     Example:
         >>> curve_keys({"KVSPARSE_KEYS": "/keys"})
@@ -690,7 +706,7 @@ def retry_window(environ: Optional[Mapping] = None) -> float:
     """Seconds a worker keeps retrying a restarted or silent server (``KVSPARSE_RETRY_WINDOW``).
 
     0 (no retry) when unset. Raises InvalidArgument for a value that is not
-    a number >= 0.
+    a number >= 0. Thread-safe.
 
     Example:
         >>> retry_window({"KVSPARSE_RETRY_WINDOW": "120"})
@@ -714,6 +730,7 @@ __all__ = [
     "checkpoint_dir",
     "curve_keys",
     "retry_window",
+    "DEFAULT_RETRY_WINDOW",
     "FOREIGN_ROLE_VARIABLES",
     "format_address",
     "from_environment",

@@ -41,17 +41,19 @@ out of restarts is started again by `ServerGroup.restart_dead`.
 
 The server process is tied to its actor: it gets SIGKILL when the actor's
 process dies (Linux ``PR_SET_PDEATHSIG``), and `ServerGroup.shutdown` stops
-the servers, then the actors, then frees the placement group.
+the servers, then the actors, then frees the placement group. It is started
+as ``kvsparse launch`` starts its servers (`kvsparse.cluster.process`): the
+same command line, bind retries, and environment rule (no ``DMLC_ROLE``,
+``PORT``, ``TF_CONFIG``, nor the actor's own cluster placement variables).
 """
 
 from __future__ import annotations
 
-import collections
 import ctypes
+import functools
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -64,20 +66,19 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvsparse import config as cluster_config
 from kvsparse import errors
-from kvsparse.client.remote import ping
-from kvsparse.server.listening import LISTENING_PREFIX, read_first_line
+from kvsparse.cluster import process as server_process
 
 NAMESPACE = "kvsparse"
 NAME_PREFIX = "kvsparse-server"
 START_TIMEOUT = 60.0
-DEFAULT_RETRY_WINDOW = 120.0  # as `kvsparse launch --restart-servers`
+DEFAULT_RETRY_WINDOW = cluster_config.DEFAULT_RETRY_WINDOW  # as `kvsparse launch`
 _PR_SET_PDEATHSIG = 1
 # A port just given up by a killed server may still be held for a moment; retry the bind.
 _BIND_RETRY_SECONDS = 10.0
 
 
 def actor_name(index: int, name_prefix: str = NAME_PREFIX) -> str:
-    """The Ray actor name of shard `index`: ``kvsparse-server-{index}``.
+    """The Ray actor name of shard `index`: ``kvsparse-server-{index}``. Thread-safe.
 
     Example:
         >>> actor_name(1)
@@ -117,27 +118,6 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: shutdown() still stops the servers
         pass
-    os.setpgrp()  # its own process group: a Ctrl-C to the driver does not reach it
-
-
-def _server_environment() -> dict:
-    # No cluster settings of the actor's own environment leak into the server, nor
-    # variables that would make a framework import start a ps-lite or TF server.
-    return {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("KVSPARSE_") and k not in cluster_config.FOREIGN_ROLE_VARIABLES
-    }
-
-
-def _has_checkpoint(path: str) -> bool:
-    """True if path holds a complete checkpoint (a committed manifest)."""
-    from kvsparse.shard import checkpoint
-
-    try:
-        return checkpoint.latest_manifest(path) is not None
-    except (OSError, errors.KVSparseError):
-        return False
 
 
 def _pid_alive(pid: int) -> bool:
@@ -174,6 +154,8 @@ class ServerShard:
         checkpoint_dir: a restarted server restores the latest complete
             checkpoint there (``--restore``), if there is one.
         server_args: more command-line arguments for the server.
+
+    Thread safety: a Ray actor runs one method call at a time.
     """
 
     def __init__(
@@ -199,15 +181,17 @@ class ServerShard:
                 os.kill(record["pid"], signal.SIGKILL)
         if port is None:
             port = 0 if record is None else record["port"]
-        command = [sys.executable, "-m", "kvsparse.server", "--bind", f"tcp://{self.host}:{port}"]
-        self.restored = False
-        if record is not None and checkpoint_dir is not None and _has_checkpoint(checkpoint_dir):
-            command += ["--restore", checkpoint_dir, "--shard-index", str(index)]
-            command += ["--num-shards", str(num_shards)]
-            self.restored = True
-        command += [str(a) for a in server_args]
+        restore = []
+        if record is not None:
+            restore = server_process.restore_arguments(checkpoint_dir, index, num_shards)
+        self.restored = bool(restore)
+        command = server_process.server_command(
+            f"tcp://{self.host}:{port}", extra_args=[*restore, *server_args]
+        )
         self.stopping = False
-        self.process, self.address = self._start(command, port)
+        self._server = self._start(command, port)
+        self.process = self._server.process
+        self.address = self._server.address
         _registry_put(
             name,
             namespace,
@@ -221,41 +205,35 @@ class ServerShard:
         )
         threading.Thread(target=self._watch, name="kvsparse-server-watch", daemon=True).start()
 
-    def _start(self, command: list, port: int):
-        deadline = time.monotonic() + _BIND_RETRY_SECONDS
-        while True:
-            process = subprocess.Popen(
+    def _start(self, command: list, port: int) -> server_process.ServerProcess:
+        # The server's output goes on to the actor's (Ray's log of the actor, shown by the
+        # driver). It stays in the driver's session (tests look for what a job leaves there).
+        output = server_process.LineWriter(sys.stderr)
+        prefix = f"[{self.name}] "
+
+        def start() -> server_process.ServerProcess:
+            return server_process.ServerProcess(
                 command,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=_server_environment(),
+                server_process.server_environment(),
+                label=self.name,
+                on_stdout=functools.partial(output.line, prefix),
+                on_stderr=functools.partial(output.line, prefix),
+                new_session=False,
                 preexec_fn=_die_with_parent,
             )
-            # The server's stderr goes on to the actor's (Ray's log of the actor, shown
-            # by the driver); the last lines are kept for the error message.
-            last_lines = collections.deque(maxlen=20)
-            relay = threading.Thread(
-                target=_relay, args=(process.stderr, last_lines, self.name), daemon=True
-            )
-            relay.start()
-            line = read_first_line(process.stdout, time.monotonic() + START_TIMEOUT)
-            line = line.decode(errors="replace")
-            if line.startswith(LISTENING_PREFIX):
-                # The server prints nothing more on stdout; close our end so it never blocks.
-                process.stdout.close()
-                return process, line[len(LISTENING_PREFIX) :].strip()
-            _stop_process(process, 5.0)
-            relay.join(5.0)
-            message = "".join(last_lines).strip()
-            if port and process.returncode == 1 and time.monotonic() < deadline:
-                time.sleep(0.2)  # the port of the dead server is not free yet
-                continue
+
+        # Port 0 picks a free port: a bind failure there is no lingering port, no retry.
+        retry_until = time.monotonic() + (_BIND_RETRY_SECONDS if port else 0.0)
+        server = server_process.start_server(
+            start, listen_timeout=START_TIMEOUT, retry_until=retry_until
+        )
+        if server.address is None:
             raise errors.ServerUnavailable(
                 f"kvsparse server {self.name} did not start ({' '.join(command)}): "
-                f"{message or line or 'no output'}",
+                f"{server.recent_text() or 'no output'}",
                 address=f"tcp://{self.host}:{port}",
             )
+        return server
 
     def _watch(self) -> None:
         self.process.wait()
@@ -281,16 +259,7 @@ class ServerShard:
     def stop(self, grace_period: float = 5.0) -> Optional[int]:
         """Stops the server (SIGTERM, then SIGKILL after grace_period); its exit status."""
         self.stopping = True
-        return _stop_process(self.process, grace_period)
-
-
-def _relay(stream, last_lines, name: str) -> None:
-    for raw in iter(stream.readline, b""):
-        text = raw.decode(errors="replace")
-        last_lines.append(text)
-        sys.stderr.write(f"[{name}] {text}")
-        sys.stderr.flush()
-    stream.close()
+        return self._server.stop(grace_period)
 
 
 def _actor_info(actor, deadline: float) -> dict:
@@ -302,17 +271,6 @@ def _actor_info(actor, deadline: float) -> dict:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-
-
-def _stop_process(process: subprocess.Popen, grace_period: float) -> Optional[int]:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(grace_period)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    return process.returncode
 
 
 @dataclass
@@ -334,6 +292,10 @@ class ServerGroup:
         retry_window: seconds the workers keep trying to reach a restarted
             shard.
         checkpoint_dir: where checkpoints go, or None.
+
+    Thread safety: `addresses`, `config`, `store_arguments` and `environment`
+    may be called from several threads at once; `restart_dead` and
+    `shutdown` from one thread at a time.
     """
 
     def __init__(
@@ -419,9 +381,9 @@ class ServerGroup:
             '2'
         """
         env = self.config(rank, num_workers, **kwargs).to_environment()
-        env["KVSPARSE_RETRY_WINDOW"] = repr(float(self.retry_window))
+        env[cluster_config.RETRY_WINDOW] = repr(float(self.retry_window))
         if self.checkpoint_dir is not None:
-            env["KVSPARSE_CHECKPOINT_DIR"] = self.checkpoint_dir
+            env[cluster_config.CHECKPOINT_DIR] = self.checkpoint_dir
         return env
 
     def info(self, timeout: Optional[float] = None) -> list:
@@ -449,12 +411,11 @@ class ServerGroup:
         deadline = time.monotonic() + timeout
         infos = self.info(timeout)
         for info in infos:
-            while not ping(info["address"], timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise errors.ServerUnavailable(
-                        f"server {info['index']} at {info['address']} does not answer",
-                        address=info["address"],
-                    )
+            if not server_process.wait_answering(info["address"], deadline):
+                raise errors.ServerUnavailable(
+                    f"server {info['index']} at {info['address']} does not answer",
+                    address=info["address"],
+                )
 
     def restart_dead(self, timeout: Optional[float] = None) -> list:
         """Starts again each shard whose actor is dead for good (out of restarts).
@@ -570,6 +531,9 @@ def start_servers(
         ServerUnavailable: a server did not start or answer in time.
         ray.exceptions.GetTimeoutError: the cluster cannot fit the bundles.
 
+    Thread safety: calls from several threads at once start separate groups
+    (each needs its own name_prefix).
+
     Example:
         >>> import ray, kvsparse.ray                                # doctest: +SKIP
         >>> ray.init(num_cpus=4)                                     # doctest: +SKIP
@@ -658,6 +622,8 @@ def find_servers(
 
     Raises:
         InvalidArgument: no actor ``{name_prefix}-0`` in namespace.
+
+    Thread-safe.
 
     Example:
         >>> servers = find_servers()                                  # doctest: +SKIP

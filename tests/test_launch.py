@@ -15,6 +15,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -24,10 +25,11 @@ import time
 import numpy as np
 import psutil
 import pytest
-from conftest import subprocess_env
+from conftest import REPO_ROOT, subprocess_env
 
 import kvsparse
 from kvsparse import errors
+from kvsparse.cluster import process as server_process
 from kvsparse.cluster.launch import launch, local_cluster
 
 JOB_TIMEOUT = 120.0
@@ -412,6 +414,141 @@ def test_server_command_delegates_to_the_server(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_importing_the_launcher_loads_neither_zmq_nor_the_server_nor_the_shard():
+    # The launcher only starts processes and reads their listening line: ZeroMQ (and the
+    # client's ping, which needs it), the server and the shard load lazily or not at all.
+    script = "import json, sys, kvsparse.cluster.launch; print(json.dumps(sorted(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout)
+    assert "kvsparse.cluster.process" in loaded
+    heavy = [
+        name
+        for name in loaded
+        if name.split(".")[0] == "zmq"
+        or name.startswith("kvsparse.shard")
+        or name.startswith("kvsparse.server.")
+        and name != "kvsparse.server.listening"
+    ]
+    assert not heavy, f"importing kvsparse.cluster.launch loads {heavy}"
+
+
+# -- the process helper shared with kvsparse.ray ----------------------------------------------
+
+
+def test_children_inherit_no_foreign_role_nor_placement_variables():
+    parent = {
+        "DMLC_ROLE": "server",  # + `import mxnet`: an MXNet ps-lite server
+        "PORT": "9000",
+        "TF_CONFIG": "{}",
+        "KVSPARSE_SERVERS": "tcp://10.0.0.1:1",
+        "KVSPARSE_RANK": "3",
+        "KVSPARSE_BIND": "tcp://*:1",
+        "KVSPARSE_KEYS": "/keys",
+        "KVSPARSE_NUM_THREADS": "2",
+        "PYTHONPATH": "/elsewhere",
+        "HOME": "/home/me",
+    }
+    kept = {"KVSPARSE_KEYS": "/keys", "KVSPARSE_NUM_THREADS": "2", "HOME": "/home/me"}
+    worker = server_process.worker_environment(parent)
+    assert worker == {**kept, "PYTHONPATH": "/elsewhere", "PYTHONUNBUFFERED": "1"}
+    server = server_process.server_environment(parent)
+    assert server == {
+        **kept,
+        "PYTHONPATH": str(REPO_ROOT) + os.pathsep + "/elsewhere",  # this kvsparse first
+        "PYTHONUNBUFFERED": "1",
+    }
+    assert server_process.worker_environment({"PYTHONUNBUFFERED": "0"}) == {"PYTHONUNBUFFERED": "0"}
+
+
+def test_server_command_and_restore_arguments(tmp_path):
+    argv = server_process.server_command(
+        "tcp://h:1", keys="/k", restarted=True, extra_args=["--x", 2]
+    )
+    assert argv == [
+        sys.executable,
+        "-m",
+        "kvsparse.server",
+        "--bind",
+        "tcp://h:1",
+        "--restarted",
+        "--keys",
+        "/k",
+        "--x",
+        "2",
+    ]
+    assert server_process.restore_arguments(None, 0, 2) == []
+    assert server_process.restore_arguments(str(tmp_path), 0, 2) == []  # no committed checkpoint
+
+
+def _held_port():
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    return holder, holder.getsockname()[1]
+
+
+def test_start_server_binds_again_until_the_port_is_free():
+    holder, port = _held_port()
+    argv = server_process.server_command(f"tcp://127.0.0.1:{port}")
+    attempts = []
+
+    def start():
+        attempts.append(
+            server_process.ServerProcess(
+                argv,
+                server_process.server_environment(),
+                label="server 0",
+                on_stdout=lambda line: None,
+                on_stderr=lambda line: None,
+            )
+        )
+        if len(attempts) == 2:
+            holder.close()  # the dead server's port comes free during the retries
+        return attempts[-1]
+
+    server = server_process.start_server(
+        start, listen_timeout=30, retry_until=time.monotonic() + 30
+    )
+    try:
+        assert server.address == f"tcp://127.0.0.1:{port}"
+        assert len(attempts) >= 2
+        assert [a.process.returncode for a in attempts[:-1]] == [server_process.CANNOT_BIND] * (
+            len(attempts) - 1
+        )
+    finally:
+        server.stop(5.0)
+    assert_all_gone([a.pid for a in attempts])
+
+
+def test_start_server_gives_up_at_retry_until_and_says_why():
+    holder, port = _held_port()
+    argv = server_process.server_command(f"tcp://127.0.0.1:{port}")
+
+    def start():
+        return server_process.ServerProcess(
+            argv,
+            server_process.server_environment(),
+            label="server 0",
+            on_stdout=lambda line: None,
+            on_stderr=lambda line: None,
+        )
+
+    try:
+        server = server_process.start_server(start, listen_timeout=30, retry_until=0.0)
+    finally:
+        holder.close()
+    assert server.address is None
+    assert server.process.returncode == server_process.CANNOT_BIND
+    assert "cannot bind" in server.recent_text()
 
 
 # -- the Python API ----------------------------------------------------------------------------

@@ -12,9 +12,8 @@ Usage::
 ``KVSPARSE_SERVER_ID``, ``TF_CONFIG`` task ``ps``, ``DMLC_ROLE=server``).
 
 Exit codes: ``launch`` returns the job's code (see `kvsparse.cluster.launch.launch`);
-1 for an error of the launcher itself; 2 for a usage error or a command that
-is not implemented yet; ``stats`` returns 1 when a server does not answer; ``keys DIR``
-returns 1 if the keys cannot be written.
+1 for an error of the launcher itself; 2 for a usage error; ``stats`` returns 1
+when a server does not answer; ``keys DIR`` returns 1 if the keys cannot be written.
 """
 
 from __future__ import annotations
@@ -258,15 +257,6 @@ def _keys(argv: list) -> int:
     return 0
 
 
-def _not_implemented(command: str) -> int:
-    print(
-        f"kvsparse {command}: not implemented yet (planned for a later release); "
-        "KVStore.stats() gives per-table and per-server statistics from Python",
-        file=sys.stderr,
-    )
-    return 2
-
-
 def main(argv: Optional[list] = None) -> int:
     """Runs the ``kvsparse`` command line.
 
@@ -275,6 +265,9 @@ def main(argv: Optional[list] = None) -> int:
 
     Returns:
         The exit code.
+
+    Thread safety: meant for a process's main thread, one call at a time
+    (``launch`` installs its SIGINT/SIGTERM handlers only there).
 
     Example:
         >>> main(['launch', '-s', '2', '-n', '2', '--', 'python', 'train.py'])  # doctest: +SKIP
@@ -294,8 +287,6 @@ def main(argv: Optional[list] = None) -> int:
         return _server(rest)
     if command == "keys":
         return _keys(rest)
-    if command == "stats":
-        from kvsparse.cli import stats as stats_cli
+    from kvsparse.cli import stats as stats_cli  # the one command left: stats
 
-        return stats_cli.main(rest)
-    return _not_implemented(command)
+    return stats_cli.main(rest)

@@ -2,5 +2,7 @@
 
 `launch` runs a whole job on this host (``kvsparse launch -s S -n N --
 cmd``). It starts servers as child processes and never imports the server
-code beyond reading their listening line.
+code beyond reading their listening line. `process` is what it shares with
+`kvsparse.ray`: the server command line, starting a server and reading its
+listening line, bind retries, and the environment a child inherits.
 """

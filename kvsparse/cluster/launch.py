@@ -13,12 +13,13 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   worker's stdout (to stdout) and stderr (to stderr), ``[server 1] `` for a
   server's. The launcher's own messages start with ``kvsparse launch: `` and go
   to stderr; they give each child's pid.
-- ``DMLC_ROLE``, ``PORT`` and ``TF_CONFIG`` are removed from the children's
-  environment: with them, ``import mxnet`` would turn a worker into an MXNet
-  ps-lite node. So are the ``KVSPARSE_*`` configuration variables of the
-  launcher's own environment: the workers' come from the launcher's options.
-  Children get ``PYTHONUNBUFFERED=1`` (unless set) so that their lines
-  arrive as they are printed. Their stdin is /dev/null.
+- Children inherit the launcher's environment by the rule of
+  `kvsparse.cluster.process`: without ``DMLC_ROLE``, ``PORT`` and
+  ``TF_CONFIG`` (with them, ``import mxnet`` would turn a worker into an
+  MXNet ps-lite node), without the ``KVSPARSE_*`` variables that place a
+  process in a cluster (the workers' come from the launcher's options), and
+  with ``PYTHONUNBUFFERED=1`` (unless set) so that their lines arrive as
+  they are printed. Their stdin is /dev/null.
 - The job ends when every worker has exited, when a worker fails, when a
   server dies, or on SIGINT/SIGTERM. Then the workers' process groups, then
   the servers', get SIGTERM, and SIGKILL after a grace period (a second
@@ -51,9 +52,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
-import re
 import shlex
 import signal
 import subprocess
@@ -63,19 +64,12 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Optional, TextIO
 
-import kvsparse
 from kvsparse import config, errors
-from kvsparse.server.listening import LISTENING_PREFIX
+from kvsparse.cluster import process
 
-_LISTENING = re.compile(re.escape(LISTENING_PREFIX.encode()) + rb"(tcp://\S+)")
 # Variables the launcher sets itself; --env may not override them.
 _RESERVED = (config.SERVERS, config.RANK, config.NUM_WORKERS, config.TIMEOUT, config.STALENESS)
-# Set by the launcher's recovery and security options (kept out of _RESERVED so that a
-# job without those options may still pass them with --env).
-_RETRY_WINDOW = "KVSPARSE_RETRY_WINDOW"
-_CHECKPOINT_DIR = "KVSPARSE_CHECKPOINT_DIR"
-_KEYS = "KVSPARSE_KEYS"
-DEFAULT_RETRY_WINDOW = 120.0
+DEFAULT_RETRY_WINDOW = config.DEFAULT_RETRY_WINDOW
 _POLL_SECONDS = 0.1
 _LOG = "kvsparse launch: "
 
@@ -88,127 +82,8 @@ class _Stopped(Exception):
         self.signum = signum
 
 
-class _Output:
-    """Writes whole lines from several threads to one stream, prefixed."""
-
-    def __init__(self, stream: TextIO):
-        self._stream = stream
-        self._lock = threading.Lock()
-
-    def line(self, prefix: str, data: bytes) -> None:
-        text = data.decode("utf-8", errors="replace")
-        if not text.endswith("\n"):
-            text += "\n"
-        with self._lock:
-            try:
-                try:
-                    self._stream.write(prefix + text)
-                except UnicodeEncodeError:  # e.g. an ASCII-only terminal
-                    encoding = getattr(self._stream, "encoding", None) or "ascii"
-                    self._stream.write((prefix + text).encode(encoding, "replace").decode(encoding))
-                self._stream.flush()
-            except (OSError, ValueError):
-                pass  # the stream is gone (closed at exit, broken pipe): drop the line
-
-
-class _Child:
-    """One process the launcher started: its own session, output relayed by two threads."""
-
-    def __init__(
-        self,
-        role: str,
-        index: int,
-        argv: Sequence[str],
-        env: Mapping[str, str],
-        out: _Output,
-        err: _Output,
-        cwd: Optional[str] = None,
-    ):
-        self.role = role
-        self.index = index
-        self.label = f"{role} {index}"
-        self.address: Optional[str] = None
-        self.address_seen = threading.Event()  # set at the address line, or at stdout's end
-        self.process = subprocess.Popen(
-            list(argv),
-            env=dict(env),
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        self.pid = self.process.pid
-        prefix = f"[{self.label}] "
-        self._threads = [
-            threading.Thread(
-                target=self._relay,
-                args=(self.process.stdout, prefix, out, True),
-                daemon=True,
-                name=f"kvsparse-{role}{index}-stdout",
-            ),
-            threading.Thread(
-                target=self._relay,
-                args=(self.process.stderr, prefix, err, False),
-                daemon=True,
-                name=f"kvsparse-{role}{index}-stderr",
-            ),
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def _relay(self, pipe, prefix: str, output: _Output, is_stdout: bool) -> None:
-        watch = is_stdout and self.role == "server"
-        try:
-            for data in iter(pipe.readline, b""):
-                if watch and self.address is None:
-                    match = _LISTENING.search(data)
-                    if match:
-                        self.address = match.group(1).decode()
-                        self.address_seen.set()
-                        continue  # the launcher reports the address itself
-                output.line(prefix, data)
-        except (OSError, ValueError):
-            pass  # the pipe was closed under us during shutdown
-        finally:
-            if is_stdout:
-                self.address_seen.set()
-            with contextlib.suppress(OSError):
-                pipe.close()
-
-    def signal_group(self, signum: int) -> None:
-        """Sends signum to the child's whole process group (it and what it started)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signum)
-
-    def finish_output(self, timeout: float) -> None:
-        for thread in self._threads:
-            thread.join(timeout)
-
-
 def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
-
-
-def _package_path() -> str:
-    """The directory holding the kvsparse package this launcher runs."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(kvsparse.__file__)))
-
-
-def _clean_environment(base: Mapping[str, str]) -> dict:
-    env = {k: v for k, v in base.items() if k not in config.FOREIGN_ROLE_VARIABLES}
-    for name in (config.BIND, config.SERVER_ID) + _RESERVED:
-        env.pop(name, None)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
-def _server_environment(base: Mapping[str, str]) -> dict:
-    env = _clean_environment(base)
-    # The servers must run this same kvsparse, even from a source tree that is not installed.
-    path = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = _package_path() + (os.pathsep + path if path else "")
-    return env
 
 
 def _check_extra_environment(extra: Optional[Mapping[str, str]]) -> dict:
@@ -230,9 +105,13 @@ def _check_extra_environment(extra: Optional[Mapping[str, str]]) -> dict:
 
 
 class _Cluster:
-    """The processes of one job, and how to stop them all."""
+    """The processes of one job, and how to stop them all.
 
-    def __init__(self, out: _Output, err: _Output, grace_period: float):
+    Not thread-safe: one launcher thread drives it (the signal handler only
+    sets `signum` and `hurry`).
+    """
+
+    def __init__(self, out: process.LineWriter, err: process.LineWriter, grace_period: float):
         self.out = out
         self.err = err
         self.grace_period = grace_period
@@ -240,12 +119,12 @@ class _Cluster:
         self.restart_servers = False
         self.max_restarts = 0
         self.checkpoint_dir: Optional[str] = None
-        self.server_env: Mapping[str, str] = {}
+        self.server_env = process.server_environment()
         self.restarts: dict[int, int] = {}
         self.startup_timeout = 60.0
-        self.servers: list[_Child] = []
-        self.workers: list[_Child] = []
-        self.events: queue.Queue = queue.Queue()  # (child, returncode) in exit order
+        self.servers: list[process.ServerProcess] = []
+        self.workers: list[process.ChildProcess] = []
+        self.events: queue.Queue = queue.Queue()  # (role, index, child, returncode), exit order
         self.signum: Optional[int] = None  # set by the signal handler; checked by the loops
         self.stopping = False
         self.hurry = False  # a signal while stopping: skip the grace period
@@ -257,109 +136,103 @@ class _Cluster:
         if self.signum is not None:
             raise _Stopped(self.signum)
 
-    def _watch(self, child: _Child) -> None:
+    def _relayed(self, role: str, index: int) -> dict:
+        """A child's label and its output relays: ``[worker 0] `` lines to out and err."""
+        prefix = f"[{role} {index}] "
+        return {
+            "label": f"{role} {index}",
+            "on_stdout": functools.partial(self.out.line, prefix),
+            "on_stderr": functools.partial(self.err.line, prefix),
+        }
+
+    def _watch(self, role: str, index: int, child: process.ChildProcess) -> None:
         def wait():
-            self.events.put((child, child.process.wait()))
+            self.events.put((role, index, child, child.process.wait()))
 
         threading.Thread(target=wait, daemon=True, name=f"kvsparse-wait-{child.pid}").start()
 
     # -- servers ----------------------------------------------------------------------------
 
-    def start_servers(
-        self, count: int, host: str, env: Mapping[str, str], startup_timeout: float
-    ) -> list[str]:
-        bind = config.format_address(host, 0)  # port 0: the server picks a free port
-        argv = [sys.executable, "-m", "kvsparse.server", "--bind", bind]
-        if self.keys is not None:
-            argv += ["--keys", self.keys]
-        self.server_env = env
+    def _server(self, index: int, argv: list) -> process.ServerProcess:
+        return process.ServerProcess(argv, self.server_env, **self._relayed("server", index))
+
+    def start_servers(self, count: int, host: str, startup_timeout: float) -> list[str]:
+        # Port 0: each server picks a free port and says which in its listening line.
+        argv = process.server_command(config.format_address(host, 0), keys=self.keys)
         self.startup_timeout = startup_timeout
         for index in range(count):
             self.check_signal()
-            self.servers.append(_Child("server", index, argv, env, self.out, self.err))
+            self.servers.append(self._server(index, argv))
         deadline = time.monotonic() + startup_timeout
-        for child in self.servers:
-            while not child.address_seen.wait(_POLL_SECONDS):
-                self.check_signal()
-                if time.monotonic() > deadline:
-                    raise errors.ServerUnavailable(
-                        f"server {child.index} (pid {child.pid}) printed no address within "
-                        f"{startup_timeout:g} s"
-                    )
-            if child.address is None:
-                code = child.process.wait()
+        for index, child in enumerate(self.servers):
+            if child.wait_listening(deadline - time.monotonic(), self.check_signal) is not None:
+                self.log(f"server {index} (pid {child.pid}) listening on {child.address}")
+            elif child.process.returncode is None:
                 raise errors.ServerUnavailable(
-                    f"server {child.index} exited with code {_exit_code(code)} before listening "
-                    "(see its [server] lines above)"
+                    f"server {index} (pid {child.pid}) printed no address within "
+                    f"{startup_timeout:g} s"
                 )
-            self.log(f"server {child.index} (pid {child.pid}) listening on {child.address}")
-        from kvsparse.client.remote import ping
-
-        for child in self.servers:
-            while not ping(
-                child.address, min(1.0, max(0.05, deadline - time.monotonic())), self.keys
-            ):
-                self.check_signal()
-                if child.process.poll() is not None:
-                    raise errors.ServerUnavailable(
-                        f"server {child.index} exited with code "
-                        f"{_exit_code(child.process.returncode)} before answering",
-                        address=child.address,
-                    )
-                if time.monotonic() > deadline:
-                    raise errors.ServerUnavailable(
-                        f"server {child.index} at {child.address} did not answer within "
-                        f"{startup_timeout:g} s",
-                        address=child.address,
-                    )
-        for child in self.servers:
-            self._watch(child)
+            else:
+                raise errors.ServerUnavailable(
+                    f"server {index} exited with code {_exit_code(child.process.returncode)} "
+                    "before listening (see its [server] lines above)"
+                )
+        for index, child in enumerate(self.servers):
+            check = functools.partial(self._check_server_alive, index, child)
+            if not process.wait_answering(child.address, deadline, self.keys, check):
+                raise errors.ServerUnavailable(
+                    f"server {index} at {child.address} did not answer within "
+                    f"{startup_timeout:g} s",
+                    address=child.address,
+                )
+        for index, child in enumerate(self.servers):
+            self._watch("server", index, child)
         return [child.address for child in self.servers]
 
-    def restart_server(self, dead: _Child) -> None:
-        """Starts a server again on dead's address, restoring the last checkpoint if any.
+    def _check_server_alive(self, index: int, child: process.ServerProcess) -> None:
+        self.check_signal()
+        if child.process.poll() is not None:
+            raise errors.ServerUnavailable(
+                f"server {index} exited with code {_exit_code(child.process.returncode)} "
+                "before answering",
+                address=child.address,
+            )
+
+    def restart_server(self, index: int, dead: process.ServerProcess) -> None:
+        """Starts server index again on dead's address, restoring the last checkpoint if any.
 
         Raises:
             ServerUnavailable: it did not listen on that address in time.
         """
-        index = dead.index
         self.restarts[index] = self.restarts.get(index, 0) + 1
-        argv = [sys.executable, "-m", "kvsparse.server", "--bind", dead.address, "--restarted"]
-        if self.keys is not None:
-            argv += ["--keys", self.keys]
-        if self.checkpoint_dir is not None and _has_checkpoint(self.checkpoint_dir):
-            argv += [
-                "--restore",
-                self.checkpoint_dir,
-                "--shard-index",
-                str(index),
-                "--num-shards",
-                str(len(self.servers)),
-            ]
-        env = self.server_env
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
+        restore = process.restore_arguments(self.checkpoint_dir, index, len(self.servers))
+        argv = process.server_command(
+            dead.address, keys=self.keys, restarted=True, extra_args=restore
+        )
+
+        def start() -> process.ServerProcess:
             self.check_signal()
-            child = _Child("server", index, argv, env, self.out, self.err)
-            self.servers[index] = child
-            while not child.address_seen.wait(_POLL_SECONDS):
-                self.check_signal()
-            if child.address is not None:
-                break
-            # Most likely the port is not free yet (the dead process's socket lingers).
-            code = child.process.wait()
-            if time.monotonic() > deadline:
-                raise errors.ServerUnavailable(
-                    f"server {index} could not be restarted on {dead.address} (last exit code "
-                    f"{_exit_code(code)})",
-                    address=dead.address,
-                )
-            time.sleep(0.2)
+            # In the list at once: a signal while it starts must stop it too.
+            self.servers[index] = self._server(index, argv)
+            return self.servers[index]
+
+        child = process.start_server(
+            start,
+            listen_timeout=self.startup_timeout,
+            retry_until=time.monotonic() + self.startup_timeout,
+            check=self.check_signal,
+        )
+        if child.address is None:
+            raise errors.ServerUnavailable(
+                f"server {index} could not be restarted on {dead.address} (last exit code "
+                f"{_exit_code(child.process.returncode)})",
+                address=dead.address,
+            )
         self.log(
             f"server {index} (pid {child.pid}) restarted on {child.address}"
-            + (" from " + self.checkpoint_dir if "--restore" in argv else " with no checkpoint")
+            + (" from " + self.checkpoint_dir if restore else " with no checkpoint")
         )
-        self._watch(child)
+        self._watch("server", index, child)
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -368,10 +241,10 @@ class _Cluster:
         command: Sequence[str],
         count: int,
         cluster_config: dict,
-        env: Mapping[str, str],
         extra: Mapping[str, str],
         cwd: Optional[str],
     ) -> None:
+        env = process.worker_environment()
         for rank in range(count):
             self.check_signal()
             worker_config = config.ClusterConfig(rank=rank, num_workers=count, **cluster_config)
@@ -379,13 +252,15 @@ class _Cluster:
             worker_env.update(worker_config.to_environment())
             worker_env.update(extra)
             try:
-                child = _Child("worker", rank, command, worker_env, self.out, self.err, cwd=cwd)
+                child = process.ChildProcess(
+                    command, worker_env, cwd=cwd, **self._relayed("worker", rank)
+                )
             except OSError as exc:
                 raise errors.InvalidArgument(
                     f"cannot start worker {rank}: {shlex.join(command)}: {exc}"
                 ) from None
             self.workers.append(child)
-            self._watch(child)
+            self._watch("worker", rank, child)
             self.log(f"worker {rank} (pid {child.pid}) started: {shlex.join(command)}")
 
     def wait_workers(self) -> int:
@@ -394,28 +269,28 @@ class _Cluster:
         while running:
             self.check_signal()
             try:
-                child, returncode = self.events.get(timeout=_POLL_SECONDS)
+                role, index, child, returncode = self.events.get(timeout=_POLL_SECONDS)
             except queue.Empty:
                 continue
             code = _exit_code(returncode)
-            if child.role == "server":
-                if child is not self.servers[child.index]:
+            if role == "server":
+                if child is not self.servers[index]:
                     continue  # a replaced server's exit, already handled
-                if self.restart_servers and self.restarts.get(child.index, 0) < self.max_restarts:
-                    self.log(f"server {child.index} exited with code {code}; restarting it")
-                    self.restart_server(child)
+                if self.restart_servers and self.restarts.get(index, 0) < self.max_restarts:
+                    self.log(f"server {index} exited with code {code}; restarting it")
+                    self.restart_server(index, child)
                     continue
-                self.log(f"server {child.index} exited with code {code}; stopping the job")
+                self.log(f"server {index} exited with code {code}; stopping the job")
                 return 1
             running -= 1
             if code != 0:
-                self.log(f"worker {child.index} exited with code {code}; stopping the job")
+                self.log(f"worker {index} exited with code {code}; stopping the job")
                 return code
         return 0
 
     # -- stopping ---------------------------------------------------------------------------
 
-    def _stop_group(self, children: list[_Child], deadline_seconds: float) -> None:
+    def _stop_group(self, children: list, deadline_seconds: float) -> None:
         for child in children:
             # Also to the groups of children that exited: what they started gets SIGTERM too.
             child.signal_group(signal.SIGTERM)
@@ -462,16 +337,6 @@ def _signals_stop(cluster: _Cluster) -> Iterator[None]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-
-
-def _has_checkpoint(path: str) -> bool:
-    """True if path holds a complete checkpoint (a committed manifest)."""
-    from kvsparse.shard import checkpoint
-
-    try:
-        return checkpoint.latest_manifest(path) is not None
-    except (OSError, errors.KVSparseError):
-        return False
 
 
 def _check_counts(num_servers, num_workers) -> None:
@@ -540,6 +405,10 @@ def launch(
         ServerUnavailable: a server did not start or answer in time (the
             servers already started are stopped).
 
+    Thread safety: several jobs may run at once from different threads.
+    Only a call from the main thread installs the SIGINT/SIGTERM handlers
+    that stop the job; from another thread, stopping it is the caller's task.
+
     Example:
         >>> launch(['python', 'train.py'], num_servers=2, num_workers=2)  # doctest: +SKIP
         0
@@ -556,7 +425,11 @@ def launch(
             raise errors.InvalidArgument(f"{name} must be a number of seconds >= 0, got {value!r}")
     # Checked now, with a placeholder address, so a bad value fails before anything starts.
     config.ClusterConfig(["tcp://127.0.0.1:1"], 0, num_workers, timeout, staleness)
-    cluster = _Cluster(_Output(stdout or sys.stdout), _Output(stderr or sys.stderr), grace_period)
+    cluster = _Cluster(
+        process.LineWriter(stdout or sys.stdout),
+        process.LineWriter(stderr or sys.stderr),
+        grace_period,
+    )
     if keys is not None:
         from kvsparse.wire import security
 
@@ -564,30 +437,27 @@ def launch(
         # Fails now, before anything starts, if the directory has no usable keys.
         security.check_keys(keys)
         cluster.keys = keys
-        extra.setdefault(_KEYS, keys)
+        extra.setdefault(config.KEYS, keys)
     if checkpoint_dir is not None:
         checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
         cluster.checkpoint_dir = checkpoint_dir
-        extra.setdefault(_CHECKPOINT_DIR, checkpoint_dir)
+        extra.setdefault(config.CHECKPOINT_DIR, checkpoint_dir)
     if restart_servers:
         cluster.restart_servers = True
         cluster.max_restarts = int(max_restarts)
         extra.setdefault(
-            _RETRY_WINDOW,
+            config.RETRY_WINDOW,
             repr(float(DEFAULT_RETRY_WINDOW if retry_window is None else retry_window)),
         )
     elif retry_window is not None:
-        extra.setdefault(_RETRY_WINDOW, repr(float(retry_window)))
+        extra.setdefault(config.RETRY_WINDOW, repr(float(retry_window)))
     with _signals_stop(cluster):
         try:
-            addresses = cluster.start_servers(
-                num_servers, host, _server_environment(os.environ), startup_timeout
-            )
+            addresses = cluster.start_servers(num_servers, host, startup_timeout)
             cluster.start_workers(
                 command,
                 num_workers,
                 {"servers": addresses, "timeout": timeout, "staleness": staleness},
-                _clean_environment(os.environ),
                 extra,
                 cwd,
             )
@@ -626,18 +496,18 @@ def local_cluster(
     Raises:
         ServerUnavailable: a server did not start or answer in time.
 
+    Thread-safe: each call starts its own servers.
+
     Example:
         >>> import kvsparse
         >>> with local_cluster(2) as servers:  # doctest: +SKIP
         ...     kv = kvsparse.create('dist_sparse', servers=servers, rank=0, num_workers=1)
     """
     _check_counts(num_servers, 1)
-    err = _Output(stderr or sys.stderr)
+    err = process.LineWriter(stderr or sys.stderr)
     cluster = _Cluster(err, err, grace_period)
     try:
-        yield cluster.start_servers(
-            num_servers, host, _server_environment(os.environ), startup_timeout
-        )
+        yield cluster.start_servers(num_servers, host, startup_timeout)
     finally:
         cluster.stop()
 

@@ -1,0 +1,494 @@
+"""Server and worker processes, started the same way by ``kvsparse launch`` and `kvsparse.ray`.
+
+What a process that starts kvsparse servers needs, written once. It imports
+neither ZeroMQ nor the server: a server's address comes from the line it
+prints (`kvsparse.server.listening`), and `wait_answering` imports the
+client's ``ping`` only when it is called.
+
+- `server_command`: the ``python -m kvsparse.server`` command line, with
+  `restore_arguments` (``--restore DIR --shard-index I --num-shards N`` when
+  `has_checkpoint` finds a complete checkpoint in DIR).
+- `worker_environment` / `server_environment`: what a child inherits of its
+  parent's environment (the rule below).
+- `ChildProcess`: a child in its own process group, its stdout and stderr
+  relayed line by line; `ServerProcess` also reads the server's listening
+  line to learn the address it bound.
+- `start_server`: starts a server again while the port it must bind is still
+  held by one that just died (bind retries); `wait_answering`: pings a server
+  until it answers.
+
+The environment rule. A child gets its parent's environment, without
+
+- ``DMLC_ROLE``, ``PORT`` and ``TF_CONFIG``
+  (`kvsparse.config.FOREIGN_ROLE_VARIABLES`): with ``DMLC_ROLE=server`` set,
+  ``import mxnet`` turns a process into an MXNet ps-lite server, and
+  ``TF_CONFIG`` makes TensorFlow build a cluster of its own;
+- `PLACEMENT_VARIABLES`, the ``KVSPARSE_*`` variables that place one process
+  in one cluster (server list, rank, worker count, timeout, staleness, bind
+  address, server id): whoever starts a child sets those for it from its own
+  options, so the parent's own values must not leak in.
+
+and with ``PYTHONUNBUFFERED=1`` unless set, so that lines arrive as they are
+printed. The job-wide settings (``KVSPARSE_KEYS``, ``KVSPARSE_CHECKPOINT_DIR``,
+``KVSPARSE_RETRY_WINDOW``, ``KVSPARSE_NUM_THREADS``) pass, so that servers,
+workers and the launcher's own ``ping`` (which reads ``KVSPARSE_KEYS``) agree. A
+server also finds this kvsparse first on ``PYTHONPATH``, so that it runs the
+same code as its parent, even from a source tree that is not installed.
+
+Example:
+    >>> server_command('tcp://127.0.0.1:0', keys='/keys')[1:]
+    ['-m', 'kvsparse.server', '--bind', 'tcp://127.0.0.1:0', '--keys', '/keys']
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Callable, Optional, TextIO
+
+import kvsparse
+from kvsparse import config, errors
+from kvsparse.server.listening import parse_listening_line
+
+# Set for each child by whoever starts it; never inherited (see the module docstring).
+PLACEMENT_VARIABLES = (
+    config.SERVERS,
+    config.RANK,
+    config.NUM_WORKERS,
+    config.TIMEOUT,
+    config.STALENESS,
+    config.BIND,
+    config.SERVER_ID,
+)
+# The exit status of `python -m kvsparse.server` when it cannot bind its address.
+CANNOT_BIND = 1
+# A port that a killed server held may stay taken for a moment: wait, then bind again.
+BIND_RETRY_PAUSE = 0.2
+_POLL_SECONDS = 0.1
+_FAILED_SERVER_GRACE_PERIOD = 5.0
+_RECENT_LINES = 20
+
+
+def has_checkpoint(path: str) -> bool:
+    """True if path holds a complete checkpoint (a committed manifest).
+
+    Thread-safe: reads files only.
+
+    Example:
+        >>> has_checkpoint('/no/such/directory')
+        False
+    """
+    from kvsparse.shard import checkpoint  # the shard code: only for a restart
+
+    try:
+        return checkpoint.latest_manifest(path) is not None
+    except (OSError, errors.KVSparseError):
+        return False
+
+
+def restore_arguments(checkpoint_dir: Optional[str], shard_index: int, num_shards: int) -> list:
+    """``--restore DIR --shard-index I --num-shards N`` if DIR holds a checkpoint, else [].
+
+    Thread-safe.
+
+    Example:
+        >>> restore_arguments(None, 0, 2)
+        []
+    """
+    if checkpoint_dir is None or not has_checkpoint(checkpoint_dir):
+        return []
+    return [
+        "--restore",
+        checkpoint_dir,
+        "--shard-index",
+        str(shard_index),
+        "--num-shards",
+        str(num_shards),
+    ]
+
+
+def server_command(
+    bind: str,
+    *,
+    keys: Optional[str] = None,
+    restarted: bool = False,
+    extra_args: Sequence = (),
+) -> list:
+    """The command line of a server: ``python -m kvsparse.server --bind BIND ...``.
+
+    Args:
+        bind: the ``tcp://host:port`` to bind (port 0: a free port).
+        keys: a ``kvsparse keys`` directory (``--keys``): CurveZMQ only.
+        restarted: ``--restarted``: it replaces a server that died.
+        extra_args: more arguments (`restore_arguments`, user options).
+
+    Thread-safe.
+
+    Example:
+        >>> server_command('tcp://h:7', restarted=True)[3:]
+        ['--bind', 'tcp://h:7', '--restarted']
+    """
+    argv = [sys.executable, "-m", "kvsparse.server", "--bind", bind]
+    if restarted:
+        argv.append("--restarted")
+    if keys is not None:
+        argv += ["--keys", keys]
+    return argv + [str(argument) for argument in extra_args]
+
+
+def worker_environment(base: Optional[Mapping[str, str]] = None) -> dict:
+    """The environment a worker started by kvsparse inherits (rule: module docstring).
+
+    Args:
+        base: the parent's environment (default: ``os.environ``), copied,
+            not read for settings.
+
+    Thread-safe.
+
+    Example:
+        >>> worker_environment({'DMLC_ROLE': 'server', 'KVSPARSE_RANK': '3', 'A': 'b'})
+        {'A': 'b', 'PYTHONUNBUFFERED': '1'}
+    """
+    base = os.environ if base is None else base
+    removed = config.FOREIGN_ROLE_VARIABLES + PLACEMENT_VARIABLES
+    env = {name: value for name, value in base.items() if name not in removed}
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def server_environment(base: Optional[Mapping[str, str]] = None) -> dict:
+    """The environment a server started by kvsparse inherits: a worker's, this kvsparse first.
+
+    Args:
+        base: the parent's environment (default: ``os.environ``).
+
+    Thread-safe.
+
+    Example:
+        >>> 'DMLC_ROLE' in server_environment({'DMLC_ROLE': 'server'})
+        False
+    """
+    env = worker_environment(base)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(kvsparse.__file__)))
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = package_root + (os.pathsep + path if path else "")
+    return env
+
+
+class LineWriter:
+    """Writes whole lines from several threads to one text stream, each with a prefix.
+
+    Thread-safe: a lock keeps lines whole. A line that the stream's encoding
+    cannot hold is written with replacement characters; a closed or broken
+    stream drops it.
+
+    Example:
+        >>> LineWriter(sys.stdout).line('[server 0] ', b'hello')
+        [server 0] hello
+    """
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def line(self, prefix: str, data: bytes) -> None:
+        """Writes prefix + data (decoded as UTF-8, a newline added if it has none)."""
+        text = data.decode("utf-8", errors="replace")
+        if not text.endswith("\n"):
+            text += "\n"
+        with self._lock:
+            try:
+                try:
+                    self._stream.write(prefix + text)
+                except UnicodeEncodeError:  # e.g. an ASCII-only terminal
+                    encoding = getattr(self._stream, "encoding", None) or "ascii"
+                    self._stream.write((prefix + text).encode(encoding, "replace").decode(encoding))
+                self._stream.flush()
+            except (OSError, ValueError):
+                pass  # the stream is gone (closed at exit, broken pipe): drop the line
+
+
+class ChildProcess:
+    """A child process in its own process group, its output relayed line by line.
+
+    Two daemon threads read the child's stdout and stderr to their end and
+    hand each line (bytes, newline included) to on_stdout / on_stderr, so the
+    child never blocks on a full pipe. Its stdin is /dev/null.
+
+    Args:
+        argv: the command.
+        env: its whole environment (`worker_environment`, `server_environment`).
+        label: its name in messages and thread names, e.g. ``'worker 0'``.
+        on_stdout, on_stderr: called with each line, from the relay threads.
+        cwd: its working directory (default: this process's).
+        new_session: True: a session of its own (no controlling terminal, so
+            a Ctrl-C in the terminal reaches only the parent); False: only a
+            process group of its own, in the parent's session.
+        preexec_fn: run in the child before the command (see `subprocess`).
+
+    Raises:
+        OSError: the command cannot be started.
+
+    Thread safety: `signal_group`, `stop` and `finish_output` may be called
+    from any thread; `stop` from one thread at a time.
+
+    Example:
+        >>> out = LineWriter(sys.stdout)
+        >>> child = ChildProcess(['echo', 'hi'], worker_environment(), label='echo',
+        ...                      on_stdout=lambda line: out.line('[echo] ', line),
+        ...                      on_stderr=lambda line: None)  # doctest: +SKIP
+        >>> child.process.wait(); child.finish_output(5.0)  # doctest: +SKIP
+        [echo] hi
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        label: str,
+        on_stdout: Callable[[bytes], None],
+        on_stderr: Callable[[bytes], None],
+        cwd: Optional[str] = None,
+        new_session: bool = True,
+        preexec_fn: Optional[Callable[[], None]] = None,
+    ):
+        self.label = label
+        self._on_stdout = on_stdout
+        self._on_stderr = on_stderr
+        if not new_session:
+            preexec_fn = _in_own_process_group(preexec_fn)
+        self.process = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=new_session,
+            preexec_fn=preexec_fn,
+        )
+        self.pid = self.process.pid
+        self._threads = [
+            threading.Thread(
+                target=self._relay,
+                args=(self.process.stdout, self._stdout_line, True),
+                daemon=True,
+                name=f"kvsparse-{label}-stdout",
+            ),
+            threading.Thread(
+                target=self._relay,
+                args=(self.process.stderr, self._stderr_line, False),
+                daemon=True,
+                name=f"kvsparse-{label}-stderr",
+            ),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _stdout_line(self, data: bytes) -> None:
+        self._on_stdout(data)
+
+    def _stderr_line(self, data: bytes) -> None:
+        self._on_stderr(data)
+
+    def _stdout_closed(self) -> None:
+        """Called once, from the stdout thread, when the child's stdout ends."""
+
+    def _relay(self, pipe, handle: Callable[[bytes], None], is_stdout: bool) -> None:
+        try:
+            for data in iter(pipe.readline, b""):
+                handle(data)
+        except (OSError, ValueError):
+            pass  # the pipe was closed under us during shutdown
+        finally:
+            if is_stdout:
+                self._stdout_closed()
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+    def signal_group(self, signum: int) -> None:
+        """Sends signum to the child's whole process group (it and what it started)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signum)
+
+    def stop(self, grace_period: float) -> Optional[int]:
+        """SIGTERM to its group, SIGKILL after grace_period seconds; returns its exit status."""
+        if self.process.poll() is None:
+            self.signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(grace_period)
+            except subprocess.TimeoutExpired:
+                self.signal_group(signal.SIGKILL)
+                self.process.wait()
+        return self.process.returncode
+
+    def finish_output(self, timeout: float) -> None:
+        """Waits up to timeout seconds (per stream) for its last lines to be relayed."""
+        for thread in self._threads:
+            thread.join(timeout)
+
+
+def _in_own_process_group(then: Optional[Callable[[], None]]) -> Callable[[], None]:
+    def preexec() -> None:
+        os.setpgrp()
+        if then is not None:
+            then()
+
+    return preexec
+
+
+class ServerProcess(ChildProcess):
+    """A ``python -m kvsparse.server`` child (`server_command`) that reads its listening line.
+
+    The listening line sets `address` and is not relayed (whoever started
+    the server reports the address itself); the server's other lines are.
+
+    Attributes:
+        address: the ``tcp://host:port`` it bound, None until it says so.
+        recent_output: its last 20 relayed lines (bytes), for error messages.
+
+    Thread safety: as `ChildProcess`; `wait_listening` from one thread at a time.
+    """
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], **options):
+        self.address: Optional[str] = None
+        self.recent_output: collections.deque = collections.deque(maxlen=_RECENT_LINES)
+        self._listening_or_closed = threading.Event()  # set before the stdout thread ends
+        super().__init__(argv, env, **options)
+
+    def _stdout_line(self, data: bytes) -> None:
+        if self.address is None:
+            address = parse_listening_line(data)
+            if address is not None:
+                self.address = address
+                self._listening_or_closed.set()
+                return
+        self.recent_output.append(data)
+        super()._stdout_line(data)
+
+    def _stderr_line(self, data: bytes) -> None:
+        self.recent_output.append(data)
+        super()._stderr_line(data)
+
+    def _stdout_closed(self) -> None:
+        self._listening_or_closed.set()
+
+    def wait_listening(
+        self, timeout: float, check: Optional[Callable[[], None]] = None
+    ) -> Optional[str]:
+        """Waits for the listening line; returns the address, or None.
+
+        None when the server closed its stdout first (it is exiting: it is
+        waited for, so that ``process.returncode`` is set) or printed nothing
+        within timeout seconds (it still runs). check() is called every 0.1 s
+        while waiting; what it raises goes to the caller.
+        """
+        deadline = time.monotonic() + timeout
+        while not self._listening_or_closed.wait(_POLL_SECONDS):
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
+                return None
+        if self.address is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(max(_FAILED_SERVER_GRACE_PERIOD, deadline - time.monotonic()))
+        return self.address
+
+    def recent_text(self) -> str:
+        """Its last relayed lines, as one string (for an error message)."""
+        return b"".join(self.recent_output).decode(errors="replace").strip()
+
+
+def start_server(
+    start: Callable[[], ServerProcess],
+    *,
+    listen_timeout: float,
+    retry_until: float,
+    check: Optional[Callable[[], None]] = None,
+) -> ServerProcess:
+    """Starts a server with start() and waits for it to listen, binding again while needed.
+
+    A server that exits with `CANNOT_BIND` before listening is started again
+    `BIND_RETRY_PAUSE` seconds later, until retry_until: the port that a
+    server which just died held may stay taken for a moment.
+
+    Args:
+        start: makes one `ServerProcess` (called once per attempt).
+        listen_timeout: seconds each attempt may take to print its address.
+        retry_until: no new attempt after this `time.monotonic()` time.
+        check: called while waiting (see `ServerProcess.wait_listening`).
+
+    Returns:
+        The server that listens, or the last one that did not (stopped, its
+        ``address`` None; ``process.returncode`` and `ServerProcess.recent_text`
+        say why): the caller words the error.
+
+    Thread safety: may be called from several threads, each with its own start.
+    """
+    while True:
+        server = start()
+        if server.wait_listening(listen_timeout, check) is not None:
+            return server
+        code = server.stop(_FAILED_SERVER_GRACE_PERIOD)
+        server.finish_output(_FAILED_SERVER_GRACE_PERIOD)
+        if code != CANNOT_BIND or time.monotonic() >= retry_until:
+            return server
+        time.sleep(BIND_RETRY_PAUSE)
+
+
+def wait_answering(
+    address: str,
+    deadline: float,
+    keys: Optional[str] = None,
+    check: Optional[Callable[[], None]] = None,
+) -> bool:
+    """Pings address until the server answers (True) or `time.monotonic()` passes deadline.
+
+    Args:
+        address: ``tcp://host:port``.
+        deadline: a `time.monotonic()` time.
+        keys: its ``kvsparse keys`` directory, if it is a CurveZMQ server
+            (default: ``KVSPARSE_KEYS``, else none).
+        check: called between pings; what it raises goes to the caller.
+
+    Thread-safe.
+
+    Example:
+        >>> wait_answering('tcp://127.0.0.1:1', time.monotonic() + 0.1)  # doctest: +SKIP
+        False
+    """
+    # Imported here: the client loads ZeroMQ and the wire code, which a launcher
+    # that only starts processes does not need until its servers are up.
+    from kvsparse.client.remote import ping
+
+    while not ping(address, min(1.0, max(0.05, deadline - time.monotonic())), keys):
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            return False
+    return True
+
+
+__all__ = [
+    "BIND_RETRY_PAUSE",
+    "CANNOT_BIND",
+    "ChildProcess",
+    "LineWriter",
+    "PLACEMENT_VARIABLES",
+    "ServerProcess",
+    "has_checkpoint",
+    "restore_arguments",
+    "server_command",
+    "server_environment",
+    "start_server",
+    "wait_answering",
+    "worker_environment",
+]
