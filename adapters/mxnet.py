@@ -62,24 +62,25 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import os
 import warnings
 
 import numpy as np
 
 import kvsparse
-from kvsparse import _core, errors, initializers, optimizers
+from kvsparse import _core, arrays, config, errors, initializers, optimizers
+from kvsparse.store.kvstore import StoreFront
 
 if "bool" not in vars(np):
     # MXNet 1.9.1 still says np.bool, which NumPy 1.24 removed (2.0 brought it back).
     # vars(), not hasattr(): NumPy 1.24-1.26 warn on any attempt to read np.bool.
     np.bool = bool
 
-if os.environ.get("DMLC_ROLE") in ("server", "scheduler"):
+_ROLE = config.mxnet_role()
+if _ROLE in ("server", "scheduler"):
     # With this variable `import mxnet` turns the process into a ps-lite node and never
     # returns control to the caller; say why instead of hanging.
     raise ImportError(
-        f"DMLC_ROLE={os.environ['DMLC_ROLE']} makes `import mxnet` start an MXNet ps-lite "
+        f"DMLC_ROLE={_ROLE} makes `import mxnet` start an MXNet ps-lite "
         "node; kvsparse servers are `kvsparse server` processes. Unset DMLC_ROLE (and PORT) "
         "for processes that run training code."
     )
@@ -127,17 +128,21 @@ def as_numpy(array, *, writable: bool = False) -> np.ndarray:
     if not isinstance(array, mx.nd.NDArray):
         raise errors.DTypeError(f"expected an mx.nd.NDArray, got {type(array).__name__}")
     capsule = array.to_dlpack_for_write() if writable else array.to_dlpack_for_read()
-    return _core.from_dlpack(capsule, writable=writable)
+    return arrays.as_numpy(capsule, what="the NDArray", writable=writable)
 
 
 def _row_ids(array, *, key) -> np.ndarray:
-    """Row ids as an int64 NumPy array (any shape); float ids must be whole numbers."""
+    """Row ids as an int64 NumPy array (any shape); float ids must be whole numbers.
+
+    Integer ids are `kvsparse.arrays.as_ids`'; floats are accepted here because
+    MXNet's default dtype is float32.
+    """
     if isinstance(array, mx.nd.NDArray):
         if array.stype != "default":
             raise errors.DTypeError(f"row ids of key {key!r} must be a dense NDArray")
         ids = as_numpy(array)
     else:
-        ids = np.asarray(array)
+        ids = arrays.as_numpy(array, what=f"row ids of key {key!r}")
     if ids.dtype.kind == "f":
         # MXNet's default dtype is float32, so Gluon code passes float ids.
         if ids.size and (
@@ -150,9 +155,7 @@ def _row_ids(array, *, key) -> np.ndarray:
                 "values that are not"
             )
         return ids.astype(np.int64)
-    if ids.dtype.kind not in "iu":
-        raise errors.DTypeError(f"row ids of key {key!r} must be integers, got dtype {ids.dtype}")
-    return ids
+    return arrays.as_ids(ids, key=key)
 
 
 def _is_sparse_value(value) -> bool:
@@ -182,10 +185,6 @@ def _set_indices(target: RowSparseNDArray, unique_ids: np.ndarray) -> None:
     source = _ndarray_of(unique_ids, target.context)
     # Copies into the aux (indices) array allocated by _new_row_sparse; same size, no realloc.
     check_call(_LIB.MXNDArraySyncCopyFromNDArray(target.handle, source.handle, ctypes.c_int(0)))
-
-
-def _as_list(x):
-    return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 def _values_of(value) -> list:
@@ -351,6 +350,11 @@ def _settings_of(optimizer) -> tuple:
     return (optimizer.lr, optimizer.wd, optimizer.rescale_grad, optimizer.clip_gradient)
 
 
+def _from_store(name: str, doc: str) -> property:
+    """A read-only property: the kvsparse store's attribute `name`."""
+    return property(lambda self: getattr(self._store, name), doc=doc)
+
+
 class _Updater:
     """What Gluon's Trainer.load_states reads back: ``kvstore._updater.optimizer``."""
 
@@ -361,7 +365,7 @@ class _Updater:
 # -- the store ---------------------------------------------------------------------------------
 
 
-class KVSparseStore(_NativeKVStore):
+class KVSparseStore(StoreFront, _NativeKVStore):
     """MXNet's KVStore API over a kvsparse store.
 
     It derives from MXNet's native ``KVStore`` class (without its C++ handle)
@@ -378,6 +382,8 @@ class KVSparseStore(_NativeKVStore):
         >>> kv.is_capable('optimizer')
         True
     """
+
+    _repr_name = "kvsparse.adapters.mxnet store"
 
     def __init__(self, store, kind: str):
         # MXNet's KVStore.__init__ wants a C++ handle; there is none.
@@ -406,20 +412,10 @@ class KVSparseStore(_NativeKVStore):
         """'dist_sparse', 'dist_sparse_async' or 'local'."""
         return self._kind
 
-    @property
-    def rank(self) -> int:
-        """This worker's rank."""
-        return self._store.rank
-
-    @property
-    def num_workers(self) -> int:
-        """How many workers share the store."""
-        return self._store.num_workers
-
-    @property
-    def num_servers(self) -> int:
-        """How many servers (shards) hold the tables."""
-        return self._store.num_servers
+    # MXNet's KVStore reads these through its C++ handle; here they are the kvsparse store's.
+    rank = _from_store("rank", "This worker's rank.")
+    num_workers = _from_store("num_workers", "How many workers share the store.")
+    num_servers = _from_store("num_servers", "How many servers (shards) hold the tables.")
 
     @property
     def store(self):
@@ -672,24 +668,14 @@ class KVSparseStore(_NativeKVStore):
         del priority
         if out is None:
             raise errors.InvalidArgument("pull needs out (an NDArray or a list of them)")
-        pairs = self._pairs(key, out, "pull")
-        with mx.autograd.pause():
-            dense_keys, dense_outs, sparse_requests = [], [], []
-            for k, outs in pairs:
-                info = self._store.key_info(k)
-                if not info.sparse:
-                    dense_keys.append(k)
-                    dense_outs.append([as_numpy(o, writable=True) for o in outs])
-                    continue
-                for o in outs:
-                    if o.stype == "row_sparse" and ignore_sparse:
-                        continue
-                    ids = np.arange(o.shape[0], dtype=np.int64)
-                    sparse_requests.append((k, ids, [o]))
-            if dense_keys:
-                self._store.pull(dense_keys, out=dense_outs)
-            if sparse_requests:
-                self._row_sparse_requests(sparse_requests)
+        targets = self._pairs(key, out, "pull")
+
+        def rows_of(index, target):
+            if target.stype == "row_sparse" and ignore_sparse:
+                return None
+            return np.arange(target.shape[0], dtype=np.int64)
+
+        self._pull_into(targets, rows_of)
 
     def pushpull(self, key, value, out=None, priority=0):
         """push(key, value), then pull the result into out (or into value when out is None).
@@ -703,20 +689,37 @@ class KVSparseStore(_NativeKVStore):
         targets = pairs if out is None else self._pairs(key, out, "pushpull")
         self._start()
         self._store.push(keys, values)
+
+        touched = {}  # index of a sparse key -> the ids this push touched
+
+        def rows_of(index, target):
+            if target.stype != "row_sparse":
+                return np.arange(target.shape[0], dtype=np.int64)
+            if index not in touched:
+                pushed = values[index]
+                parts = pushed if isinstance(pushed, list) else [pushed]
+                touched[index] = np.unique(np.concatenate([p[0].reshape(-1) for p in parts]))
+            return touched[index]
+
+        self._pull_into(targets, rows_of)
+
+    def _pull_into(self, targets, rows_of) -> None:
+        """Fills each (key, [outs]) of targets in one pull per kind of key.
+
+        A dense key's outs get its value; an out of a sparse key gets the rows
+        ``rows_of(index of the key in targets, out)`` names (None: left alone).
+        """
         with mx.autograd.pause():
             dense_keys, dense_outs, sparse_requests = [], [], []
-            for (k, outs), pushed in zip(targets, values):
+            for index, (k, outs) in enumerate(targets):
                 if not self._store.key_info(k).sparse:
                     dense_keys.append(k)
                     dense_outs.append([as_numpy(o, writable=True) for o in outs])
                     continue
-                parts = pushed if isinstance(pushed, list) else [pushed]
-                touched = np.unique(np.concatenate([p[0].reshape(-1) for p in parts]))
                 for o in outs:
-                    if o.stype == "row_sparse":
-                        sparse_requests.append((k, touched, [o]))
-                    else:
-                        sparse_requests.append((k, np.arange(o.shape[0], dtype=np.int64), [o]))
+                    ids = rows_of(index, o)
+                    if ids is not None:
+                        sparse_requests.append((k, ids, [o]))
             if dense_keys:
                 self._store.pull(dense_keys, out=dense_outs)
             if sparse_requests:
@@ -753,14 +756,9 @@ class KVSparseStore(_NativeKVStore):
         if row_ids is None:
             raise errors.InvalidArgument("row_sparse_pull needs row_ids")
         single = not isinstance(key, (list, tuple))
-        keys = _as_list(key)
-        id_list = [row_ids] if single else _as_list(row_ids)
-        if single:
-            outs_list = [out]
-        elif out is None:
-            outs_list = [None] * len(keys)
-        else:
-            outs_list = _as_list(out)
+        keys = arrays.as_list(key)
+        id_list = arrays.per_key(row_ids, single)
+        outs_list = arrays.outputs_per_key(out, single, len(keys))
         if len(id_list) != len(keys) or len(outs_list) != len(keys):
             raise errors.InvalidArgument("row_sparse_pull: keys, row_ids and out differ in length")
         self._pairs(keys, [None] * len(keys), "row_sparse_pull")  # key types
@@ -864,18 +862,6 @@ class KVSparseStore(_NativeKVStore):
     def close(self):
         """Releases the kvsparse store (connections, or the local tables)."""
         self._store.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __repr__(self):
-        return (
-            f"<kvsparse.adapters.mxnet store type={self.type} rank={self.rank} "
-            f"num_workers={self.num_workers} servers={self.num_servers}>"
-        )
 
 
 @KVStoreBase.register

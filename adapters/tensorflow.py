@@ -93,7 +93,7 @@ import weakref
 import keras
 import numpy as np
 import tensorflow as tf
-from kvsparse.adapters._common import ensure_table, store_lock
+from kvsparse.adapters._common import TableOptions, ensure_table, store_lock
 
 from kvsparse import _core, errors
 
@@ -204,16 +204,8 @@ class Embedding(keras.layers.Layer):
         super().__init__(**kwargs)
         self.kv = kv
         self.key = key
-        self.embedding_dim = ensure_table(
-            kv,
-            key,
-            embedding_dim,
-            initializer=initializer,
-            optimizer=optimizer,
-            seed=seed,
-            partitioner=partitioner,
-            nonfinite=nonfinite,
-        )
+        options = TableOptions(initializer, optimizer, seed, partitioner, nonfinite)
+        self.embedding_dim = options.ensure(kv, key, embedding_dim)
         # py_function cannot be compiled by XLA.
         self.supports_jit = False
         self.push_trigger = self.add_weight(
