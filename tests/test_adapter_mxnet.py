@@ -109,6 +109,21 @@ def test_the_adapter_sets_np_bool_before_importing_mxnet():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.parametrize("role", ["server", "scheduler"])
+def test_a_ps_lite_role_is_refused_before_mxnet_starts_a_node(role):
+    # With DMLC_ROLE=server `import mxnet` would start a ps-lite node and never return.
+    result = subprocess.run(
+        [sys.executable, "-c", "import kvsparse.adapters.mxnet"],
+        env=subprocess_env({"DMLC_ROLE": role}),
+        cwd=str(REPO_ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert f"ImportError: DMLC_ROLE={role} makes `import mxnet` start" in result.stderr
+
+
 def test_mx_kv_create_returns_kvsparse_stores_connected_by_the_environment(dist_env):
     kv = mx.kv.create("dist_sparse")
     try:
