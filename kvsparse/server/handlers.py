@@ -295,12 +295,7 @@ class Handlers:
         self._count_items("pull_dense", items, dense=True)
         frames = []
         for table_id, count, _, _ in items.tolist():
-            entry = self._state.dense_entry(table_id)
-            if entry.values.size != count:
-                raise errors.ShapeError(
-                    f"key {entry.name!r}: this shard holds {entry.values.size} values, "
-                    f"the pull asks for {count}"
-                )
+            self._state.dense_entry(table_id).check_size(count, f"the pull asks for {count}")
         for table_id, _, _, _ in items.tolist():
             # Copied: ZeroMQ sends asynchronously and a later push changes the live slice.
             frames.append(self._state.pull_dense(table_id).copy())
