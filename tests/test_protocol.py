@@ -1,4 +1,4 @@
-"""Layer tests of the wire protocol (kvsparse/protocol.py), without sockets."""
+"""Layer tests of the wire protocol (kvsparse/wire/protocol.py), without sockets."""
 
 import struct
 
@@ -24,7 +24,7 @@ def raw_header(**fields):
         "num_items": 1,
         "clock": 0,
         "num_frames": 2,
-        "reserved": 0,
+        "incarnation": 0,
     }
     values.update(fields)
     return HEADER.pack(*values.values())
@@ -50,6 +50,24 @@ def test_header_is_56_bytes_and_round_trips_every_field():
     assert protocol.unpack_header(memoryview(packed)) == header
 
 
+def test_incarnation_is_a_reply_field_stamped_by_the_server():
+    request = Header(op=Op.PING, request_id=3, client_id=4)
+    assert request.incarnation == 0
+    stamped = protocol.stamp_incarnation(request.reply(num_frames=0).pack(), 0xDEADBEEF)
+    assert len(stamped) == HEADER_SIZE
+    assert struct.unpack_from("<I", stamped, 52)[0] == 0xDEADBEEF
+    reply = protocol.unpack_header(stamped, reply=True)
+    assert reply.incarnation == 0xDEADBEEF and reply.request_id == 3
+    # Also from a zmq.Frame (what the server's cached replies may be).
+    assert protocol.stamp_incarnation(zmq.Frame(request.pack()), 7)[-4:] == struct.pack("<I", 7)
+    # A request must leave the field 0.
+    with pytest.raises(errors.ProtocolError, match="reserved in requests"):
+        protocol.unpack_header(stamped)
+    assert Header(op=Op.PING, incarnation=9).pack() == raw_header(
+        op=int(Op.PING), request_id=0, client_id=0, num_items=0, num_frames=0, incarnation=9
+    )
+
+
 def test_reply_header_keeps_ids_and_sets_status():
     request = Header(op=Op.STATS, request_id=11, client_id=12, rank=1, clock=4, flags=1)
     reply = request.reply(status=6, num_frames=1)
@@ -70,7 +88,7 @@ def test_reply_header_keeps_ids_and_sets_status():
         ({"op": 999}, "unknown op 999"),
         ({"flags": 0x80}, "flags"),
         ({"status": 3}, "status"),
-        ({"reserved": 1}, "reserved"),
+        ({"incarnation": 1}, "incarnation header field is reserved in requests"),
         ({"num_items": protocol.MAX_ITEMS + 1}, "num_items"),
         ({"num_frames": 2**32 - 1}, "num_frames"),
         ({"rank": -1}, "rank"),
@@ -252,3 +270,12 @@ def test_header_layout_is_the_documented_one():
     assert struct.unpack_from("<I", packed, 36)[0] == 6
     assert struct.unpack_from("<q", packed, 40)[0] == 7
     assert struct.unpack_from("<I", packed, 48)[0] == 8
+    assert struct.unpack_from("<I", packed, 52)[0] == 0  # incarnation: replies only
+
+
+def test_the_docstring_table_lists_every_op():
+    lines = protocol.__doc__.splitlines()
+    for op in Op:
+        (row,) = [i for i, line in enumerate(lines) if line.strip().startswith(op.name + " ")]
+        # "NAME (value)", or a long name with "(value)" on the next line.
+        assert f"({op.value})" in lines[row].split()[1] + lines[row + 1].split()[0], op

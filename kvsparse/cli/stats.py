@@ -10,8 +10,9 @@ Usage::
 The servers come from ``--servers`` or else from the cluster configuration
 (`kvsparse.config.from_environment`: ``KVSPARSE_SERVERS``, ``TF_CONFIG``,
 ``DMLC_*``). Each refresh sends every server one STATS request marked
-`kvsparse.wire.protocol.FLAG_MONITOR`: the servers answer it without a HELLO and
-do not count it as traffic, so watching a job does not change it.
+`kvsparse.wire.protocol.FLAG_MONITOR` (`kvsparse.wire.ops.Stats`): the servers
+answer it without a HELLO and do not count it as traffic, so watching a job
+does not change it.
 
 Two tables are printed: one row per shard (rows, bytes, requests, keys, keys/s)
 and one row per table summed over the shards (rows, bytes, table operations,
@@ -28,18 +29,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import sys
 import time
 from typing import Optional, TextIO
 
-from kvsparse import errors
-from kvsparse.wire import protocol
-from kvsparse.wire.protocol import FLAG_MONITOR, Op
+from kvsparse import config, errors
+from kvsparse.client.session import NoAnswer, Session
+from kvsparse.wire import ops
 
 
 def fetch_stats(servers: list, timeout: float = 5.0, keys: Optional[str] = None) -> list:
     """One monitoring STATS request to each server, sent together.
+
+    A monitor's session (`kvsparse.client.session.Session`): the exchange loop
+    the workers use, without HELLO, liveness pings or retries. Safe to call
+    from several threads at once (each call has its own session).
 
     Args:
         servers: ``tcp://host:port`` addresses.
@@ -55,31 +59,29 @@ def fetch_stats(servers: list, timeout: float = 5.0, keys: Optional[str] = None)
         >>> fetch_stats(['tcp://127.0.0.1:1'], timeout=0.1)[0]['error']
         'no answer within 0.1 s'
     """
-    import zmq
-
-    context = zmq.Context.instance()
-    sockets, request_ids, results = [], [], []
+    session = Session(servers, timeout=timeout, keys=keys, monitor=True)
     try:
-        for address in servers:
-            sock = context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sockets.append(sock)
-            if keys is not None:
-                from kvsparse.wire import security
-
-                security.secure_client_socket(sock, keys)
-            sock.connect(address)
-            request_id = secrets.randbits(63) + 1
-            request_ids.append(request_id)
-            header = protocol.Header(op=Op.STATS, flags=FLAG_MONITOR, request_id=request_id)
-            sock.send(header.pack(), flags=zmq.NOBLOCK)
-        deadline = time.monotonic() + timeout
-        for address, sock, request_id in zip(servers, sockets, request_ids):
-            results.append(_receive(sock, address, request_id, deadline, timeout))
+        request = ops.Stats.encode_request(monitor=True)
+        outcomes = session.exchange(dict.fromkeys(range(len(servers)), request), gather=True)
     finally:
-        for sock in sockets:
-            sock.close(0)
-    return results
+        session.close()
+    return [
+        _shard_stats(address, outcomes[index], timeout) for index, address in enumerate(servers)
+    ]
+
+
+def _shard_stats(address: str, outcome, timeout: float) -> dict:
+    """One server's statistics from its exchange outcome, or why there are none."""
+    if isinstance(outcome, NoAnswer):
+        return {"address": address, "error": f"no answer within {timeout:g} s"}
+    try:
+        if isinstance(outcome, errors.KVSparseError):
+            raise outcome
+        stats = ops.Stats.decode_reply(*outcome)
+    except errors.KVSparseError as exc:
+        return {"address": address, "error": f"{type(exc).__name__}: {exc}"}
+    stats["address"] = address  # the address we reach it by, not the one it bound
+    return stats
 
 
 def _server_list_environment(environ) -> dict:
@@ -99,25 +101,6 @@ def _server_list_environment(environ) -> dict:
     return env
 
 
-def _receive(sock, address: str, request_id: int, deadline: float, timeout: float) -> dict:
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not sock.poll(remaining * 1000):
-            return {"address": address, "error": f"no answer within {timeout:g} s"}
-        frames = sock.recv_multipart()
-        try:
-            header, payload = protocol.parse_message(frames, reply=True)
-            if header.request_id != request_id:
-                continue
-            if header.status:
-                protocol.raise_remote_error(header, payload, address)
-            stats = protocol.decode_json(payload[0], what="STATS reply")
-        except (errors.KVSparseError, IndexError) as exc:
-            return {"address": address, "error": f"{type(exc).__name__}: {exc}"}
-        stats["address"] = address  # the address we reach it by, not the one it bound
-        return stats
-
-
 def _elapsed(shard: dict) -> Optional[float]:
     """Seconds the server has counted keys for, from its keys and average keys/s."""
     rate = shard.get("keys_per_second") or 0.0
@@ -134,9 +117,9 @@ def _table_totals(shards: list) -> dict:
             total = totals.setdefault(name, _empty_total(table.get("kind", "?")))
             total["rows"] += table.get("rows", 0)
             total["bytes"] += table.get("bytes", 0)
-        for name, ops in shard.get("table_ops", {}).items():
+        for name, table_ops in shard.get("table_ops", {}).items():
             total = totals.setdefault(name, _empty_total("?"))
-            for op, counts in ops.items():
+            for op, counts in table_ops.items():
                 total["requests"] += counts["requests"]
                 total["keys"] += counts["keys"]
                 if op.startswith("pull"):
@@ -296,8 +279,6 @@ def main(argv: Optional[list] = None, stdout: Optional[TextIO] = None) -> int:
         >>> main(['--servers', 'tcp://127.0.0.1:5701', '--once'])  # doctest: +SKIP
         0
     """
-    from kvsparse import config
-
     args = _parser().parse_args(argv)
     out = stdout or sys.stdout
     try:
@@ -311,11 +292,7 @@ def main(argv: Optional[list] = None, stdout: Optional[TextIO] = None) -> int:
     if args.interval <= 0 or args.timeout <= 0 or (args.count is not None and args.count < 1):
         print("kvsparse stats: --interval, --timeout and --count must be positive", file=sys.stderr)
         return 2
-    keys = args.keys
-    if keys is None:
-        from kvsparse.wire import security
-
-        keys = security.keys_from_environment()
+    keys = config.curve_keys() if args.keys is None else args.keys
     servers = found.servers
     count = 1 if args.once else args.count
 

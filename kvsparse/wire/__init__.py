@@ -1,5 +1,10 @@
 """The wire wing: what travels between a worker and a server, written once for both ends.
 
-The message header and its fields, payload frames, each operation's layout,
-and the CurveZMQ security of the sockets. Imports only the errors.
+- `kvsparse.wire.protocol`: the header, its fields and flags, payload frames,
+  JSON and tree frames, error replies.
+- `kvsparse.wire.ops`: each operation's request and reply layout, encoded and
+  decoded in one place that the client and the server both call.
+- `kvsparse.wire.security`: CurveZMQ keys and secured sockets.
+
+Imports only the errors (and zmq for the security).
 """

@@ -22,8 +22,13 @@ Header (little-endian, `HEADER`):
     36      4     num_items     u32, tables in a fused request (<= MAX_ITEMS)
     40      8     clock         i64, the worker's push count (bounded staleness)
     48      4     num_frames    u32, payload frames after the header
-    52      4     reserved      requests: 0; replies: the server's incarnation
+    52      4     incarnation   requests: 0; replies: the server's incarnation
+                                (u32, random and nonzero per server start)
     ======  ====  ============  =============================================
+
+A client that sees a server's incarnation change knows that the server
+restarted (and lost what it had not checkpointed): it says HELLO again and
+resends what was in flight (`kvsparse.client.session`).
 
 Item descriptors (the "items" frame of table operations, `ITEM_DTYPE`, 24
 bytes each, ``num_items`` of them): ``table_id`` u64, ``count`` i64 (keys of a
@@ -33,14 +38,18 @@ table got keys on some server: a shard that got none of them still counts
 the push as a step of the table, as the local store does, so Adam's
 per-table step agrees; every other bit 0).
 
-Payload per op (request -> reply; every reply starts with the header):
+Payload per op (request -> reply; every reply starts with the header). Each
+op's layout is encoded and decoded in one place, `kvsparse.wire.ops`, which
+both ends call:
 
     =====================  ======================================  =====================
     op (value)             request payload                         reply payload
     =====================  ======================================  =====================
-    PING (1)               none                                    none
+    PING (1)               none                                    u64: the last request
+                                                                   id of this client the
+                                                                   server holds
     HELLO (2)              JSON {num_workers, mode, staleness,     JSON {address,
-                           rank, num_servers, server_index}        version}
+                           rank, num_servers, server_index}        version, incarnation}
     INIT_SPARSE (3)        JSON {table_id, name, spec}             JSON {created}
     INIT_DENSE (4)         JSON {table_id, name, size}, values     none
                            (f32; none with FLAG_DECLARE)
@@ -56,10 +65,12 @@ Payload per op (request -> reply; every reply starts with the header):
     (11)
     LOAD_OPTIMIZER_STATES  tree                                    none
     (12)
-    STATS (13)             none                                    JSON: ShardState.stats
+    STATS (13)             none (FLAG_MONITOR from a monitor)      JSON: ShardState.stats
                                                                    + address, waiting
     EVICT (20)             none                                    JSON {table name: rows
                                                                    evicted} (TTL, now)
+    CHECKPOINT (30)        JSON {action, path, ...} (the actions   JSON: the action's
+                           of kvsparse.shard.checkpoint)           result
     =====================  ======================================  =====================
 
 A *tree* is a JSON frame in which every array is replaced by
@@ -84,6 +95,9 @@ Every field and every frame length is checked (`parse_message`,
 raises `kvsparse.errors.ProtocolError`, which the server turns into an error
 reply.
 
+Every function here is pure and every constant immutable: safe to use from
+any thread.
+
 Example:
     >>> header = Header(op=Op.PING, request_id=7, client_id=1)
     >>> parse_message([header.pack()])[0].request_id
@@ -105,6 +119,8 @@ MAGIC = b"KVSP"
 VERSION = 1
 HEADER = struct.Struct("<4sHHIIQQiIqII")
 HEADER_SIZE = HEADER.size  # 56
+_INCARNATION = struct.Struct("<I")  # the header's last field
+_INCARNATION_OFFSET = HEADER_SIZE - _INCARNATION.size
 
 MAX_ITEMS = 65536
 MAX_FRAMES = 2 * MAX_ITEMS + 2
@@ -122,6 +138,8 @@ ITEM_DTYPE = np.dtype([("table_id", "<u8"), ("count", "<i8"), ("dim", "<i4"), ("
 
 
 class Op(enum.IntEnum):
+    """The operations (the table in the module docstring; layouts in `kvsparse.wire.ops`)."""
+
     PING = 1
     HELLO = 2
     INIT_SPARSE = 3
@@ -178,7 +196,10 @@ ERROR_CLASSES = {code: cls for cls, code in ERROR_CODES.items()}
 
 
 class Header(NamedTuple):
-    """The fields of a header frame (see the module docstring)."""
+    """The fields of a header frame (see the module docstring).
+
+    Immutable: safe to share between threads.
+    """
 
     op: int
     flags: int = 0
@@ -189,6 +210,7 @@ class Header(NamedTuple):
     num_items: int = 0
     clock: int = 0
     num_frames: int = 0
+    incarnation: int = 0  # replies only: the server's, see the module docstring
 
     def pack(self) -> bytes:
         """The 56-byte header frame."""
@@ -204,11 +226,11 @@ class Header(NamedTuple):
             self.num_items,
             self.clock,
             self.num_frames,
-            0,
+            self.incarnation,
         )
 
     def reply(self, status: int = 0, num_frames: int = 0, num_items: int = 0) -> Header:
-        """The header of the reply to this request."""
+        """The header of the reply to this request (the server stamps its incarnation)."""
         return self._replace(status=status, num_frames=num_frames, num_items=num_items, flags=0)
 
 
@@ -243,7 +265,7 @@ def unpack_header(frame, *, reply: bool = False) -> Header:
         num_items,
         clock,
         num_frames,
-        reserved,
+        incarnation,
     ) = HEADER.unpack_from(view)
     if magic != MAGIC:
         raise errors.ProtocolError(f"bad magic {magic!r}; expected {MAGIC!r}")
@@ -258,9 +280,10 @@ def unpack_header(frame, *, reply: bool = False) -> Header:
         raise errors.ProtocolError(f"unknown flags {flags:#x}")
     if status and not reply:
         raise errors.ProtocolError(f"a request must have status 0, got {status}")
-    if reserved and not reply:
-        # In a reply the field carries the server's incarnation (`reply_incarnation`).
-        raise errors.ProtocolError(f"reserved header field must be 0, got {reserved}")
+    if incarnation and not reply:
+        raise errors.ProtocolError(
+            f"the incarnation header field is reserved in requests and must be 0, got {incarnation}"
+        )
     if num_items > MAX_ITEMS:
         raise errors.ProtocolError(f"num_items {num_items} exceeds the limit {MAX_ITEMS}")
     if num_frames > MAX_FRAMES:
@@ -269,26 +292,19 @@ def unpack_header(frame, *, reply: bool = False) -> Header:
         raise errors.ProtocolError(f"rank must be >= 0, got {rank}")
     if clock < 0:
         raise errors.ProtocolError(f"clock must be >= 0, got {clock}")
-    return Header(op, flags, status, request_id, client_id, rank, num_items, clock, num_frames)
+    return Header(
+        op, flags, status, request_id, client_id, rank, num_items, clock, num_frames, incarnation
+    )
 
 
-def stamp_incarnation(header_frame: bytes, incarnation: int) -> bytes:
-    """A reply header frame with the server's incarnation in its last 4 bytes.
+def stamp_incarnation(header_frame, incarnation: int) -> bytes:
+    """A packed reply header with its incarnation field set to the server's.
 
-    A server draws a random nonzero 32-bit incarnation when it starts; a
-    client that sees it change knows the server restarted (and lost what it
-    had not checkpointed), so it says HELLO again and resends what was in
-    flight (`kvsparse.client.remote`).
+    The server stamps every reply it sends (fresh, cached for a resend, or
+    an error) as it leaves, so no reply can miss it.
     """
-    return header_frame[: HEADER_SIZE - 4] + struct.pack("<I", incarnation)
-
-
-def reply_incarnation(frame) -> int:
-    """The incarnation a server stamped on a reply header (0: none)."""
-    view = _buffer(frame)
-    if view.nbytes != HEADER_SIZE:
-        return 0
-    return struct.unpack_from("<I", view, HEADER_SIZE - 4)[0]
+    head = bytes(_buffer(header_frame))
+    return head[:_INCARNATION_OFFSET] + _INCARNATION.pack(incarnation)
 
 
 def peek_header(frame) -> Header | None:
@@ -323,6 +339,7 @@ def parse_message(frames, *, reply: bool = False):
 
 
 def frame_nbytes(frame) -> int:
+    """The size in bytes of a zmq.Frame, bytes or buffer."""
     return _buffer(frame).nbytes
 
 
@@ -375,6 +392,7 @@ def make_items(rows) -> np.ndarray:
 
 
 def encode_json(obj) -> bytes:
+    """A compact UTF-8 JSON frame."""
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
@@ -513,7 +531,6 @@ __all__ = [
     "parse_items",
     "parse_message",
     "raise_remote_error",
-    "reply_incarnation",
     "stamp_incarnation",
     "unpack_header",
 ]

@@ -13,7 +13,8 @@ CurveZMQ only: every byte on the wire is encrypted, and a ZAP authenticator
 (`zmq.auth.thread.ThreadAuthenticator`) accepts only clients whose public
 key is a ``*.key`` file in DIR (add more clients' ``.key`` files there to
 allow them). A worker with ``KVSPARSE_KEYS=DIR`` (``kvsparse launch --keys
-DIR`` sets it) authenticates with DIR's client pair. A client without the
+DIR`` sets it; `kvsparse.config.curve_keys` reads it) authenticates with
+DIR's client pair. A client without the
 keys, or with keys the server does not know, gets
 `kvsparse.errors.ServerUnavailable` naming the server and saying that the
 handshake was refused; it never gets any data.
@@ -23,8 +24,11 @@ the clients' ``.key`` files; workers need ``server.key`` and
 ``client.key_secret``. Without keys, servers listen on 127.0.0.1 unless told
 otherwise: do not expose an unauthenticated server to a network.
 
+Every function here may be called from several threads at once (each
+configures only the socket it is given).
+
 Example:
-    >>> from kvsparse import security
+    >>> from kvsparse.wire import security
     >>> paths = security.make_keys('/tmp/kvsparse-keys')   # doctest: +SKIP
     >>> sorted(paths)                                     # doctest: +SKIP
     ['client_public', 'client_secret', 'server_public', 'server_secret']
@@ -39,7 +43,6 @@ import zmq.auth
 
 from kvsparse import errors
 
-KEYS = "KVSPARSE_KEYS"
 _SERVER = "server"
 _CLIENT = "client"
 
@@ -170,17 +173,9 @@ def check_keys(directory) -> None:
     _load(paths["server_public"], secret=False)
 
 
-def keys_from_environment(environ=None):
-    """KVSPARSE_KEYS, or None."""
-    environ = os.environ if environ is None else environ
-    return environ.get(KEYS) or None
-
-
 __all__ = [
-    "KEYS",
     "check_keys",
     "curve_available",
-    "keys_from_environment",
     "make_keys",
     "secure_client_socket",
     "secure_server_socket",

@@ -1,0 +1,784 @@
+"""Each operation's payload layout, encoded and decoded in one place for both ends.
+
+One class per op (`CODECS` maps every `Op` to its class), each with four
+class methods:
+
+- ``encode_request(...)`` (worker): a `Request`, the payload frames and the
+  header fields the op sets; the client session adds the rest of the header.
+- ``decode_request(header, payload)`` (server): typed values, every frame
+  checked first.
+- ``encode_reply(...)`` (server): a `Reply`, the payload frames and num_items.
+- ``decode_reply(header, payload, ...)`` (worker): typed values of a
+  successful reply (an error reply is raised by the session before).
+
+A decoder raises `kvsparse.errors.ProtocolError` for anything malformed: a
+missing or extra frame, a frame of the wrong length, bad JSON, a field of the
+wrong type or range. Checks that need a shard's state (does the table exist,
+is the dim the table's) belong to the server's handlers. The byte layout is
+the table in `kvsparse.wire.protocol`'s docstring.
+
+The codecs hold no state: every function here is safe to call from any thread.
+
+Example:
+    >>> request = PullSparse.encode_request([(7, np.array([1, 2], np.int64))])
+    >>> request.op.name, request.num_items, len(request.frames)
+    ('PULL_SPARSE', 1, 2)
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from kvsparse import errors
+from kvsparse.wire import protocol
+from kvsparse.wire.protocol import FLAG_DECLARE, FLAG_MONITOR, ITEM_FLAG_STEP, Header, Op
+
+_U64 = struct.Struct("<Q")
+_MAX_TABLE_ID = (1 << 64) - 1
+
+
+class Mode(str, enum.Enum):
+    """A store's consistency mode, as HELLO carries it.
+
+    A ``str`` enum: a member equals (and JSON-encodes as) its value. Immutable.
+    """
+
+    BSP = "bsp"  # bulk synchronous: a push returns once every worker pushed the table
+    ASP = "asp"  # asynchronous: applied on arrival
+    SSP = "ssp"  # stale synchronous: applied on arrival, pulls wait for slow workers
+
+
+MODES = tuple(mode.value for mode in Mode)
+
+
+class Request(NamedTuple):
+    """A request's payload frames and the header fields its op sets (immutable)."""
+
+    op: Op
+    frames: list
+    num_items: int = 0
+    flags: int = 0
+
+
+class Reply(NamedTuple):
+    """A successful reply's payload frames and num_items (immutable).
+
+    A tuple of (frames, num_items): what a server handler returns.
+    """
+
+    frames: list
+    num_items: int = 0
+
+
+# -- field and frame checks ------------------------------------------------------------------
+
+
+def check_int(value, what: str, low: int, high: Optional[int] = None) -> int:
+    """value, if it is an int (not a bool) in [low, high].
+
+    Raises:
+        ProtocolError: naming `what` and the allowed range.
+
+    Example:
+        >>> check_int(3, "epoch", 1)
+        3
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise errors.ProtocolError(f"{what} must be an integer {bound}, got {value!r}")
+    return value
+
+
+def _json_object(payload, what: str) -> dict:
+    """The JSON object of a payload of exactly one frame."""
+    if len(payload) != 1:
+        raise errors.ProtocolError(f"{what} takes 1 payload frame(s), got {len(payload)}")
+    body = protocol.decode_json(payload[0], what=what)
+    if not isinstance(body, dict):
+        raise errors.ProtocolError(f"{what}: the JSON payload must be an object")
+    return body
+
+
+def _no_payload(payload, what: str) -> None:
+    if payload:
+        raise errors.ProtocolError(f"{what} takes no payload")
+
+
+def _request_items(header: Header, payload, frames_per_item: int, what: str) -> np.ndarray:
+    """The items frame of a table request, once the frame count fits num_items."""
+    if not payload:
+        raise errors.ProtocolError(f"{what} needs an items frame")
+    items = protocol.parse_items(payload[0], header.num_items)
+    expected = 1 + frames_per_item * header.num_items
+    if len(payload) != expected:
+        raise errors.ProtocolError(
+            f"{what} with {header.num_items} items takes {expected} payload frames, "
+            f"got {len(payload)}"
+        )
+    return items
+
+
+def _array_per_item_request(op: Op, entries: Sequence) -> Request:
+    """entries: [(table_id, 1-D array)] -> an item each (count: the array's size), the arrays."""
+    items = protocol.make_items([(table_id, array.size, 0) for table_id, array in entries])
+    return Request(op, [items, *(array for _, array in entries)], num_items=len(entries))
+
+
+def _array_per_item(header: Header, payload, dtype, what: str, frame_what: str) -> tuple:
+    """(items, [array of each item's count]) of a request encoded by `_array_per_item_request`."""
+    items = _request_items(header, payload, 1, what)
+    arrays = [
+        protocol.frame_array(payload[1 + i], dtype, count, what=f"{frame_what} {i}")
+        for i, (_, count, _, _) in enumerate(items.tolist())
+    ]
+    return items, arrays
+
+
+def _reply_items(header: Header, payload, count: int, what: str) -> np.ndarray:
+    """The items frame of a pull reply that must answer `count` items."""
+    if header.num_items != count or len(payload) != 1 + count:
+        raise errors.ProtocolError(
+            f"{what} reply has {header.num_items} items and {len(payload)} frames for {count} items"
+        )
+    return protocol.parse_items(payload[0], count)
+
+
+def _table_states(tree, what: str) -> list:
+    """[(table_id, state)] from a tree [[table_id, {state}], ...]."""
+    if not isinstance(tree, list) or not all(
+        isinstance(e, list) and len(e) == 2 and isinstance(e[1], dict) for e in tree
+    ):
+        raise errors.ProtocolError(f"{what}: expected [[table_id, state], ...]")
+    return [(check_int(table_id, "table_id", 0, _MAX_TABLE_ID), state) for table_id, state in tree]
+
+
+# -- the codecs ---------------------------------------------------------------------------------
+
+
+class _Codec:
+    """The layout of an op with no payload either way; each op's class overrides what it carries."""
+
+    op: Op
+
+    @classmethod
+    def encode_request(cls) -> Request:
+        """The request (no payload)."""
+        return Request(cls.op, [])
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> None:
+        """Checks that the request has no payload.
+
+        Raises:
+            ProtocolError: it has one.
+        """
+        _no_payload(payload, cls.op.name)
+
+    @classmethod
+    def encode_reply(cls) -> Reply:
+        """The reply (no payload)."""
+        return Reply([])
+
+    @classmethod
+    def decode_reply(cls, header: Header, payload) -> None:
+        """Checks that the reply has no payload.
+
+        Raises:
+            ProtocolError: it has one.
+        """
+        _no_payload(payload, f"{cls.op.name} reply")
+
+
+class Ping(_Codec):
+    """PING: liveness. The reply says the last request id of the sender's client it holds.
+
+    A worker waiting long for a reply pings; a server that holds an older
+    request id than the one awaited never got that request.
+    """
+
+    op = Op.PING
+
+    @classmethod
+    def encode_reply(cls, last_request_id: int) -> Reply:
+        """The reply: the last request id of this client the server holds (0: none)."""
+        return Reply([_U64.pack(last_request_id)])
+
+    @classmethod
+    def decode_reply(cls, header: Header, payload) -> Optional[int]:
+        """The last request id the server holds, or None if the reply does not say."""
+        if len(payload) != 1 or protocol.frame_nbytes(payload[0]) != _U64.size:
+            return None
+        return int(protocol.frame_array(payload[0], np.uint64, 1, what="PING reply")[0])
+
+
+class HelloRequest(NamedTuple):
+    """A worker's HELLO: how it sees the cluster (immutable)."""
+
+    num_workers: int
+    mode: Mode
+    staleness: Optional[int]
+    rank: int
+    num_servers: int
+    server_index: int
+
+    def settings(self) -> dict:
+        """The fields every client of one server must agree on (all but rank), plain values."""
+        return {
+            "num_workers": self.num_workers,
+            "mode": self.mode.value,
+            "staleness": self.staleness,
+            "num_servers": self.num_servers,
+            "server_index": self.server_index,
+        }
+
+
+class HelloReply(NamedTuple):
+    """A server's answer to HELLO (immutable)."""
+
+    address: str
+    version: int
+    incarnation: int
+
+
+class Hello(_Codec):
+    """HELLO: a worker introduces itself; the first one configures the server."""
+
+    op = Op.HELLO
+
+    @classmethod
+    def encode_request(cls, hello: HelloRequest) -> Request:
+        """The request for hello (`HelloRequest`)."""
+        body = hello._asdict()
+        body["mode"] = Mode(hello.mode).value
+        return Request(cls.op, [protocol.encode_json(body)])
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> HelloRequest:
+        """The HELLO, checked field by field and against the header's rank.
+
+        Raises:
+            ProtocolError: a missing or out-of-range field, or a rank other
+                than the header's.
+        """
+        hello = _json_object(payload, "HELLO")
+        num_workers = check_int(hello.get("num_workers"), "num_workers", 1, 1 << 20)
+        mode = hello.get("mode")
+        if not isinstance(mode, str) or mode not in MODES:
+            raise errors.ProtocolError(f"mode must be one of {MODES}, got {mode!r}")
+        staleness = hello.get("staleness")
+        if mode == Mode.SSP:
+            check_int(staleness, "staleness", 0)
+        elif staleness is not None:
+            raise errors.ProtocolError(f"staleness is only for mode 'ssp', got {staleness!r}")
+        num_servers = check_int(hello.get("num_servers"), "num_servers", 1, 1 << 16)
+        server_index = check_int(hello.get("server_index"), "server_index", 0, num_servers - 1)
+        rank = check_int(hello.get("rank"), "rank", 0, num_workers - 1)
+        if rank != header.rank:
+            raise errors.ProtocolError(f"HELLO says rank {rank}, its header {header.rank}")
+        return HelloRequest(num_workers, Mode(mode), staleness, rank, num_servers, server_index)
+
+    @classmethod
+    def encode_reply(cls, address: str, incarnation: int) -> Reply:
+        """The reply: the server's address, protocol version and incarnation."""
+        body = {"address": address, "version": protocol.VERSION, "incarnation": incarnation}
+        return Reply([protocol.encode_json(body)])
+
+    @classmethod
+    def decode_reply(cls, header: Header, payload) -> HelloReply:
+        """The server's address, version and incarnation (0 where it does not say)."""
+        body = _json_object(payload, "HELLO reply")
+        incarnation = body.get("incarnation", 0)
+        return HelloReply(
+            str(body.get("address", "")),
+            body.get("version", 0),
+            incarnation if isinstance(incarnation, int) else 0,
+        )
+
+
+class InitSparseRequest(NamedTuple):
+    """INIT_SPARSE: a table id, its name and its `SparseTable.to_dict()` spec (immutable)."""
+
+    table_id: int
+    name: str
+    spec: dict
+
+
+class InitSparse(_Codec):
+    """INIT_SPARSE: create a sparse table (an identical existing one is kept)."""
+
+    op = Op.INIT_SPARSE
+
+    @classmethod
+    def encode_request(cls, table_id: int, name: str, spec: dict) -> Request:
+        """The request creating table_id (named name, for messages) with spec."""
+        body = {"table_id": int(table_id), "name": name, "spec": spec}
+        return Request(cls.op, [protocol.encode_json(body)])
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> InitSparseRequest:
+        """The table id, name and spec (the spec itself is checked by the server's table)."""
+        body = _json_object(payload, "INIT_SPARSE")
+        table_id = check_int(body.get("table_id"), "table_id", 0, _MAX_TABLE_ID)
+        name, spec = body.get("name"), body.get("spec")
+        if not isinstance(name, str) or not isinstance(spec, dict):
+            raise errors.ProtocolError("INIT_SPARSE needs a str name and a dict spec")
+        return InitSparseRequest(table_id, name, spec)
+
+    @classmethod
+    def encode_reply(cls, created: bool) -> Reply:
+        """The reply: whether the table was created (False: an identical one existed)."""
+        return Reply([protocol.encode_json({"created": bool(created)})])
+
+    @classmethod
+    def decode_reply(cls, header: Header, payload) -> bool:
+        """Whether the server created the table."""
+        created = _json_object(payload, "INIT_SPARSE reply").get("created")
+        if not isinstance(created, bool):
+            raise errors.ProtocolError(
+                f"INIT_SPARSE reply: created must be a bool, got {created!r}"
+            )
+        return created
+
+
+class InitDenseRequest(NamedTuple):
+    """INIT_DENSE: a dense key's slice on one server (immutable).
+
+    values: the float32 slice, or None for a declaration (FLAG_DECLARE: a
+    worker other than rank 0, answered once rank 0's values are in place).
+    """
+
+    table_id: int
+    name: str
+    size: int
+    values: Optional[np.ndarray]
+
+
+class InitDense(_Codec):
+    """INIT_DENSE: rank 0 sends a dense key's values; the other ranks declare it."""
+
+    op = Op.INIT_DENSE
+
+    @classmethod
+    def encode_request(
+        cls, table_id: int, name: str, size: int, values: Optional[np.ndarray] = None
+    ) -> Request:
+        """The request for a slice of size values (None: a declaration, FLAG_DECLARE)."""
+        body = protocol.encode_json({"table_id": int(table_id), "name": name, "size": int(size)})
+        if values is None:
+            return Request(cls.op, [body], flags=FLAG_DECLARE)
+        return Request(cls.op, [body, values])
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> InitDenseRequest:
+        """The slice (values viewed in the frame, not copied) or the declaration."""
+        declare = bool(header.flags & FLAG_DECLARE)
+        if not payload:
+            raise errors.ProtocolError("INIT_DENSE needs a JSON frame")
+        body = _json_object(payload[:1], "INIT_DENSE")
+        if len(payload) != (1 if declare else 2):
+            raise errors.ProtocolError(
+                f"INIT_DENSE {'with FLAG_DECLARE ' if declare else ''}takes "
+                f"{1 if declare else 2} payload frames, got {len(payload)}"
+            )
+        table_id = check_int(body.get("table_id"), "table_id", 0, _MAX_TABLE_ID)
+        size = check_int(body.get("size"), "size", 0, 1 << 40)
+        name = body.get("name")
+        if not isinstance(name, str):
+            raise errors.ProtocolError("INIT_DENSE needs a str name")
+        values = None
+        if not declare:
+            values = protocol.frame_array(payload[1], np.float32, size, what="INIT_DENSE values")
+        return InitDenseRequest(table_id, name, size, values)
+
+
+class SetOptimizerRequest(NamedTuple):
+    """SET_OPTIMIZER: an `Optimizer.to_dict()` spec (None: none) and the call's number."""
+
+    spec: Optional[dict]
+    epoch: int
+
+
+class SetOptimizer(_Codec):
+    """SET_OPTIMIZER: rank 0 sets the optimizer; the others' n-th call checks rank 0's n-th."""
+
+    op = Op.SET_OPTIMIZER
+
+    @classmethod
+    def encode_request(cls, spec: Optional[dict], epoch: int) -> Request:
+        """The request of this worker's epoch-th set_optimizer call."""
+        return Request(cls.op, [protocol.encode_json({"spec": spec, "epoch": epoch})])
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> SetOptimizerRequest:
+        """The spec and epoch (the spec itself is checked by the server's state)."""
+        body = _json_object(payload, "SET_OPTIMIZER")
+        spec = body.get("spec")
+        epoch = check_int(body.get("epoch"), "epoch", 1)
+        if spec is not None and not isinstance(spec, dict):
+            raise errors.ProtocolError("SET_OPTIMIZER spec must be an object or null")
+        return SetOptimizerRequest(spec, epoch)
+
+
+class PullSparseRequest(NamedTuple):
+    """PULL_SPARSE: the items frame as received and each item's keys (views of the frames)."""
+
+    items: np.ndarray
+    keys: list
+
+
+class PullSparse(_Codec):
+    """PULL_SPARSE: rows of some keys of one or more sparse tables (created if missing)."""
+
+    op = Op.PULL_SPARSE
+
+    @classmethod
+    def encode_request(cls, entries: Sequence) -> Request:
+        """entries: [(table_id, int64 keys)]; one item each."""
+        return _array_per_item_request(cls.op, entries)
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> PullSparseRequest:
+        """The items and each one's int64 keys."""
+        return PullSparseRequest(
+            *_array_per_item(header, payload, np.int64, cls.op.name, "PULL_SPARSE keys")
+        )
+
+    @classmethod
+    def encode_reply(cls, items: np.ndarray, rows: Sequence) -> Reply:
+        """items: the request's; rows: a float32 (count, dim) array per item (sent uncopied)."""
+        reply_items = items.copy()
+        for index, item_rows in enumerate(rows):
+            reply_items["dim"][index] = item_rows.shape[1]
+        return Reply([reply_items, *rows], len(rows))
+
+    @classmethod
+    def decode_reply(cls, header: Header, payload, requested: Sequence) -> list:
+        """requested: [(table_id, number of keys)] as sent -> a (count, dim) rows array each.
+
+        Raises:
+            ProtocolError: the reply does not answer exactly the items requested.
+        """
+        reply_items = _reply_items(header, payload, len(requested), "PULL_SPARSE")
+        out = []
+        for position, ((table_id, count), item) in enumerate(zip(requested, reply_items.tolist())):
+            dim = item[2]
+            if item[0] != int(table_id) or item[1] != count or not 1 <= dim:
+                raise errors.ProtocolError(
+                    f"PULL_SPARSE reply: item {item} answers a pull of {count} keys of table "
+                    f"{int(table_id):#x}"
+                )
+            rows = protocol.frame_array(
+                payload[1 + position], np.float32, count * dim, what="PULL_SPARSE rows"
+            )
+            out.append(rows.reshape(count, dim))
+        return out
+
+
+class SparsePush(NamedTuple):
+    """One table's part of a PUSH_SPARSE (immutable).
+
+    step: the push had keys of this table on some server, so it counts as a
+    step of the table even where it has none (`ITEM_FLAG_STEP`).
+    """
+
+    table_id: int
+    keys: np.ndarray
+    rows: np.ndarray
+    step: bool
+
+
+class PushSparseRequest(NamedTuple):
+    """PUSH_SPARSE: the items frame as received and each item's keys and rows."""
+
+    items: np.ndarray
+    entries: list
+
+
+class PushSparse(_Codec):
+    """PUSH_SPARSE: summed gradient rows of some keys of one or more sparse tables."""
+
+    op = Op.PUSH_SPARSE
+
+    @classmethod
+    def encode_request(cls, entries: Sequence) -> Request:
+        """entries: [`SparsePush`] or (table_id, keys, 2-D float32 rows, step) tuples."""
+        items = protocol.make_items(
+            [
+                (table_id, keys.size, rows.shape[1], ITEM_FLAG_STEP if step else 0)
+                for table_id, keys, rows, step in entries
+            ]
+        )
+        frames = [items]
+        for _, keys, rows, _ in entries:
+            frames += [keys, rows]
+        return Request(cls.op, frames, num_items=len(entries))
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> PushSparseRequest:
+        """The items and each one's keys and (count, dim) rows (views of the frames)."""
+        items = _request_items(header, payload, 2, "PUSH_SPARSE")
+        entries = []
+        for i, (table_id, count, dim, item_flags) in enumerate(items.tolist()):
+            if dim < 1:
+                raise errors.ProtocolError(f"PUSH_SPARSE item {i}: dim must be >= 1")
+            keys = protocol.frame_array(
+                payload[1 + 2 * i], np.int64, count, what=f"PUSH_SPARSE keys {i}"
+            )
+            rows = protocol.frame_array(
+                payload[2 + 2 * i], np.float32, count * dim, what=f"PUSH_SPARSE rows {i}"
+            ).reshape(count, dim)
+            entries.append(SparsePush(table_id, keys, rows, bool(item_flags & ITEM_FLAG_STEP)))
+        return PushSparseRequest(items, entries)
+
+
+class PullDense(_Codec):
+    """PULL_DENSE: one server's slices of one or more dense keys."""
+
+    op = Op.PULL_DENSE
+
+    @classmethod
+    def encode_request(cls, entries: Sequence) -> Request:
+        """entries: [(table_id, slice size)]."""
+        items = protocol.make_items([(table_id, size, 0) for table_id, size in entries])
+        return Request(cls.op, [items], num_items=len(entries))
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> np.ndarray:
+        """The items (count: the slice size the worker expects)."""
+        return _request_items(header, payload, 0, "PULL_DENSE")
+
+    @classmethod
+    def encode_reply(cls, items: np.ndarray, values: Sequence) -> Reply:
+        """items: the request's; values: a float32 slice each, handed over uncopied."""
+        return Reply([items.copy(), *values], len(values))
+
+    @classmethod
+    def decode_reply(cls, header: Header, payload, requested: Sequence) -> list:
+        """requested: [(table_id, slice size)] as sent -> a float32 slice each.
+
+        Raises:
+            ProtocolError: the reply does not answer exactly the items requested.
+        """
+        reply_items = _reply_items(header, payload, len(requested), "PULL_DENSE")
+        out = []
+        for position, ((table_id, size), item) in enumerate(zip(requested, reply_items.tolist())):
+            if item[0] != int(table_id) or item[1] != size:
+                raise errors.ProtocolError(
+                    f"PULL_DENSE reply: item {item} answers a pull of {size} values of key "
+                    f"{int(table_id):#x}"
+                )
+            out.append(
+                protocol.frame_array(
+                    payload[1 + position], np.float32, size, what="PULL_DENSE values"
+                )
+            )
+        return out
+
+
+class PushDenseRequest(NamedTuple):
+    """PUSH_DENSE: the items frame as received and [(table_id, float32 gradient)]."""
+
+    items: np.ndarray
+    entries: list
+
+
+class PushDense(_Codec):
+    """PUSH_DENSE: gradients of one server's slices of one or more dense keys."""
+
+    op = Op.PUSH_DENSE
+
+    @classmethod
+    def encode_request(cls, entries: Sequence) -> Request:
+        """entries: [(table_id, float32 gradient slice)]."""
+        return _array_per_item_request(cls.op, entries)
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> PushDenseRequest:
+        """The items and [(table_id, gradient)] (views of the frames)."""
+        items, grads = _array_per_item(header, payload, np.float32, cls.op.name, "PUSH_DENSE")
+        return PushDenseRequest(items, list(zip(items["table_id"].tolist(), grads)))
+
+
+class Barrier(_Codec):
+    """BARRIER (server 0): answered once every worker sent one. No payload either way."""
+
+    op = Op.BARRIER
+
+
+class GetOptimizerStates(_Codec):
+    """GET_OPTIMIZER_STATES: every table's optimizer slots and steps on one server."""
+
+    op = Op.GET_OPTIMIZER_STATES
+
+    @classmethod
+    def encode_reply(cls, states: Mapping) -> Reply:
+        """states: {table_id: state} (`ShardState.optimizer_state`), sent as a tree."""
+        meta, arrays = protocol.encode_tree(
+            [[table_id, state] for table_id, state in states.items()]
+        )
+        return Reply([meta, *arrays])
+
+    @classmethod
+    def decode_reply(cls, header: Header, payload) -> dict:
+        """{table_id: state}, arrays viewing the frames."""
+        tree = protocol.decode_tree(payload, what="optimizer states")
+        return dict(_table_states(tree, "optimizer states"))
+
+
+class LoadOptimizerStates(_Codec):
+    """LOAD_OPTIMIZER_STATES: restore tables' optimizer slots and steps on one server."""
+
+    op = Op.LOAD_OPTIMIZER_STATES
+
+    @classmethod
+    def encode_request(cls, states: Sequence) -> Request:
+        """states: [(table_id, state)], sent as a tree."""
+        meta, arrays = protocol.encode_tree([[int(table_id), state] for table_id, state in states])
+        return Request(cls.op, [meta, *arrays])
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> list:
+        """[(table_id, state)] (the shapes are checked against the tables by the server)."""
+        tree = protocol.decode_tree(payload, what="LOAD_OPTIMIZER_STATES")
+        return _table_states(tree, "LOAD_OPTIMIZER_STATES")
+
+
+class Stats(_Codec):
+    """STATS: a server's statistics; with FLAG_MONITOR from a monitor, answered without HELLO."""
+
+    op = Op.STATS
+
+    @classmethod
+    def encode_request(cls, *, monitor: bool = False) -> Request:
+        """The request; monitor: from `kvsparse stats`, not a worker (not counted as traffic)."""
+        return Request(cls.op, [], flags=FLAG_MONITOR if monitor else 0)
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> bool:
+        """True if it comes from a monitor."""
+        _no_payload(payload, cls.op.name)
+        return bool(header.flags & FLAG_MONITOR)
+
+    @classmethod
+    def encode_reply(cls, stats: dict) -> Reply:
+        """The reply: the statistics as JSON."""
+        return Reply([protocol.encode_json(stats)])
+
+    @classmethod
+    def decode_reply(cls, header: Header, payload) -> dict:
+        """The statistics."""
+        return _json_object(payload, "STATS reply")
+
+
+class Evict(_Codec):
+    """EVICT: TTL eviction now; the reply counts the rows evicted per table name."""
+
+    op = Op.EVICT
+
+    @classmethod
+    def encode_reply(cls, evicted: dict) -> Reply:
+        """The reply: {table name: rows evicted}."""
+        return Reply([protocol.encode_json(evicted)])
+
+    @classmethod
+    def decode_reply(cls, header: Header, payload) -> dict:
+        """{table name: rows evicted}."""
+        return _json_object(payload, "EVICT reply")
+
+
+class Checkpoint(_Codec):
+    """CHECKPOINT: a JSON body whose ``action`` (`kvsparse.shard.checkpoint.CheckpointAction`)
+    says what to do (save, load, export...); the reply is the action's JSON result."""
+
+    op = Op.CHECKPOINT
+
+    @classmethod
+    def encode_request(cls, body: dict) -> Request:
+        """The request carrying body ({"action": ..., "path": ..., ...})."""
+        return Request(cls.op, [protocol.encode_json(body)])
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> dict:
+        """The body (its action and fields are checked by the shard's checkpoint code)."""
+        return _json_object(payload, "CHECKPOINT")
+
+    @classmethod
+    def encode_reply(cls, result) -> Reply:
+        """The reply: the action's JSON result."""
+        return Reply([protocol.encode_json(result)])
+
+    @classmethod
+    def decode_reply(cls, header: Header, payload):
+        """The action's result."""
+        if len(payload) != 1:
+            raise errors.ProtocolError(
+                f"CHECKPOINT reply takes 1 payload frame, got {len(payload)}"
+            )
+        return protocol.decode_json(payload[0], what="CHECKPOINT reply")
+
+
+CODECS = {
+    codec.op: codec
+    for codec in (
+        Ping,
+        Hello,
+        InitSparse,
+        InitDense,
+        SetOptimizer,
+        PullSparse,
+        PushSparse,
+        PullDense,
+        PushDense,
+        Barrier,
+        GetOptimizerStates,
+        LoadOptimizerStates,
+        Stats,
+        Evict,
+        Checkpoint,
+    )
+}
+"""Every op's codec class, by op."""
+
+
+__all__ = [
+    "CODECS",
+    "MODES",
+    "Barrier",
+    "Checkpoint",
+    "Evict",
+    "GetOptimizerStates",
+    "Hello",
+    "HelloReply",
+    "HelloRequest",
+    "InitDense",
+    "InitDenseRequest",
+    "InitSparse",
+    "InitSparseRequest",
+    "LoadOptimizerStates",
+    "Mode",
+    "Ping",
+    "PullDense",
+    "PullSparse",
+    "PullSparseRequest",
+    "PushDense",
+    "PushDenseRequest",
+    "PushSparse",
+    "PushSparseRequest",
+    "Reply",
+    "Request",
+    "SetOptimizer",
+    "SetOptimizerRequest",
+    "SparsePush",
+    "Stats",
+    "check_int",
+]
