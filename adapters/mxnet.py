@@ -362,6 +362,96 @@ class _Updater:
         self.optimizer = optimizer
 
 
+class _ServerOptimizer:
+    """The store-wide optimizer of an MXNet store, on its way to the servers.
+
+    MXNet sets the optimizer before init sets the tables' rows (with pushes
+    that must not be taken for gradients), and Gluon's Trainer changes
+    rescale_grad after handing the optimizer over: so it is mapped and sent at
+    the first push (at once when pushes happened already), and a change of its
+    settings after that gets a warning. Not safe to call from several threads
+    at once (its store is not).
+
+    Args:
+        store: the kvsparse.KVStore underneath.
+    """
+
+    def __init__(self, store):
+        self._store = store
+        self._mx_optimizer = None  # the MXNet optimizer set, if it was one
+        self._pending = None  # set, not yet sent to the servers
+        self._sent_settings = None
+        self._warned_change = False
+        self._started = False  # a push happened: the store's optimizer is in force
+
+    def set(self, optimizer, keys) -> None:
+        """Takes `optimizer` (checked already) for every key; sent now if pushes happened."""
+        self._mx_optimizer = optimizer if isinstance(optimizer, mx.optimizer.Optimizer) else None
+        self._pending = optimizer
+        self._sent_settings = None
+        if optimizer is None:
+            self._store.set_optimizer(None)
+            return
+        if self._started:
+            self.send(keys)
+
+    def in_force(self) -> bool:
+        """Whether a push now would be a gradient (an optimizer runs, or pushes began)."""
+        return self._started or self._store.optimizer is not None
+
+    def check_multipliers(self, keys) -> None:
+        """One optimizer serves every key: per-parameter lr/wd multipliers must be 1.
+
+        Raises:
+            kvsparse.errors.InvalidArgument: a key with its own lr_mult or wd_mult.
+        """
+        optimizer = self._mx_optimizer
+        if optimizer is None:
+            return
+        for k in keys:
+            lr, wd = optimizer._get_lr(k), optimizer._get_wd(k)
+            if lr != optimizer.lr or wd != optimizer.wd:
+                raise errors.InvalidArgument(
+                    f"key {k!r} has its own learning rate {lr} or weight decay {wd} "
+                    f"(lr_mult/wd_mult); kvsparse runs one optimizer, with lr={optimizer.lr} "
+                    f"and wd={optimizer.wd}, for every key of an MXNet store"
+                )
+
+    def send(self, keys) -> None:
+        """Sends the pending optimizer, if any, to the servers (keys: every key of the store)."""
+        if self._pending is None:
+            return
+        self.check_multipliers(keys)
+        # Mapped now, not in set_optimizer: Gluon's Trainer sets rescale_grad = 1/batch_size
+        # after handing the optimizer over and before the first push.
+        self._store.set_optimizer(_map_optimizer(self._pending, warn=False))
+        self._pending = None
+        if self._mx_optimizer is not None:
+            self._sent_settings = _settings_of(self._mx_optimizer)
+        if self._store.num_workers > 1:
+            self._store.barrier()  # no worker pushes a gradient before all have set it
+
+    def before_push(self, keys) -> None:
+        """Called before every push: sends what is pending, warns of changed settings."""
+        if not self._started:
+            self.send(keys)
+            self._started = True
+        elif self._pending is not None:
+            self.send(keys)
+        if (
+            self._sent_settings is not None
+            and not self._warned_change
+            and _settings_of(self._mx_optimizer) != self._sent_settings
+        ):
+            self._warned_change = True
+            warnings.warn(
+                "the MXNet optimizer changed (learning rate, wd, rescale_grad or clipping) "
+                "after it was sent to the kvsparse servers; they keep the settings they got "
+                "(call kv.set_optimizer again to send new ones; slots restart)",
+                stacklevel=3,
+            )
+
+
 # -- the store ---------------------------------------------------------------------------------
 
 
@@ -395,11 +485,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
         self._updater_func = None
         self._str_updater_func = None
         self._is_p3 = False
-        self._mx_optimizer = None
-        self._pending_optimizer = None  # set, not yet sent to the servers
-        self._sent_settings = None
-        self._warned_change = False
-        self._started = False  # a push happened: the store's optimizer is in force
+        self._server_optimizer = _ServerOptimizer(store)
         self._keys: list = []  # in init order
 
     def __del__(self):
@@ -482,12 +568,12 @@ class KVSparseStore(StoreFront, _NativeKVStore):
                 raise errors.ShapeError(
                     f"key {k!r}: a sparse weight must be 2-D (rows, dim), got {value.shape}"
                 )
-            if self._in_force():
+            if self._server_optimizer.in_force():
                 raise errors.InvalidArgument(
                     f"key {k!r}: sparse tables must be initialized before the first push "
                     "(its rows are set by a push without optimizer)"
                 )
-            self._check_multipliers([k])
+            self._server_optimizer.check_multipliers([k])
             table = kvsparse.SparseTable(dim=int(value.shape[1]), initializer=initializers.Zeros())
             self._store.init(k, table)
             self._keys.append(k)
@@ -501,7 +587,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
             return
         if value.stype != "default":
             raise errors.DTypeError(f"key {k!r}: {value.stype} values are not supported")
-        self._check_multipliers([k])
+        self._server_optimizer.check_multipliers([k])
         self._store.init(k, as_numpy(value))  # kvsparse keeps rank 0's values of a dense key
         self._keys.append(k)
 
@@ -535,64 +621,8 @@ class KVSparseStore(StoreFront, _NativeKVStore):
         """
         if optimizer is not None:
             optimizer_from_mxnet(optimizer)  # refuse what cannot run before anything changes
-        self._mx_optimizer = optimizer if isinstance(optimizer, mx.optimizer.Optimizer) else None
         self._updater = _Updater(optimizer)
-        self._pending_optimizer = optimizer
-        self._sent_settings = None
-        if optimizer is None:
-            self._store.set_optimizer(None)
-            return
-        if self._started:
-            self._send_optimizer()
-
-    def _in_force(self) -> bool:
-        return self._started or self._store.optimizer is not None
-
-    def _check_multipliers(self, keys) -> None:
-        """One optimizer serves every key: per-parameter lr/wd multipliers must be 1."""
-        optimizer = self._mx_optimizer
-        if optimizer is None:
-            return
-        for k in keys:
-            lr, wd = optimizer._get_lr(k), optimizer._get_wd(k)
-            if lr != optimizer.lr or wd != optimizer.wd:
-                raise errors.InvalidArgument(
-                    f"key {k!r} has its own learning rate {lr} or weight decay {wd} "
-                    f"(lr_mult/wd_mult); kvsparse runs one optimizer, with lr={optimizer.lr} "
-                    f"and wd={optimizer.wd}, for every key of an MXNet store"
-                )
-
-    def _send_optimizer(self) -> None:
-        if self._pending_optimizer is None:
-            return
-        self._check_multipliers(self._keys)
-        # Mapped now, not in set_optimizer: Gluon's Trainer sets rescale_grad = 1/batch_size
-        # after handing the optimizer over and before the first push.
-        self._store.set_optimizer(_map_optimizer(self._pending_optimizer, warn=False))
-        self._pending_optimizer = None
-        if self._mx_optimizer is not None:
-            self._sent_settings = _settings_of(self._mx_optimizer)
-        if self.num_workers > 1:
-            self._store.barrier()  # no worker pushes a gradient before all have set it
-
-    def _start(self) -> None:
-        if not self._started:
-            self._send_optimizer()
-            self._started = True
-        elif self._pending_optimizer is not None:
-            self._send_optimizer()
-        if (
-            self._sent_settings is not None
-            and not self._warned_change
-            and _settings_of(self._mx_optimizer) != self._sent_settings
-        ):
-            self._warned_change = True
-            warnings.warn(
-                "the MXNet optimizer changed (learning rate, wd, rescale_grad or clipping) "
-                "after it was sent to the kvsparse servers; they keep the settings they got "
-                "(call kv.set_optimizer again to send new ones; slots restart)",
-                stacklevel=3,
-            )
+        self._server_optimizer.set(optimizer, self._keys)
 
     # -- push ---------------------------------------------------------------------------
 
@@ -653,7 +683,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
         del priority
         pairs = self._pairs(key, value, "push")
         keys, values = self._prepare_push(pairs)  # all checks before anything is sent
-        self._start()
+        self._server_optimizer.before_push(self._keys)
         self._store.push(keys, values)
 
     # -- pull ----------------------------------------------------------------------------
@@ -687,7 +717,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
         pairs = self._pairs(key, value, "pushpull")
         keys, values = self._prepare_push(pairs)
         targets = pairs if out is None else self._pairs(key, out, "pushpull")
-        self._start()
+        self._server_optimizer.before_push(self._keys)
         self._store.push(keys, values)
 
         touched = {}  # index of a sparse key -> the ids this push touched
@@ -827,12 +857,12 @@ class KVSparseStore(StoreFront, _NativeKVStore):
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """Writes every key's optimizer slots (kvsparse's .npz format)."""
-        self._send_optimizer()
+        self._server_optimizer.send(self._keys)
         self._store.save_optimizer_states(fname, dump_optimizer=dump_optimizer)
 
     def load_optimizer_states(self, fname):
         """Restores what save_optimizer_states wrote."""
-        self._send_optimizer()
+        self._server_optimizer.send(self._keys)
         self._store.load_optimizer_states(fname)
 
     def set_gradient_compression(self, compression_params):
