@@ -58,7 +58,10 @@ from kvsparse import errors
 
 
 def make_anchor():
-    """A zero-size float32 array to pass as ``anchor=`` and differentiate with respect to."""
+    """A zero-size float32 array to pass as ``anchor=`` and differentiate with respect to.
+
+    Safe to call from several threads at once.
+    """
     return jnp.zeros((0,), jnp.float32)
 
 
@@ -158,6 +161,9 @@ def embedding_lookup(
             `make_anchor`); without it no gradient is pushed.
         initializer, optimizer, seed, partitioner, nonfinite: the table's
             settings (kvsparse.SparseTable) when this creates it.
+
+    Safe to call from several threads at once: the pull and push callbacks
+    call the store under `store_lock(kv)`.
 
     Returns:
         float32 array of shape ids.shape + (dim,).

@@ -115,6 +115,8 @@ def as_numpy(array, *, writable: bool = False) -> np.ndarray:
             (``to_dlpack_for_read``); True also waits for pending reads and
             gives a writeable view whose writes show in ``array``.
 
+    Safe to call from several threads at once (MXNet's engine orders the waits).
+
     Raises:
         kvsparse.errors.DTypeError: not an NDArray.
         kvsparse.errors.InvalidArgument: an NDArray on a GPU.
@@ -245,6 +247,8 @@ def optimizer_from_mxnet(optimizer) -> optimizers.Optimizer:
     stores, the servers keep the settings they were sent: later changes to the MXNet
     optimizer (a new learning rate, another rescale_grad) are not seen, and the store
     warns when it notices one.
+
+    Safe to call from several threads at once (it only reads the optimizer).
 
     Args:
         optimizer: an mx.optimizer.Optimizer, or a kvsparse.optimizers.Optimizer
@@ -461,6 +465,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
     It derives from MXNet's native ``KVStore`` class (without its C++ handle)
     because Gluon's Trainer only accepts a store object with row_sparse weights, and
     only trains sparse-gradient embeddings, when ``isinstance(kv, mx.kv.KVStore)``.
+    Not safe to call from several threads at once (as the kvsparse store under it).
 
     Args:
         store: a kvsparse.KVStore (``kvsparse.create(...)``).
@@ -898,6 +903,8 @@ class KVSparseStore(StoreFront, _NativeKVStore):
 class Dist_Sparse(KVSparseStore):  # noqa: N801 - MXNet's registry key is the lower-cased name
     """``mx.kv.create('dist_sparse')``: kvsparse servers, BSP (a step's pushes summed).
 
+    Not safe to call from several threads at once (a `KVSparseStore`).
+
     Args:
         **kwargs: kvsparse.create's dist options (servers=, rank=, num_workers=,
             timeout=); none: the launcher's or the environment's configuration.
@@ -909,7 +916,10 @@ class Dist_Sparse(KVSparseStore):  # noqa: N801 - MXNet's registry key is the lo
 
 @KVStoreBase.register
 class Dist_Sparse_Async(KVSparseStore):  # noqa: N801
-    """``mx.kv.create('dist_sparse_async')``: kvsparse servers, pushes applied on arrival."""
+    """``mx.kv.create('dist_sparse_async')``: kvsparse servers, pushes applied on arrival.
+
+    Not safe to call from several threads at once (a `KVSparseStore`).
+    """
 
     def __init__(self, **kwargs):
         super().__init__(kvsparse.create("dist_sparse_async", **kwargs), "dist_sparse_async")
@@ -922,6 +932,8 @@ def create(name: str = "dist_sparse", **kwargs) -> KVSparseStore:
         name: 'dist_sparse', 'dist_sparse_async', or 'local' (one in-process shard).
         **kwargs: for dist kinds, kvsparse.create's options (servers=, rank=,
             num_workers=, timeout=).
+
+    Safe to call from several threads at once (each call makes a new store).
 
     Raises:
         kvsparse.errors.InvalidArgument: an unknown name.

@@ -111,6 +111,7 @@ def aligned_empty(shape, dtype=np.float32) -> np.ndarray:
     """An uninitialized C-contiguous array whose data is 64-byte aligned.
 
     TensorFlow can adopt it through DLPack without a copy (see module docstring).
+    Safe to call from several threads at once, as are the two functions below.
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -180,6 +181,10 @@ class Embedding(keras.layers.Layer):
     Raises:
         kvsparse.errors.ShapeError: an existing table with another dim.
         kvsparse.errors.DTypeError: non-integer ids.
+
+    Threads: layers of one store may run in different threads (every store
+    call, eager or in a py_function, takes `store_lock(kv)`); one layer's
+    ``pushes`` counter is not meant for concurrent calls of that layer.
 
     Example:
         >>> ids = keras.Input((9,), dtype='int64')
@@ -358,7 +363,9 @@ def average_gradients(kv, gradients, key: str = "kvsparse_tf_dense_gradients"):
     shapes; each push to the dense `key` (which has no optimizer) leaves the
     sum of the workers' pushes, which is divided by ``kv.num_workers``. With
     one worker the gradients are returned unchanged. None entries stay None;
-    `tf.IndexedSlices` are made dense. Works eagerly and in graph mode.
+    `tf.IndexedSlices` are made dense. Works eagerly and in graph mode. Not
+    safe to call for one store from several threads at once (every worker
+    must call it in step order anyway).
 
     Args:
         kv: a kvsparse.KVStore.
@@ -400,6 +407,8 @@ def DistributedOptimizer(optimizer, kv, key: str = "kvsparse_tf_dense_gradients"
     passes the gradients through `average_gradients` (except those of
     `Embedding` push triggers, which must stay as they are). Use it in
     ``model.compile`` or a custom loop; with one worker it changes nothing.
+    Safe to call from several threads; the optimizer it returns is as
+    thread-safe as a Keras optimizer, and averages as `average_gradients`.
 
     Args:
         optimizer: a keras.optimizers.Optimizer, not yet used.

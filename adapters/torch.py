@@ -262,6 +262,10 @@ class Embedding(_TableModule):
     forward(ids): ids is an integer tensor of any shape (int64 values of any
     size); returns float32 of shape ids.shape + (embedding_dim,).
 
+    Threads: one module is not meant to run forward from several threads at
+    once (its prefetch slot is its own); modules of one store may run in
+    different threads, as every store call takes `store_lock(kv)`.
+
     Raises:
         kvsparse.errors.UnknownKey: no table and no embedding_dim.
         kvsparse.errors.DTypeError: non-integer ids.
@@ -309,6 +313,8 @@ class EmbeddingBag(_TableModule):
     `input` with the start `offsets` of each bag; `per_sample_weights` (same
     shape as input, mode 'sum' only) scales each row. Returns
     (batch, embedding_dim) float32; an empty bag gives zeros.
+
+    Threads: as `Embedding`.
 
     Example:
         >>> bag = EmbeddingBag(kv, 'genre', embedding_dim=8, mode='mean')
@@ -399,6 +405,9 @@ class DenseGradientSync:
             requiring grad are left out.
         key: the dense key to use (str, like the tables' keys).
         broadcast: pull the initial weights from the store (default True).
+
+    Not safe to call from several threads at once (one flat buffer holds the
+    gradients); its store calls take `store_lock(kv)`.
 
     Raises:
         kvsparse.errors.InvalidArgument: the store has a store-wide optimizer

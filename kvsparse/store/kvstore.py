@@ -53,6 +53,7 @@ class StoreFront:
 
     For `KVStore` and the MXNet adapter's store; a subclass provides close(),
     type, rank, num_workers and num_servers, and names itself in _repr_name.
+    As thread-safe as its subclass.
     """
 
     _repr_name = "kvsparse.KVStore"
