@@ -154,6 +154,30 @@ def progress_stream(stream=None):
     return stream if stream.isatty() else LineWriter(stream)
 
 
+def announce(kv, data: MovieLens) -> None:
+    """Rank 0 prints what trains: the store, its workers and servers, the ratings."""
+    if kv.rank == 0:
+        print(
+            f"kvsparse {kv.type}: {kv.num_workers} worker(s), {kv.num_servers} server(s); "
+            f"{len(data.train_labels)} training ratings, {len(data.test_labels)} held out",
+            flush=True,
+        )
+
+
+def epoch_progress(epoch: int, epochs: int, steps: int, rank: int):
+    """The tqdm bar of one epoch; only rank 0 shows it (one line per update in logs)."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=steps,
+        desc=f"epoch {epoch + 1}/{epochs}",
+        file=progress_stream(),
+        mininterval=3.0,
+        ascii=True,
+        disable=rank != 0,
+    )
+
+
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     """ROC AUC by the rank-sum (Mann-Whitney U) statistic, ties averaged."""
     labels = np.asarray(labels).astype(bool)

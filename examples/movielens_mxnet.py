@@ -42,7 +42,6 @@ import kvsparse.adapters.mxnet as kvsparse_mxnet  # noqa: E402 - first: sets np.
 import mxnet as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mxnet import autograd, gluon, nd  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import movielens  # noqa: E402 - the sibling module, found through the line above
@@ -147,21 +146,9 @@ def main(argv=None) -> int:
 
     steps_per_epoch = -(-per_worker // args.batch_size)
     started = time.perf_counter()
-    if rank == 0:
-        print(
-            f"kvsparse {kv.type}: {num_workers} worker(s), {kv.num_servers} server(s); "
-            f"{len(data.train_labels)} training ratings, {len(data.test_labels)} held out",
-            flush=True,
-        )
+    movielens.announce(kv, data)
     for epoch in range(args.epochs):
-        progress = tqdm(
-            total=steps_per_epoch,
-            desc=f"epoch {epoch + 1}/{args.epochs}",
-            file=movielens.progress_stream(),
-            mininterval=3.0,
-            ascii=True,
-            disable=rank != 0,
-        )
+        progress = movielens.epoch_progress(epoch, args.epochs, steps_per_epoch, rank)
         seed = args.seed * 1000 + epoch * num_workers + rank
         for batch_ids, batch_labels in movielens.batches(
             train_ids, train_labels, args.batch_size, seed

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 from kvsparse.adapters.torch import DenseGradientSync, Embedding
 from torch import nn
-from tqdm import tqdm
 
 import kvsparse
 
@@ -135,21 +134,9 @@ def main(argv=None) -> int:
 
     steps_per_epoch = -(-per_worker // args.batch_size)
     started = time.perf_counter()
-    if rank == 0:
-        print(
-            f"kvsparse {kv.type}: {num_workers} worker(s), {kv.num_servers} server(s); "
-            f"{len(data.train_labels)} training ratings, {len(data.test_labels)} held out",
-            flush=True,
-        )
+    movielens.announce(kv, data)
     for epoch in range(args.epochs):
-        progress = tqdm(
-            total=steps_per_epoch,
-            desc=f"epoch {epoch + 1}/{args.epochs}",
-            file=movielens.progress_stream(),
-            mininterval=3.0,
-            ascii=True,
-            disable=rank != 0,
-        )
+        progress = movielens.epoch_progress(epoch, args.epochs, steps_per_epoch, rank)
         seed = args.seed * 1000 + epoch * num_workers + rank
         epoch_batches = list(movielens.batches(train_ids, train_labels, args.batch_size, seed))
         for step, (batch_ids, batch_labels) in enumerate(epoch_batches):

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,30 +11,13 @@ if "bool" not in vars(np):
     np.bool = bool  # MXNet 1.9.1 needs it to import; the example gets it from the adapter
 pytest.importorskip("mxnet")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from example_runs import held_out_auc, launch_example  # noqa: E402
+
+TIMEOUT = 280
 
 
 def test_gluon_deepfm_on_movielens_reaches_auc_075_with_two_servers_and_two_workers():
-    command = [
-        sys.executable,
-        "-m",
-        "kvsparse",
-        "launch",
-        "-s",
-        "2",
-        "-n",
-        "2",
-        "--",
-        sys.executable,
-        "examples/movielens_mxnet.py",
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSPARSE_", "DMLC_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
-    assert re.search(r"\[worker 0\] epoch 2/2: .*100%", result.stdout), output[-4000:]
-    assert "kvsparse dist_sparse: 2 worker(s), 2 server(s)" in result.stdout, output[-4000:]
-    scores = re.findall(r"\[worker 0\] held-out AUC: (\d\.\d{4})", result.stdout)
-    assert len(scores) == 1, output[-4000:]
-    assert float(scores[0]) >= 0.75, output[-4000:]
+    code, out, err = launch_example("movielens_mxnet.py", TIMEOUT)
+    assert held_out_auc(code, out, err) >= 0.75, out[-4000:]
+    assert re.search(r"\[worker 0\] epoch 2/2: .*100%", out), out[-4000:]
+    assert "kvsparse dist_sparse: 2 worker(s), 2 server(s)" in out, out[-4000:]
