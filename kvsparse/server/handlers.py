@@ -1,10 +1,12 @@
 """One handler per op: each decodes its request's payload, acts on the shard, encodes the reply.
 
-A handler takes ``(header, payload, pending)`` and returns the reply's payload
-frames, ``(frames, num_items)``, or `DEFERRED` when the reply comes later (a
-coordination object or the checkpoint writer holds ``pending`` and answers
-it). Any exception becomes an error reply (`kvsparse.server.dispatch`). The
-per-op decoding is written here, together, and nowhere else in the server.
+A handler takes ``(header, payload, pending)`` and returns the reply (a
+`kvsparse.wire.ops.Reply`, or a list of payload frames), or `DEFERRED` when
+the reply comes later (a coordination object or the checkpoint writer holds
+``pending`` and answers it). Any exception becomes an error reply
+(`kvsparse.server.dispatch`). Each op's layout is decoded and encoded through
+its codec in `kvsparse.wire.ops`, the one the client uses too; what is left
+here are the checks that need the shard's state.
 
 Ops (`kvsparse.wire.protocol.Op`) and their coordination
 (`kvsparse.server.coordination`):
@@ -21,40 +23,15 @@ Ops (`kvsparse.wire.protocol.Op`) and their coordination
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 
 from kvsparse import errors
-from kvsparse.server.coordination import JobConfig, PushKind, apply_pushes
+from kvsparse.server.coordination import PushKind, apply_pushes
 from kvsparse.server.dispatch import DEFERRED
 from kvsparse.server.metrics import table_names
-from kvsparse.wire import protocol
-from kvsparse.wire.protocol import FLAG_DECLARE, FLAG_MONITOR, Op
-
-MODES = ("bsp", "asp", "ssp")
-_U64 = struct.Struct("<Q")
-
-
-def _check_int(value, what, low, high=None):
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or value < low
-        or (high is not None and value > high)
-    ):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise errors.ProtocolError(f"{what} must be an integer {bound}, got {value!r}")
-    return value
-
-
-def _json_payload(payload, what, *, frames=1):
-    if len(payload) != frames:
-        raise errors.ProtocolError(f"{what} takes {frames} payload frame(s), got {len(payload)}")
-    body = protocol.decode_json(payload[0], what=what)
-    if not isinstance(body, dict):
-        raise errors.ProtocolError(f"{what}: the JSON payload must be an object")
-    return body
+from kvsparse.wire import ops, protocol
+from kvsparse.wire.ops import check_int
+from kvsparse.wire.protocol import FLAG_MONITOR, Op
 
 
 class Handlers:
@@ -111,9 +88,9 @@ class Handlers:
         FLAG_MONITOR: a monitor is no worker: no HELLO, no client record.
         """
         if header.op == Op.PING:
-            return [_U64.pack(self._resend.last_request_id(header.client_id))]
+            return ops.Ping.encode_reply(self._resend.last_request_id(header.client_id)).frames
         if header.op == Op.STATS and header.flags & FLAG_MONITOR:
-            return self._stats(header, [], None)
+            return self._stats_reply().frames
         return None
 
     def released(self) -> list:
@@ -132,88 +109,42 @@ class Handlers:
     # -- configuration ----------------------------------------------------------------------
 
     def _hello(self, header, payload, pending):
-        hello = _json_payload(payload, "HELLO")
-        num_workers = _check_int(hello.get("num_workers"), "num_workers", 1, 1 << 20)
-        mode = hello.get("mode")
-        if mode not in MODES:
-            raise errors.ProtocolError(f"mode must be one of {MODES}, got {mode!r}")
-        staleness = hello.get("staleness")
-        if mode == "ssp":
-            _check_int(staleness, "staleness", 0)
-        elif staleness is not None:
-            raise errors.ProtocolError(f"staleness is only for mode 'ssp', got {staleness!r}")
-        num_servers = _check_int(hello.get("num_servers"), "num_servers", 1, 1 << 16)
-        _check_int(hello.get("server_index"), "server_index", 0, num_servers - 1)
-        rank = _check_int(hello.get("rank"), "rank", 0, num_workers - 1)
-        if rank != header.rank:
-            raise errors.ProtocolError(f"HELLO says rank {rank}, its header {header.rank}")
-        config = {name: hello.get(name) for name in JobConfig.FIELDS}
-        if self._job.adopt(config):
-            self._coordination.ssp.start(num_workers, staleness)
+        hello = ops.Hello.decode_request(header, payload)
+        if self._job.adopt(hello.settings()):
+            self._coordination.ssp.start(hello.num_workers, hello.staleness)
         self._check_configured(header)
-        return [
-            protocol.encode_json(
-                {
-                    "address": self._address,
-                    "version": protocol.VERSION,
-                    "incarnation": self._incarnation,
-                }
-            )
-        ]
+        return ops.Hello.encode_reply(self._address, self._incarnation)
 
     def _init_sparse(self, header, payload, pending):
         from kvsparse.table import SparseTable
 
-        body = _json_payload(payload, "INIT_SPARSE")
-        table_id = _check_int(body.get("table_id"), "table_id", 0, (1 << 64) - 1)
-        name, spec = body.get("name"), body.get("spec")
-        if not isinstance(name, str) or not isinstance(spec, dict):
-            raise errors.ProtocolError("INIT_SPARSE needs a str name and a dict spec")
+        table_id, name, spec = ops.InitSparse.decode_request(header, payload)
         try:
             spec = SparseTable.from_dict(spec).to_dict()
         except errors.KVSparseError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
             raise errors.InvalidArgument(f"key {name!r}: bad table spec ({exc!r})") from None
-        created = self._state.create_sparse(table_id, name, spec)
-        return [protocol.encode_json({"created": created})]
+        return ops.InitSparse.encode_reply(self._state.create_sparse(table_id, name, spec))
 
     def _init_dense(self, header, payload, pending):
-        declare = bool(header.flags & FLAG_DECLARE)
-        if not payload:
-            raise errors.ProtocolError("INIT_DENSE needs a JSON frame")
-        body = _json_payload(payload[:1], "INIT_DENSE")
-        if len(payload) != (1 if declare else 2):
-            raise errors.ProtocolError(
-                f"INIT_DENSE {'with FLAG_DECLARE ' if declare else ''}takes "
-                f"{1 if declare else 2} payload frames, got {len(payload)}"
-            )
-        table_id = _check_int(body.get("table_id"), "table_id", 0, (1 << 64) - 1)
-        size = _check_int(body.get("size"), "size", 0, 1 << 40)
-        name = body.get("name")
-        if not isinstance(name, str):
-            raise errors.ProtocolError("INIT_DENSE needs a str name")
+        table_id, name, size, values = ops.InitDense.decode_request(header, payload)
         waiters = self._coordination.dense_init
-        if not declare:
-            values = protocol.frame_array(payload[1], np.float32, size, what="INIT_DENSE values")
+        if values is not None:
             self._state.create_dense(table_id, name, values)
             waiters.release(table_id, self._state.dense[table_id].values.size)
-            return []
+            return ops.InitDense.encode_reply()
         entry = self._state.dense.get(table_id)
         if entry is not None:
             waiters.check_size(name, entry.values.size, size)
-            return []
+            return ops.InitDense.encode_reply()
         if table_id in self._state.sparse:
             raise errors.DuplicateKey(f"key {name!r} is already initialized as a sparse table")
         waiters.wait(table_id, pending, name, size)
         return DEFERRED
 
     def _set_optimizer(self, header, payload, pending):
-        body = _json_payload(payload, "SET_OPTIMIZER")
-        spec = body.get("spec")
-        epoch = _check_int(body.get("epoch"), "epoch", 1)
-        if spec is not None and not isinstance(spec, dict):
-            raise errors.ProtocolError("SET_OPTIMIZER spec must be an object or null")
+        spec, epoch = ops.SetOptimizer.decode_request(header, payload)
         epochs = self._coordination.optimizer
         if header.rank == 0:
             try:
@@ -223,22 +154,10 @@ class Handlers:
             except (KeyError, TypeError, ValueError) as exc:
                 raise errors.InvalidArgument(f"bad optimizer spec ({exc!r})") from None
             epochs.lead(spec)
-            return []
-        return [] if epochs.follow(pending, epoch, spec) else DEFERRED
+            return ops.SetOptimizer.encode_reply()
+        return ops.SetOptimizer.encode_reply() if epochs.follow(pending, epoch, spec) else DEFERRED
 
     # -- table operations ---------------------------------------------------------------------
-
-    def _items(self, header, payload, frames_per_item, what):
-        if not payload:
-            raise errors.ProtocolError(f"{what} needs an items frame")
-        items = protocol.parse_items(payload[0], header.num_items)
-        expected = 1 + frames_per_item * header.num_items
-        if len(payload) != expected:
-            raise errors.ProtocolError(
-                f"{what} with {header.num_items} items takes {expected} payload frames, "
-                f"got {len(payload)}"
-            )
-        return items
 
     def _count_items(self, op: str, items, dense: bool = False) -> None:
         count_table = self._metrics.count_table
@@ -253,67 +172,47 @@ class Handlers:
         return True
 
     def _pull_sparse(self, header, payload, pending):
-        items = self._items(header, payload, 1, "PULL_SPARSE")
+        items, keys = ops.PullSparse.decode_request(header, payload)
         if self._held_by_ssp(header, pending):
             return DEFERRED
-        keys = [
-            protocol.frame_array(payload[1 + i], np.int64, count, what=f"PULL_SPARSE keys {i}")
-            for i, (_, count, _, _) in enumerate(items.tolist())
-        ]
         self._count_items("pull_sparse", items)
-        for table_id, _, _, _ in items.tolist():
+        table_ids = items["table_id"].tolist()
+        for table_id in table_ids:
             self._state.sparse_entry(table_id)  # every table exists before any work
-        reply_items = items.copy()
-        rows_frames = []
-        for i, (table_id, _, _, _) in enumerate(items.tolist()):
-            rows = self._state.pull_sparse(table_id, keys[i])
-            reply_items["dim"][i] = rows.shape[1]
-            rows_frames.append(rows)  # a fresh array: safe to hand to ZeroMQ uncopied
-        return [reply_items, *rows_frames], header.num_items
+        # Fresh arrays: safe to hand to ZeroMQ uncopied.
+        rows = [self._state.pull_sparse(table_id, k) for table_id, k in zip(table_ids, keys)]
+        return ops.PullSparse.encode_reply(items, rows)
 
     def _push_sparse(self, header, payload, pending):
-        items = self._items(header, payload, 2, "PUSH_SPARSE")
-        parsed = []
-        for i, (table_id, count, dim, item_flags) in enumerate(items.tolist()):
-            if dim < 1:
-                raise errors.ProtocolError(f"PUSH_SPARSE item {i}: dim must be >= 1")
-            keys = protocol.frame_array(
-                payload[1 + 2 * i], np.int64, count, what=f"PUSH_SPARSE keys {i}"
-            )
-            rows = protocol.frame_array(
-                payload[2 + 2 * i], np.float32, count * dim, what=f"PUSH_SPARSE rows {i}"
-            ).reshape(count, dim)
-            self._state.check_sparse_push(table_id, keys, rows)
-            parsed.append((table_id, keys, rows, bool(item_flags & protocol.ITEM_FLAG_STEP)))
+        items, entries = ops.PushSparse.decode_request(header, payload)
+        for entry in entries:
+            self._state.check_sparse_push(entry.table_id, entry.keys, entry.rows)
         self._count_items("push_sparse", items)
-        return self._push(header, pending, PushKind.SPARSE, parsed)
+        return self._push(header, pending, PushKind.SPARSE, entries)
 
     def _pull_dense(self, header, payload, pending):
-        items = self._items(header, payload, 0, "PULL_DENSE")
+        items = ops.PullDense.decode_request(header, payload)
         if self._held_by_ssp(header, pending):
             return DEFERRED
         self._count_items("pull_dense", items, dense=True)
-        frames = []
         for table_id, count, _, _ in items.tolist():
             self._state.dense_entry(table_id).check_size(count, f"the pull asks for {count}")
-        for table_id, _, _, _ in items.tolist():
-            # Copied: ZeroMQ sends asynchronously and a later push changes the live slice.
-            frames.append(self._state.pull_dense(table_id).copy())
-        return [items.copy(), *frames], header.num_items
+        # Copied: ZeroMQ sends asynchronously and a later push changes the live slice.
+        values = [
+            self._state.pull_dense(table_id).copy() for table_id in items["table_id"].tolist()
+        ]
+        return ops.PullDense.encode_reply(items, values)
 
     def _push_dense(self, header, payload, pending):
-        items = self._items(header, payload, 1, "PUSH_DENSE")
-        parsed = []
-        for i, (table_id, count, _, _) in enumerate(items.tolist()):
-            grad = protocol.frame_array(payload[1 + i], np.float32, count, what=f"PUSH_DENSE {i}")
+        items, entries = ops.PushDense.decode_request(header, payload)
+        for table_id, grad in entries:
             self._state.check_dense_push(table_id, grad)
-            parsed.append((table_id, grad))
         self._count_items("push_dense", items, dense=True)
-        return self._push(header, pending, PushKind.DENSE, parsed)
+        return self._push(header, pending, PushKind.DENSE, entries)
 
     def _push(self, header, pending, kind: PushKind, parsed: list):
         """Applies validated pushes now, or (BSP) hands them to their rounds."""
-        if self._job.mode == "bsp":
+        if self._job.mode == ops.Mode.BSP:
             held = self._coordination.bsp.contribute(
                 pending, header.rank, header.clock, kind, parsed, self._job.num_workers
             )
@@ -323,32 +222,23 @@ class Handlers:
         return []
 
     def _barrier(self, header, payload, pending):
-        if payload:
-            raise errors.ProtocolError("BARRIER takes no payload")
+        ops.Barrier.decode_request(header, payload)
         self._coordination.barrier.arrive(header.rank, pending, self._job.num_workers)
         return DEFERRED
 
     # -- optimizer state, eviction and stats ------------------------------------------------------
 
     def _get_optimizer_states(self, header, payload, pending):
-        if payload:
-            raise errors.ProtocolError("GET_OPTIMIZER_STATES takes no payload")
-        tree = [[table_id, state] for table_id, state in self._state.optimizer_state().items()]
-        meta, arrays = protocol.encode_tree(tree)
-        return [meta, *arrays]
+        ops.GetOptimizerStates.decode_request(header, payload)
+        return ops.GetOptimizerStates.encode_reply(self._state.optimizer_state())
 
     def _load_optimizer_states(self, header, payload, pending):
-        tree = protocol.decode_tree(payload, what="LOAD_OPTIMIZER_STATES")
-        if not isinstance(tree, list) or not all(
-            isinstance(e, list) and len(e) == 2 and isinstance(e[1], dict) for e in tree
-        ):
-            raise errors.ProtocolError("LOAD_OPTIMIZER_STATES: expected [[table_id, state], ...]")
-        for table_id, state in tree:
-            _check_int(table_id, "table_id", 0, (1 << 64) - 1)
+        states = ops.LoadOptimizerStates.decode_request(header, payload)
+        for table_id, state in states:
             self._check_state(table_id, state)
-        for table_id, state in tree:
+        for table_id, state in states:
             self._state.load_optimizer_state(table_id, state)
-        return []
+        return ops.LoadOptimizerStates.encode_reply()
 
     def _check_state(self, table_id: int, state: dict) -> None:
         """Raises what load_optimizer_state would, before anything is loaded."""
@@ -371,7 +261,7 @@ class Handlers:
                     f"{slots.shape}, steps {steps.shape} do not fit {table.num_slots} slots "
                     f"of dim {table.dim}"
                 )
-            _check_int(state.get("table_step", 0), "table_step", 0)
+            check_int(state.get("table_step", 0), "table_step", 0)
             return
         dense = self._state.dense_entry(table_id)
         slots = state.get("slots")
@@ -379,16 +269,17 @@ class Handlers:
             raise errors.ProtocolError("dense optimizer state needs slots")
         if dense.slots is None or slots.shape != dense.slots.shape:
             raise errors.ShapeError(f"key {dense.name!r}: saved slots do not match the optimizer")
-        _check_int(state.get("step"), "step", 0)
+        check_int(state.get("step"), "step", 0)
 
     def _evict(self, header, payload, pending):
-        if payload:
-            raise errors.ProtocolError("EVICT takes no payload")
-        return [protocol.encode_json(self._state.evict())]
+        ops.Evict.decode_request(header, payload)
+        return ops.Evict.encode_reply(self._state.evict())
 
     def _stats(self, header, payload, pending):
-        if payload:
-            raise errors.ProtocolError("STATS takes no payload")
+        ops.Stats.decode_request(header, payload)
+        return self._stats_reply()
+
+    def _stats_reply(self) -> ops.Reply:
         stats = {
             **self._state.stats(),
             "address": self._address,
@@ -399,14 +290,14 @@ class Handlers:
             "clients": len(self._resend),
         }
         stats["table_ops"] = self._metrics.per_table(table_names(self._state))
-        return [protocol.encode_json(stats)]
+        return ops.Stats.encode_reply(stats)
 
     # -- checkpoints (kvsparse.shard.checkpoint) -------------------------------------------
 
     def _checkpoint(self, header, payload, pending):
         from kvsparse.shard import checkpoint
 
-        body = _json_payload(payload, "CHECKPOINT")
+        body = ops.Checkpoint.decode_request(header, payload)
         shard_index, num_shards = self._job.server_index, self._job.num_servers
         action = body.get("action")
         save, export = checkpoint.CheckpointAction.SAVE, checkpoint.CheckpointAction.EXPORT
@@ -414,7 +305,7 @@ class Handlers:
             # prepare / commit / describe are small; a load replaces the tables, so it runs
             # inline: no request can see a half-loaded shard.
             reply = checkpoint.handle(self._state, body, shard_index, num_shards)
-            return [protocol.encode_json(reply)]
+            return ops.Checkpoint.encode_reply(reply)
         if self._writer.running:
             raise errors.InvalidArgument("a checkpoint save or export is already running")
         path = body.get("path")
@@ -440,7 +331,7 @@ class Handlers:
                 return
             if done is not None:
                 done()
-            pending.finish([protocol.encode_json(reply)])
+            pending.finish(ops.Checkpoint.encode_reply(reply))
 
         # A writer that died leaves its temporary file: removed (it never got a manifest).
         cleanup = lambda pid: checkpoint.remove_temporary_files(path, pid)  # noqa: E731
