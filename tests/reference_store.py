@@ -1,7 +1,7 @@
 """A plain NumPy model of a whole KVStore: sparse tables, dense keys, store optimizer.
 
 Built on tests/reference.py's ReferenceTable and ReferenceOptimizer. It
-applies the documented semantics (kvsparse/kvstore.py) with no C++ at all,
+applies the documented semantics (kvsparse/store/kvstore.py) with no C++ at all,
 so any store (local, or dist_sparse over any number of servers) fed the same
 operations must end with the same tables.
 
