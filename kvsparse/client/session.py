@@ -106,6 +106,107 @@ class _Call:
                 self.poller[0].unregister(sock)
 
 
+class ServerSockets:
+    """One ZeroMQ DEALER socket per server, each watched for a refused security handshake.
+
+    Args:
+        servers: server addresses.
+        keys: a ``kvsparse keys`` directory for CurveZMQ; None: no encryption.
+
+    Threads: not thread-safe (ZeroMQ sockets are not); its `Session` holds a
+    lock around every use.
+
+    Raises:
+        InvalidArgument: keys is not a usable key directory.
+        zmq.ZMQError: an address ZeroMQ cannot connect to.
+    """
+
+    def __init__(self, servers: list, keys: Optional[str]):
+        self.servers = servers
+        self.keys = keys
+        self._sockets: list = [None] * len(servers)
+        self._monitors: list = [None] * len(servers)
+        try:
+            for server in range(len(servers)):
+                self._open(server)
+        except BaseException:
+            self.close()
+            raise
+
+    def socket(self, server: int) -> zmq.Socket:
+        """The socket to server (replaced by `reset`)."""
+        return self._sockets[server]
+
+    def monitor(self, server: int) -> zmq.Socket:
+        """The socket on which server's handshake failures are reported (replaced by `reset`)."""
+        return self._monitors[server]
+
+    def reset(self, server: int) -> None:
+        """A fresh socket, so that a late reply to an abandoned request cannot arrive on it."""
+        self._close(server)
+        self._open(server)
+
+    def close(self) -> None:
+        """Closes every socket (idempotent)."""
+        for server in range(len(self._sockets)):
+            self._close(server)
+
+    def handshake_error(self, server: int) -> Optional[errors.ServerUnavailable]:
+        """The error for a refused security handshake reported on server's monitor, or None."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        monitor, address = self._monitors[server], self.servers[server]
+        while monitor.poll(0):
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return errors.ServerUnavailable(
+                    f"server {address} refused this client's CurveZMQ key (authentication "
+                    f"failed, ZAP status {event['value']}): use a key the server accepts "
+                    f"(KVSPARSE_KEYS={self.keys})",
+                    address=address,
+                )
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                need = (
+                    "the server requires CurveZMQ keys: set KVSPARSE_KEYS (kvsparse launch --keys)"
+                    if self.keys is None
+                    else f"the server does not use these CurveZMQ keys ({self.keys})"
+                )
+                return errors.ServerUnavailable(
+                    f"server {address} refused the connection: security handshake failed; {need}",
+                    address=address,
+                )
+        return None
+
+    def _open(self, server: int) -> None:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        self._sockets[server] = sock
+        if self.keys is not None:
+            from kvsparse.wire import security
+
+            security.secure_client_socket(sock, self.keys)
+        # Handshake failures (a server that wants keys, or refuses ours) are reported only
+        # here; without it a refused client would just time out. Attached before connect:
+        # a refused handshake is not retried, so its one event must not be missed.
+        self._monitors[server] = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        sock.connect(self.servers[server])
+
+    def _close(self, server: int) -> None:
+        sock, monitor = self._sockets[server], self._monitors[server]
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(0)
+            self._monitors[server] = None
+        if sock is not None:
+            sock.close(0)
+            self._sockets[server] = None
+
+
 class Session:
     """Sockets to a list of servers and the exchange loop over them.
 
@@ -153,15 +254,8 @@ class Session:
         self._greetings: dict[int, ops.Request] = {}
         self._replays: dict = {}
         self._lock = threading.RLock()
-        self._sockets: list = [None] * len(self.servers)
-        self._monitors: list = [None] * len(self.servers)
         self._closed = False
-        try:
-            for server in range(len(self.servers)):
-                self._open_socket(server)
-        except BaseException:
-            self.close()
-            raise
+        self._links = ServerSockets(self.servers, keys)
 
     # -- the public surface -------------------------------------------------------------------
 
@@ -228,7 +322,7 @@ class Session:
     def security_mechanism(self, server: int) -> int:
         """The ZeroMQ security mechanism of the socket to server (zmq.CURVE with keys)."""
         with self._lock:
-            return self._sockets[server].mechanism
+            return self._links.socket(server).mechanism
 
     def close(self) -> None:
         """Closes the sockets (idempotent); a later exchange raises InvalidArgument."""
@@ -236,70 +330,9 @@ class Session:
             if self._closed:
                 return
             self._closed = True
-            for server in range(len(self._sockets)):
-                self._close_socket(server)
+            self._links.close()
 
-    # -- sockets --------------------------------------------------------------------------------
-
-    def _open_socket(self, server: int) -> None:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        self._sockets[server] = sock
-        if self.keys is not None:
-            from kvsparse.wire import security
-
-            security.secure_client_socket(sock, self.keys)
-        # Handshake failures (a server that wants keys, or refuses ours) are reported only
-        # here; without it a refused client would just time out. Attached before connect:
-        # a refused handshake is not retried, so its one event must not be missed.
-        self._monitors[server] = sock.get_monitor_socket(_HANDSHAKE_FAILED)
-        sock.connect(self.servers[server])
-
-    def _close_socket(self, server: int) -> None:
-        sock, monitor = self._sockets[server], self._monitors[server]
-        if monitor is not None:
-            sock.disable_monitor()
-            monitor.close(0)
-            self._monitors[server] = None
-        if sock is not None:
-            sock.close(0)
-            self._sockets[server] = None
-
-    def _reset_socket(self, server: int) -> None:
-        """A fresh socket, so that a late reply to an abandoned request cannot arrive on it."""
-        self._close_socket(server)
-        self._open_socket(server)
-
-    def _handshake_error(self, server: int) -> Optional[errors.ServerUnavailable]:
-        """The error for a refused security handshake reported on server's monitor, or None."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        monitor, address = self._monitors[server], self.servers[server]
-        while monitor.poll(0):
-            try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return None
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                return errors.ServerUnavailable(
-                    f"server {address} refused this client's CurveZMQ key (authentication "
-                    f"failed, ZAP status {event['value']}): use a key the server accepts "
-                    f"(KVSPARSE_KEYS={self.keys})",
-                    address=address,
-                )
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                need = (
-                    "the server requires CurveZMQ keys: set KVSPARSE_KEYS (kvsparse launch --keys)"
-                    if self.keys is None
-                    else f"the server does not use these CurveZMQ keys ({self.keys})"
-                )
-                return errors.ServerUnavailable(
-                    f"server {address} refused the connection: security handshake failed; {need}",
-                    address=address,
-                )
-        return None
+    # -- sending --------------------------------------------------------------------------------
 
     def _send(self, server: int, request: ops.Request, request_id: Optional[int] = None) -> int:
         if request_id is None:
@@ -315,11 +348,11 @@ class Session:
             num_frames=len(request.frames),
         )
         try:
-            self._sockets[server].send_multipart(
+            self._links.socket(server).send_multipart(
                 [header.pack(), *request.frames], copy=False, flags=zmq.NOBLOCK
             )
         except zmq.Again:
-            self._reset_socket(server)
+            self._links.reset(server)
             raise errors.ServerUnavailable(
                 f"server {self.servers[server]} does not take requests (send queue full)",
                 address=self.servers[server],
@@ -357,7 +390,7 @@ class Session:
         if call.poller is None:  # again after a server settled or its socket was replaced
             poller, owners = zmq.Poller(), {}
             for server in call.waiting:
-                for sock in (self._sockets[server], self._monitors[server]):
+                for sock in (self._links.socket(server), self._links.monitor(server)):
                     poller.register(sock, zmq.POLLIN)
                     owners[sock] = server
             call.poller = (poller, owners)
@@ -368,10 +401,10 @@ class Session:
         for sock, _ in events:
             server = owners[sock]
             if server not in call.waiting or (
-                sock is not self._sockets[server] and sock is not self._monitors[server]
+                sock is not self._links.socket(server) and sock is not self._links.monitor(server)
             ):
                 continue  # settled, or a socket a recovery above replaced
-            if sock is self._monitors[server]:
+            if sock is self._links.monitor(server):
                 self._attempt(call, server, self._check_handshake, server)
             else:
                 self._attempt(call, server, self._receive, call, server)
@@ -381,14 +414,14 @@ class Session:
                 self._attempt(call, server, self._on_silence, call, server)
 
     def _check_handshake(self, server: int) -> None:
-        refused = self._handshake_error(server)
+        refused = self._links.handshake_error(server)
         if refused is not None:
-            self._reset_socket(server)
+            self._links.reset(server)
             raise refused
 
     def _receive(self, call: _Call, server: int) -> None:
         """Reads every reply queued on server's socket."""
-        sock = self._sockets[server]
+        sock = self._links.socket(server)
         while server in call.waiting:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -418,7 +451,7 @@ class Session:
                 continue  # the reply to an abandoned request
             if header.status:
                 protocol.raise_remote_error(header, payload, self.servers[server])
-            call.settle(server, Answer(header, payload), (sock, self._monitors[server]))
+            call.settle(server, Answer(header, payload), (sock, self._links.monitor(server)))
 
     def _on_silence(self, call: _Call, server: int) -> None:
         if not self.monitor and call.pings[server] is None:
@@ -427,7 +460,7 @@ class Session:
             call.pings[server] = self._send(server, ops.Ping.encode_request())
             return
         if self.retry_window <= 0:
-            self._reset_socket(server)
+            self._links.reset(server)
             raise NoAnswer(
                 f"server {self.servers[server]} did not answer within {self.timeout:g} s",
                 address=self.servers[server],
@@ -498,7 +531,7 @@ class Session:
         reset = False
         while evidence is None:
             if reset:
-                self._reset_socket(server)
+                self._links.reset(server)
             ping_id = self._send(server, ops.Ping.encode_request())
             answer = self._await_reply(
                 server, ping_id, self._probe_deadline(deadline), in_flight=request_id
@@ -531,7 +564,7 @@ class Session:
                     break
                 if time.monotonic() >= deadline:
                     self._unavailable(server)
-                self._reset_socket(server)
+                self._links.reset(server)
             incarnation = answer.header.incarnation
         self._adopt(server, incarnation)
         # Tables created after the server's last checkpoint are declared again, so that
@@ -547,7 +580,7 @@ class Session:
         return min(deadline, time.monotonic() + _RECOVERY_PROBE_SECONDS)
 
     def _unavailable(self, server: int):
-        self._reset_socket(server)
+        self._links.reset(server)
         raise errors.ServerUnavailable(
             f"server {self.servers[server]} did not come back within the retry window of "
             f"{self.retry_window:g} s",
@@ -566,7 +599,7 @@ class Session:
             the error of an error reply to request_id; ServerUnavailable for a
             refused handshake.
         """
-        sock, monitor = self._sockets[server], self._monitors[server]
+        sock, monitor = self._links.socket(server), self._links.monitor(server)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -576,7 +609,7 @@ class Session:
                 return None
             events = dict(poller.poll(remaining * 1000 + 1))
             if monitor in events:
-                refused = self._handshake_error(server)
+                refused = self._links.handshake_error(server)
                 if refused is not None:
                     raise refused
             if sock not in events:
@@ -596,4 +629,4 @@ class Session:
                 return Answer(header, payload)
 
 
-__all__ = ["DEFAULT_TIMEOUT", "Answer", "NoAnswer", "Outcome", "Session"]
+__all__ = ["DEFAULT_TIMEOUT", "Answer", "NoAnswer", "Outcome", "ServerSockets", "Session"]
