@@ -76,6 +76,12 @@ class MovieLens:
         """This worker's share of the training rows: (ids, labels)."""
         return self.train_ids[rank::num_workers], self.train_labels[rank::num_workers]
 
+    def equal_shard(self, rank: int, num_workers: int):
+        """`shard`, cut so that every worker gets as many rows (a BSP step waits for all)."""
+        per_worker = len(self.train_labels) // num_workers
+        ids, labels = self.shard(rank, num_workers)
+        return ids[:per_worker], labels[:per_worker]
+
 
 def load(test_fraction: float = 0.2, seed: int = 0) -> MovieLens:
     """Loads ml-100k as (ids, labels) with a random held-out split."""

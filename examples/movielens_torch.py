@@ -117,10 +117,7 @@ def main(argv=None) -> int:
     kv = kvsparse.create("local") if args.local else kvsparse.create("dist_sparse")
     rank, num_workers = kv.rank, kv.num_workers
     data = movielens.load()
-    train_ids, train_labels = data.shard(rank, num_workers)
-    # Every worker takes the same number of steps: a synchronous step waits for all.
-    per_worker = len(data.train_labels) // num_workers
-    train_ids, train_labels = train_ids[:per_worker], train_labels[:per_worker]
+    train_ids, train_labels = data.equal_shard(rank, num_workers)
 
     # The servers add the workers' sparse gradients; rescale to their mean,
     # matching the dense side's average.
@@ -132,7 +129,7 @@ def main(argv=None) -> int:
     dense_optimizer = torch.optim.Adam(model.parameters(), lr=args.dense_lr)
     loss_function = nn.BCEWithLogitsLoss()
 
-    steps_per_epoch = -(-per_worker // args.batch_size)
+    steps_per_epoch = -(-len(train_labels) // args.batch_size)
     started = time.perf_counter()
     movielens.announce(kv, data)
     for epoch in range(args.epochs):
