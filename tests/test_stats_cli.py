@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -97,6 +98,37 @@ def test_a_fresh_server_answers_without_hello(server_factory):
     (address,) = server_factory(1)
     (stats,) = stats_cli.fetch_stats([address], timeout=20)
     assert stats["tables"] == {} and stats["requests"] == 0 and stats["address"] == address
+
+
+def test_sessions_may_be_used_from_several_threads(cluster):
+    """fetch_stats (a session per call) and one backend's session shared by threads."""
+    servers, kv, pushed = cluster
+    backend = kv._backend  # noqa: SLF001 - its session serializes concurrent exchanges
+    results, failures = [], []
+
+    def work():
+        try:
+            for _ in range(5):
+                monitor = stats_cli.fetch_stats(servers, timeout=20)
+                worker = backend.stats()
+                results.append(
+                    (
+                        [s["tables"]["user"]["rows"] for s in monitor],
+                        [s["tables"]["user"]["rows"] for s in worker],
+                    )
+                )
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not failures, failures
+    assert len(results) == 20
+    for monitor_rows, worker_rows in results:
+        assert monitor_rows == worker_rows and sum(monitor_rows) == pushed
 
 
 def test_unreachable_server_is_shown_and_fails(cluster):
