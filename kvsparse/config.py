@@ -725,10 +725,37 @@ def retry_window(environ: Optional[Mapping] = None) -> float:
     return value
 
 
+def monitor_config(environ: Optional[Mapping] = None) -> ClusterConfig:
+    """The servers a monitor (``kvsparse stats``) talks to, from the same sources as a worker.
+
+    A monitor is no worker: it may run in a server's pod, or anywhere the
+    rank is unset, so only the variables that name the servers are read
+    (``KVSPARSE_SERVERS``, TF_CONFIG's ``ps`` tasks, ``DMLC_PS_ROOT_*`` and
+    ``DMLC_NUM_SERVER``); the rank and worker count are those of a lone worker.
+
+    Raises InvalidArgument for no server list or a malformed one.
+
+    Example:
+        >>> monitor_config({"KVSPARSE_SERVERS": "tcp://127.0.0.1:7000", "RANK": "3"}).servers
+        ['tcp://127.0.0.1:7000']
+    """
+    environ = os.environ if environ is None else environ
+    keep = (SERVERS, "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_SERVER")
+    env = {name: environ[name] for name in keep if name in environ}
+    if environ.get("TF_CONFIG"):
+        try:
+            cluster = json.loads(environ["TF_CONFIG"]).get("cluster", {})
+            env["TF_CONFIG"] = json.dumps({"cluster": {"ps": cluster.get("ps", [])}})
+        except (ValueError, AttributeError):
+            env["TF_CONFIG"] = environ["TF_CONFIG"]  # malformed: from_environment says why
+    return from_environment(env)
+
+
 __all__ = [
     "ClusterConfig",
     "checkpoint_dir",
     "curve_keys",
+    "monitor_config",
     "retry_window",
     "DEFAULT_RETRY_WINDOW",
     "FOREIGN_ROLE_VARIABLES",

@@ -9,6 +9,7 @@ from kvsparse.config import (
     ClusterConfig,
     format_address,
     from_environment,
+    monitor_config,
     parse_server_address,
     server_bind_address,
 )
@@ -497,3 +498,16 @@ def test_server_bind_address_precedence():
     assert server_bind_address(env) == "tcp://*:2222"
     del env["TF_CONFIG"]
     assert server_bind_address(env) == "tcp://10.0.0.5:9001"
+
+
+def test_monitor_reads_only_the_server_list():
+    # A monitor in a worker's environment: the worker's rank and TF task are not its own.
+    tf_config = {
+        "cluster": {"ps": ["10.0.0.1:2222", "10.0.0.2:2222"], "worker": ["10.0.0.3:2222"]},
+        "task": {"type": "worker", "index": 7},  # out of range for one worker: ignored
+    }
+    found = monitor_config({"TF_CONFIG": json.dumps(tf_config), "RANK": "5"})
+    assert found.servers == ["tcp://10.0.0.1:2222", "tcp://10.0.0.2:2222"]
+    assert (found.rank, found.num_workers) == (0, 1)
+    with pytest.raises(errors.InvalidArgument, match="TF_CONFIG"):
+        monitor_config({"TF_CONFIG": "{not json"})

@@ -1,10 +1,16 @@
-"""Rules of the layout that no single file shows: who may read the environment.
+"""Rules of the layout that no single file shows: who may read the environment, who may import whom.
 
 `kvsparse.config` is the one reader of environment variables (CONVENTIONS
 habit 6). The process-environment builders of `kvsparse.cluster.process`
 touch ``os.environ`` too, but only to copy it into the processes they start.
 This test parses every Python source of kvsparse/ and adapters/ and fails on
 any other ``os.environ``, ``os.getenv`` or ``environ.get``, listing them.
+
+The wings import one way (docs/architecture.md draws it): adapters -> store
+-> client -> wire; store -> shard; server -> shard, wire; serving -> shard;
+cluster -> server's listening line, client (ping), shard (manifests); cli and
+the Ray integration -> anything. Everything may use the base modules. Every
+``import`` counts, lazy ones inside functions included.
 """
 
 from __future__ import annotations
@@ -120,3 +126,123 @@ def test_the_checker_sees_every_form(tmp_path):
         (6, "f", "os.getenv"),
         (9, "g", "environ.get"),
     ]
+
+
+# The base: what users configure, the errors, the environment reader, the core.
+BASE = {
+    "kvsparse.errors",
+    "kvsparse.config",
+    "kvsparse.arrays",
+    "kvsparse.placement",
+    "kvsparse.table",
+    "kvsparse.optimizers",
+    "kvsparse.initializers",
+    "kvsparse._core",
+}
+# wing -> the wings (or single modules) it may import, besides itself and the base.
+MAY_IMPORT = {
+    "base": set(),
+    "wire": set(),
+    "client": {"wire"},
+    "shard": set(),
+    "store": {"client", "shard"},
+    "server": {"shard", "wire"},
+    "serving": {"shard"},
+    # "package": process.py finds the installed kvsparse to put it on a server's PYTHONPATH.
+    "cluster": {"kvsparse.server.listening", "client", "shard", "wire", "package"},
+    "ray": {"cluster", "client", "kvsparse.server.listening"},
+    "cli": {"kvsparse", "store", "client", "wire", "shard", "server", "cluster", "serving"},
+    "package": {"store"},  # kvsparse/__init__.py: create() and the public names
+    "main": {"cli"},  # kvsparse/__main__.py
+    "adapters": {"kvsparse", "store", "adapters"},
+}
+
+
+def wing_of(module: str) -> str:
+    """The wing of a dotted module name inside kvsparse."""
+    if module in BASE:
+        return "base"
+    parts = module.split(".")
+    if parts[0] == "adapters" or module.startswith("kvsparse.adapters"):
+        return "adapters"
+    if module == "kvsparse":
+        return "package"
+    if module == "kvsparse.__main__":
+        return "main"
+    return parts[1]
+
+
+def module_name(path) -> str:
+    relative = path.relative_to(REPO_ROOT).with_suffix("")
+    parts = list(relative.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    if parts[0] == "adapters":
+        parts = ["kvsparse", *parts]
+    return ".".join(parts)
+
+
+def imported_modules(path, module: str) -> list[tuple[int, str]]:
+    """(line, absolute module) for every kvsparse import in a file, lazy ones included."""
+    found = []
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                # `from kvsparse import errors` imports the module kvsparse.errors.
+                candidate = f"{base}.{alias.name}"
+                found.append((node.lineno, candidate if _is_module(candidate) else base))
+    return [(line, name) for line, name in found if name.split(".")[0] == "kvsparse"]
+
+
+def _is_module(name: str) -> bool:
+    parts = name.split(".")
+    if parts[:2] == ["kvsparse", "adapters"]:
+        target = REPO_ROOT.joinpath("adapters", *parts[2:])
+    else:
+        target = REPO_ROOT.joinpath(*parts)
+    return (
+        target.with_suffix(".py").exists()
+        or (target / "__init__.py").exists()
+        or (name == "kvsparse._core")
+    )
+
+
+def _allowed(importer: str, imported: str) -> bool:
+    source, target = wing_of(importer), wing_of(imported)
+    if target in ("base", source):
+        return True
+    allowed = MAY_IMPORT[source]
+    return target in allowed or any(
+        imported == entry or imported.startswith(entry + ".") for entry in allowed
+    )
+
+
+def test_wings_import_one_way():
+    offenders = []
+    for directory in SOURCE_DIRECTORIES:
+        for path in sorted((REPO_ROOT / directory).rglob("*.py")):
+            importer = module_name(path)
+            for line, imported in imported_modules(path, importer):
+                if not _allowed(importer, imported):
+                    offenders.append(
+                        f"{path.relative_to(REPO_ROOT)}:{line}: {wing_of(importer)} -> "
+                        f"{imported} ({wing_of(imported)})"
+                    )
+    assert not offenders, "imports against the direction of the wings:\n" + "\n".join(offenders)
+
+
+def test_the_arrow_rule_refuses_an_upward_import():
+    assert _allowed("kvsparse.store.kvstore", "kvsparse.client.remote")
+    assert _allowed("kvsparse.client.session", "kvsparse.wire.ops")
+    assert not _allowed("kvsparse.client.remote", "kvsparse.store.kvstore")
+    assert not _allowed("kvsparse.wire.ops", "kvsparse.client.session")
+    assert not _allowed("kvsparse.server.handlers", "kvsparse.client.remote")
+    assert not _allowed("kvsparse.cluster.launch", "kvsparse.server.server")
+    assert _allowed("kvsparse.cluster.launch", "kvsparse.server.listening")

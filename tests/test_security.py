@@ -72,7 +72,7 @@ def test_client_with_the_keys_works_and_traffic_is_curve(keys, curve_server):
         "dist_sparse", servers=[curve_server.address], rank=0, num_workers=1, keys=keys, timeout=10
     )
     try:
-        assert kv._backend._sockets[0].mechanism == zmq.CURVE
+        assert kv._backend.session.security_mechanism(0) == zmq.CURVE
         kv.init("secure", kvsparse.SparseTable(dim=4))
         kv.push("secure", (np.array([3, 5]), np.ones((2, 4), np.float32)))
         rows = kv.row_sparse_pull("secure", row_ids=np.array([3, 5]))
@@ -122,7 +122,7 @@ def test_launch_with_keys_runs_workers_over_curve(keys, tmp_path):
     script.write_text(
         "import os, numpy as np, zmq, kvsparse\n"
         "kv = kvsparse.create('dist_sparse')\n"
-        "assert kv._backend._sockets[0].mechanism == zmq.CURVE, 'not CURVE'\n"
+        "assert kv._backend.session.security_mechanism(0) == zmq.CURVE, 'not CURVE'\n"
         "kv.init('t', kvsparse.SparseTable(dim=2))\n"
         "kv.push('t', (np.array([1]), np.full((1, 2), 7, np.float32)))\n"
         "print('pulled', kv.row_sparse_pull('t', row_ids=np.array([1])).tolist(),"

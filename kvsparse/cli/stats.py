@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Optional, TextIO
@@ -82,23 +81,6 @@ def _shard_stats(address: str, outcome, timeout: float) -> dict:
         return {"address": address, "error": f"{type(exc).__name__}: {exc}"}
     stats["address"] = address  # the address we reach it by, not the one it bound
     return stats
-
-
-def _server_list_environment(environ) -> dict:
-    """The variables that name the servers, and none that name a worker.
-
-    A monitor is no worker: it may run in a server's pod, or anywhere the
-    rank is unset, so only the server list is read (by kvsparse.config).
-    """
-    keep = ("KVSPARSE_SERVERS", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_SERVER")
-    env = {name: environ[name] for name in keep if name in environ}
-    if environ.get("TF_CONFIG"):
-        try:
-            cluster = json.loads(environ["TF_CONFIG"]).get("cluster", {})
-            env["TF_CONFIG"] = json.dumps({"cluster": {"ps": cluster.get("ps", [])}})
-        except (ValueError, AttributeError):
-            env["TF_CONFIG"] = environ["TF_CONFIG"]  # malformed: config.py says why
-    return env
 
 
 def _elapsed(shard: dict) -> Optional[float]:
@@ -285,7 +267,7 @@ def main(argv: Optional[list] = None, stdout: Optional[TextIO] = None) -> int:
         if args.servers is not None:
             found = config.ClusterConfig(servers=[s for s in args.servers.split(",") if s.strip()])
         else:
-            found = config.from_environment(_server_list_environment(os.environ))
+            found = config.monitor_config()
     except errors.InvalidArgument as exc:
         print(f"kvsparse stats: {exc}", file=sys.stderr)
         return 2
