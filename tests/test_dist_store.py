@@ -12,7 +12,7 @@ import pytest
 import kvsparse
 from kvsparse import errors, initializers, optimizers
 from kvsparse.placement import table_id_of
-from kvsparse.store.kvstore import KeyInfo
+from kvsparse.store.keys import KeyInfo
 
 SERVER_COUNTS = [1, 2, 3]
 
@@ -286,7 +286,7 @@ def test_errors_travel_back_as_their_classes(pair):
     other.init(key, kvsparse.SparseTable(dim=4, seed=1))  # the identical spec is fine
     # A key this client never initialized on the servers: UnknownKey from the server.
     ghost = fresh()
-    other._keys[ghost] = KeyInfo(ghost, table_id_of(ghost), True, dim=4)
+    other._keys.add(KeyInfo(ghost, table_id_of(ghost), True, dim=4))
     with pytest.raises(errors.UnknownKey, match="not initialized"):
         other.row_sparse_pull(ghost, row_ids=np.array([1, 2, 3]))
     with pytest.raises(KeyError):

@@ -27,13 +27,14 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from kvsparse import _core, errors, optimizers
 from kvsparse.arrays import as_float32, as_ids, as_list, flat_ids, outputs_per_key, per_key
 from kvsparse.store import batching
 from kvsparse.store.backend import Backend
-from kvsparse.store.checkpoints import Checkpoints, OptimizerStateFile
 from kvsparse.store.keys import KeyInfo, KeyRegistry
 from kvsparse.table import SparseTable
 
@@ -90,9 +91,22 @@ class KVStore(StoreFront):
         self._backend = backend
         self._type = kind
         self._keys = KeyRegistry()
-        self._checkpoints = Checkpoints(backend, self._keys)
-        self._optimizer_file = OptimizerStateFile(backend, self._keys)
         self._optimizer: optimizers.Optimizer | None = None
+
+    # The checkpoint code (and the shard's file format under it) loads on the first save,
+    # load or export: `import kvsparse` stays light for launchers and for workers that
+    # never checkpoint.
+    @functools.cached_property
+    def _checkpoints(self):
+        from kvsparse.store.checkpoints import Checkpoints
+
+        return Checkpoints(self._backend, self._keys)
+
+    @functools.cached_property
+    def _optimizer_file(self):
+        from kvsparse.store.checkpoints import OptimizerStateFile
+
+        return OptimizerStateFile(self._backend, self._keys)
 
     # -- properties -------------------------------------------------------------------------
 
