@@ -751,21 +751,6 @@ def monitor_config(environ: Optional[Mapping] = None) -> ClusterConfig:
     return from_environment(env)
 
 
-__all__ = [
-    "ClusterConfig",
-    "checkpoint_dir",
-    "curve_keys",
-    "monitor_config",
-    "retry_window",
-    "DEFAULT_RETRY_WINDOW",
-    "FOREIGN_ROLE_VARIABLES",
-    "format_address",
-    "from_environment",
-    "parse_server_address",
-    "server_bind_address",
-]
-
-
 def mxnet_role(environ: Optional[Mapping] = None) -> Optional[str]:
     """``DMLC_ROLE``, which makes ``import mxnet`` start a ps-lite node, or None.
 
@@ -778,3 +763,19 @@ def mxnet_role(environ: Optional[Mapping] = None) -> Optional[str]:
     """
     environ = os.environ if environ is None else environ
     return _get(environ, "DMLC_ROLE")
+
+
+__all__ = [
+    "ClusterConfig",
+    "checkpoint_dir",
+    "curve_keys",
+    "monitor_config",
+    "mxnet_role",
+    "retry_window",
+    "DEFAULT_RETRY_WINDOW",
+    "FOREIGN_ROLE_VARIABLES",
+    "format_address",
+    "from_environment",
+    "parse_server_address",
+    "server_bind_address",
+]

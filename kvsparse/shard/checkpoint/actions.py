@@ -1,6 +1,6 @@
 """The CHECKPOINT request: its actions, and `handle`, which runs one on a shard in-process.
 
-A store's save, load and export (`kvsparse.store.kvstore`) send one request
+A store's save, load and export (`kvsparse.store.checkpoints`) send one request
 body per shard, ``{"action": CheckpointAction..., "path": ..., ...}``; the
 local store passes it to `handle`, a server runs the small actions through
 `handle` and the save and export in a forked writer.
