@@ -12,7 +12,8 @@ it (precedence, highest first):
 
 1. ``KVSPARSE_*`` (what ``kvsparse launch`` sets):
    ``KVSPARSE_SERVERS`` (comma-separated ``tcp://host:port``; ``host:port`` is
-   accepted too), ``KVSPARSE_RANK``, ``KVSPARSE_NUM_WORKERS``,
+   accepted too, and ``ipc:///absolute/path`` for a server on this host),
+   ``KVSPARSE_RANK``, ``KVSPARSE_NUM_WORKERS``,
    ``KVSPARSE_TIMEOUT`` (seconds), ``KVSPARSE_STALENESS`` (steps).
 2. ``TF_CONFIG`` (TensorFlow's JSON): the ``ps`` tasks are the servers, in
    order; the workers are ``chief`` (or the old name ``master``) followed by
@@ -53,6 +54,7 @@ import json
 import math
 import operator
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -77,6 +79,11 @@ NUM_THREADS = "KVSPARSE_NUM_THREADS"  # threads a batch of the C++ core may use
 # or `kvsparse.ray` start them and the user gives no --retry-window.
 DEFAULT_RETRY_WINDOW = 120.0
 
+# ipc:// addresses: a Unix socket's path fits in sockaddr_un.sun_path with its NUL
+# (108 bytes on Linux, 104 on macOS and the BSDs).
+IPC_PREFIX = "ipc://"
+IPC_PATH_MAX_BYTES = 107 if sys.platform.startswith("linux") else 103
+
 # Variables that make MXNet's ps-lite start (DMLC_ROLE, PORT) or that tell
 # TensorFlow to build a cluster (TF_CONFIG): no process that kvsparse starts
 # inherits them (kvsparse.cluster.process).
@@ -99,8 +106,9 @@ class ClusterConfig:
     """What a worker needs to reach the servers: an explicit, validated object.
 
     Attributes:
-        servers: server addresses, ``tcp://host:port``, one per shard, in
-            shard order (every worker must list them in the same order).
+        servers: server addresses, ``tcp://host:port`` (or ``ipc:///path``
+            for a server on this host), one per shard, in shard order (every
+            worker must list them in the same order).
         rank: this worker's rank, ``0 <= rank < num_workers``.
         num_workers: how many workers share the servers.
         timeout: seconds to wait for a server's answer, or None for the
@@ -133,7 +141,8 @@ class ClusterConfig:
         servers = self.servers
         if isinstance(servers, str) or not isinstance(servers, (list, tuple)):
             raise InvalidArgument(
-                f"servers must be a list of 'tcp://host:port' addresses, got {servers!r}"
+                "servers must be a list of 'tcp://host:port' (or 'ipc:///path') addresses, "
+                f"got {servers!r}"
             )
         what = origin.get("servers", "servers")
         if not servers:
@@ -254,22 +263,57 @@ def format_address(host: str, port: int) -> str:
 
 
 def parse_server_address(text, variable: str = "server address") -> str:
-    """Checks a server address and returns it as ``tcp://host:port``.
+    """Checks a server address and returns it as ``tcp://host:port`` or ``ipc:///path``.
 
     Args:
-        text: ``tcp://host:port``, ``host:port`` or ``tcp://[v6]:port``.
+        text: ``tcp://host:port``, ``host:port``, ``tcp://[v6]:port``, or
+            ``ipc:///absolute/path`` (a Unix socket: a server on this host).
         variable: what to name in the error (an environment variable, say).
 
     Raises:
-        InvalidArgument: not a str, another scheme, no host or a bad port.
+        InvalidArgument: not a str, another scheme, no host or a bad port; for
+            ipc, a path that is empty, relative, holds a comma or a NUL, or is
+            longer than a Unix socket path may be (`IPC_PATH_MAX_BYTES`).
 
     Thread-safe.
 
     Example:
         >>> parse_server_address('localhost:7000')
         'tcp://localhost:7000'
+        >>> parse_server_address('ipc:///tmp/kvsparse/server-0')
+        'ipc:///tmp/kvsparse/server-0'
     """
     return _parse_address(text, variable, bind=False)
+
+
+def parse_bind_address(text, variable: str = "bind address") -> str:
+    """Checks an address a server may bind and returns it normalized.
+
+    As `parse_server_address`, and also ``tcp://*:port`` (every interface)
+    and port 0 (a free port, printed by the server once bound).
+
+    Raises:
+        InvalidArgument: as `parse_server_address`.
+
+    Thread-safe.
+
+    Example:
+        >>> parse_bind_address('*:0')
+        'tcp://*:0'
+    """
+    return _parse_address(text, variable, bind=True)
+
+
+def ipc_path(address: str) -> Optional[str]:
+    """The socket file of an ``ipc://`` address (as normalized here), None for tcp.
+
+    Thread-safe.
+
+    Example:
+        >>> ipc_path('ipc:///tmp/kvsparse/server-0'), ipc_path('tcp://h:1')
+        ('/tmp/kvsparse/server-0', None)
+    """
+    return address[len(IPC_PREFIX) :] if address.startswith(IPC_PREFIX) else None
 
 
 def _parse_address(text, variable: str, bind: bool) -> str:
@@ -280,9 +324,12 @@ def _parse_address(text, variable: str, bind: bool) -> str:
     scheme, sep, rest = address.partition("://")
     if not sep:
         scheme, rest = "tcp", address
+    if scheme.lower() == "ipc":
+        return IPC_PREFIX + _parse_ipc_path(rest, variable, text)
     if scheme.lower() != "tcp":
         raise InvalidArgument(
-            f"{variable}: {text!r} is not a tcp address (kvsparse servers speak tcp://host:port)"
+            f"{variable}: {text!r} has an unknown scheme {scheme!r}: kvsparse servers speak "
+            "tcp://host:port, or ipc:///absolute/path between processes of one host"
         )
     if not rest:
         raise InvalidArgument(f"{variable}: {text!r} has no host:port")
@@ -296,6 +343,35 @@ def _parse_address(text, variable: str, bind: bool) -> str:
     if not (0 if bind else 1) <= port <= 65535:
         raise InvalidArgument(f"{variable}: {text!r} has no valid TCP port (1..65535)")
     return f"tcp://*:{port}" if host == "*" else format_address(host, port)
+
+
+def _parse_ipc_path(path: str, variable: str, shown: str) -> str:
+    """The path of an ipc:// address, checked before ZeroMQ sees it; errors quote `shown`."""
+    if not path:
+        raise InvalidArgument(
+            f"{variable}: {shown!r} has no socket path (write ipc:///absolute/path)"
+        )
+    if not path.startswith("/"):
+        # ZeroMQ would take a relative path against each process's working directory,
+        # and '@name' (Linux's abstract namespace) or '*' (a random file) would differ
+        # between the server and its workers.
+        raise InvalidArgument(
+            f"{variable}: {shown!r} has a relative socket path {path!r}; write an absolute "
+            "one, ipc:///absolute/path (three slashes)"
+        )
+    if "," in path or "\0" in path:
+        raise InvalidArgument(
+            f"{variable}: {shown!r}: a socket path may not hold a comma (it separates the "
+            f"addresses in {SERVERS}) nor a NUL character"
+        )
+    size = len(path.encode("utf-8", "surrogateescape"))
+    if size > IPC_PATH_MAX_BYTES:
+        raise InvalidArgument(
+            f"{variable}: {shown!r}: the socket path is {size} bytes, longer than the "
+            f"{IPC_PATH_MAX_BYTES} bytes a Unix socket path may have (sun_path); use a "
+            "shorter directory, e.g. under /tmp"
+        )
+    return path
 
 
 def _get(environ: Mapping, name: str) -> Optional[str]:
@@ -584,6 +660,8 @@ def _bind_host(host: str) -> str:
 
 
 def _bind_address_for(address: str) -> str:
+    if ipc_path(address) is not None:
+        return address  # a socket file: the server binds the very path its workers use
     rest = address[len("tcp://") :]
     host, port = _split_host_port(rest, "address", address)
     host = _bind_host(host)
@@ -595,8 +673,8 @@ def server_bind_address(environ: Optional[Mapping] = None) -> Optional[str]:
 
     Sources, highest precedence first:
 
-    1. ``KVSPARSE_BIND``: used as given (``tcp://host:port``; port 0 picks a
-       free one).
+    1. ``KVSPARSE_BIND``: used as given (``tcp://host:port``, port 0 picks a
+       free one; or ``ipc:///absolute/path``).
     2. ``KVSPARSE_SERVER_ID`` = i with ``KVSPARSE_SERVERS``: entry i.
     3. ``TF_CONFIG`` with task type ``ps``: ``cluster['ps'][index]``.
     4. ``DMLC_ROLE=server``: server ``DMLC_SERVER_ID`` (or ``DMLC_TASK_ID -
@@ -605,14 +683,14 @@ def server_bind_address(environ: Optional[Mapping] = None) -> Optional[str]:
        ``DMLC_PS_ROOT_PORT + 1 + id`` (see `from_environment`).
 
     A host name that is neither ``localhost`` nor an IP literal is bound on
-    all interfaces (``tcp://*:port``).
+    all interfaces (``tcp://*:port``); an ``ipc://`` entry is bound as is.
 
     Args:
         environ: the variables to read (default: ``os.environ``).
 
     Returns:
-        The ``tcp://`` bind address, or None if nothing says this process is
-        a server.
+        The ``tcp://`` (or ``ipc://``) bind address, or None if nothing says
+        this process is a server.
 
     Raises:
         InvalidArgument: a malformed or inconsistent value (named).
@@ -628,7 +706,7 @@ def server_bind_address(environ: Optional[Mapping] = None) -> Optional[str]:
     env = os.environ if environ is None else environ
     bind = _get(env, BIND)
     if bind is not None:
-        return _parse_address(bind, BIND, bind=True)
+        return parse_bind_address(bind, BIND)
     server_id = _get(env, SERVER_ID)
     if server_id is not None:
         index = _parse_int(server_id, SERVER_ID)
@@ -774,8 +852,12 @@ __all__ = [
     "retry_window",
     "DEFAULT_RETRY_WINDOW",
     "FOREIGN_ROLE_VARIABLES",
+    "IPC_PATH_MAX_BYTES",
+    "IPC_PREFIX",
     "format_address",
     "from_environment",
+    "ipc_path",
+    "parse_bind_address",
     "parse_server_address",
     "server_bind_address",
 ]

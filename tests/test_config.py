@@ -9,6 +9,7 @@ from kvsparse.config import (
     ClusterConfig,
     format_address,
     from_environment,
+    ipc_path,
     monitor_config,
     parse_server_address,
     server_bind_address,
@@ -318,7 +319,7 @@ def test_no_configuration_at_all():
         (
             "KVSPARSE_SERVERS",
             "udp://h:7000",
-            "KVSPARSE_SERVERS: 'udp://h:7000' is not a tcp address",
+            "KVSPARSE_SERVERS: 'udp://h:7000' has an unknown scheme 'udp'",
         ),
         (
             "KVSPARSE_SERVERS",
@@ -408,8 +409,11 @@ def test_address_helpers():
     assert parse_server_address(" localhost:1 ") == "tcp://localhost:1"
     assert parse_server_address("TCP://h:2") == "tcp://h:2"
     assert format_address("::1", 3) == "tcp://[::1]:3"
-    with pytest.raises(errors.InvalidArgument, match="ipc:///tmp/x"):
-        parse_server_address("ipc:///tmp/x")
+    assert parse_server_address(" ipc:///tmp/x ") == "ipc:///tmp/x"
+    assert parse_server_address("IPC:///tmp/x") == "ipc:///tmp/x"
+    assert ipc_path("ipc:///tmp/x") == "/tmp/x" and ipc_path("tcp://h:1") is None
+    with pytest.raises(errors.InvalidArgument, match="unknown scheme 'inproc'"):
+        parse_server_address("inproc://x")
 
 
 # -- server bind addresses ---------------------------------------------------------------

@@ -2,13 +2,16 @@
 
 A process that starts servers (``kvsparse launch``, `kvsparse.ray`, the
 test fixtures) reads that line to learn the address the server bound (a
-``tcp://host:0`` bind picks a free port). This module imports neither ZeroMQ
-nor the server, so a launcher can read the line without loading either.
+``tcp://host:0`` bind picks a free port; an ``ipc:///path`` server prints its
+path). This module imports neither ZeroMQ nor the server, so a launcher can
+read the line without loading either.
 
 Example:
-    >>> line = (LISTENING_PREFIX + "tcp://127.0.0.1:5701\n").encode()
+    >>> line = (LISTENING_PREFIX + "tcp://127.0.0.1:5701\\n").encode()
     >>> parse_listening_line(line)
     'tcp://127.0.0.1:5701'
+    >>> parse_listening_line(b"kvsparse server listening on ipc:///tmp/kvsparse-x/server-0\\n")
+    'ipc:///tmp/kvsparse-x/server-0'
 """
 
 from __future__ import annotations
@@ -46,7 +49,11 @@ def read_first_line(stream, deadline: float) -> bytes:
 
 
 def parse_listening_line(line: bytes):
-    """The address in a server's listening line, or None if the line is not one."""
+    """The address in a server's listening line, or None if the line is not one.
+
+    The address is the rest of the line, whatever its scheme (``tcp://host:port``,
+    ``ipc:///path``): a reader that matched only ``tcp://`` would miss ipc servers.
+    """
     text = line.decode(errors="replace").strip()
     if not text.startswith(LISTENING_PREFIX):
         return None

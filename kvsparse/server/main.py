@@ -1,16 +1,28 @@
 """``kvsparse server`` / ``python -m kvsparse.server``: the command line of one server process.
 
-It prints exactly one line, ``kvsparse server listening on tcp://HOST:PORT``,
-once it is bound, then serves until SIGTERM or SIGINT. Without ``--bind`` it
-binds what the environment says (`kvsparse.config.server_bind_address`), else
-``tcp://127.0.0.1:0``.
+It prints exactly one line, ``kvsparse server listening on tcp://HOST:PORT``
+(or ``... on ipc:///PATH``), once it is bound, then serves until SIGTERM or
+SIGINT. Without ``--bind`` it binds what the environment says
+(`kvsparse.config.server_bind_address`), else ``tcp://127.0.0.1:0``.
+
+An ``ipc:///PATH`` server owns the socket file at PATH. ZeroMQ binds over a
+stale file (left by a server that was killed), but it would as silently bind
+over the file of a server that still runs and take its workers: so the
+server first checks that nothing answers at PATH (exit 1, "cannot bind",
+otherwise). ZeroMQ does not remove the file when the socket closes; the
+server does, when it stops, unless another server has replaced it since.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
+import socket
+import stat
 import sys
+from typing import Optional
 
 import zmq
 
@@ -28,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--bind",
         default=None,
-        help="ZeroMQ endpoint to bind, e.g. tcp://127.0.0.1:5701 (port 0: a free port). "
+        help="ZeroMQ endpoint to bind, e.g. tcp://127.0.0.1:5701 (port 0: a free port) or "
+        "ipc:///absolute/path (a Unix socket, for workers on this host). "
         "Default: KVSPARSE_BIND or this process's entry of the cluster configuration, "
         "else tcp://127.0.0.1:0.",
     )
@@ -79,6 +92,41 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _socket_in_use(path: str) -> bool:
+    """True if a process accepts connections on the Unix socket at path."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    if not stat.S_ISSOCK(mode):
+        return False  # not a socket: ZeroMQ's bind reports what is wrong
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False  # ECONNREFUSED: a stale file, which ZeroMQ's bind replaces
+    finally:
+        probe.close()
+    return True
+
+
+def _file_identity(path: Optional[str]) -> Optional[tuple]:
+    if path is None:
+        return None
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+def _remove_socket_file(path: Optional[str], identity: Optional[tuple]) -> None:
+    """Removes the socket file this server bound, unless another one has replaced it."""
+    if identity is not None and _file_identity(path) == identity:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def main(argv=None) -> int:
     """``kvsparse server``: serve one shard until SIGTERM/SIGINT.
 
@@ -86,7 +134,8 @@ def main(argv=None) -> int:
         argv: command-line arguments (default: sys.argv[1:]); ``--bind ADDRESS``.
 
     Returns:
-        The exit status (0 after a clean stop, 1 if the address cannot be bound).
+        The exit status (0 after a clean stop, 1 if the address cannot be bound,
+        2 for a usage error such as a malformed address).
 
     Example:
         $ kvsparse server --bind tcp://127.0.0.1:0
@@ -100,14 +149,22 @@ def main(argv=None) -> int:
     ):
         print("kvsparse server: --restore needs --shard-index I --num-shards N", file=sys.stderr)
         return 2
-    bind = args.bind
     keys = args.keys if args.keys is not None else config.curve_keys()
-    if bind is None:
-        try:
+    try:
+        if args.bind is not None:
+            bind = config.parse_bind_address(args.bind, "--bind")
+        else:
             bind = config.server_bind_address() or "tcp://127.0.0.1:0"
-        except errors.InvalidArgument as exc:
-            print(f"kvsparse server: {exc}", file=sys.stderr)
-            return 2
+    except errors.InvalidArgument as exc:
+        print(f"kvsparse server: {exc}", file=sys.stderr)
+        return 2
+    socket_file = config.ipc_path(bind)
+    if socket_file is not None and _socket_in_use(socket_file):
+        print(
+            f"kvsparse server: cannot bind {bind}: a server already listens on that socket",
+            file=sys.stderr,
+        )
+        return 1
     try:
         server = Server(
             bind, keys=keys, max_message_size=args.max_message_size, restarted=args.restarted
@@ -118,6 +175,15 @@ def main(argv=None) -> int:
     except errors.KVSparseError as exc:
         print(f"kvsparse server: {exc}", file=sys.stderr)
         return 2
+    socket_identity = _file_identity(socket_file)
+    try:
+        return _serve(server, args)
+    finally:
+        _remove_socket_file(socket_file, socket_identity)
+
+
+def _serve(server: Server, args: argparse.Namespace) -> int:
+    """Restores, starts the metrics endpoint, prints the listening line and serves; closes."""
     if args.restore is not None:
         from kvsparse.shard import checkpoint
 
