@@ -25,13 +25,21 @@ variables (`ServerGroup.environment`)::
     ray.get([train.remote(servers.store_arguments(rank, 2)) for rank in range(2)])
     servers.shutdown()
 
+Transport. By default (``transport='tcp'``) each server listens on a port of
+its node, for workers anywhere in the cluster. With ``transport='ipc'`` the
+servers run on the driver's node (each bundle asks for that node's
+``node:IP`` resource) and listen on Unix sockets there, each in a private
+directory (mode 0700) of that node's temporary directory: only processes of
+the same node and user can reach them, so use it when the workers run on
+the driver's node too (a one-node cluster, or tasks pinned to it).
+
 Failures. A shard's actor is restarted by Ray (``max_restarts``) when its
 process dies, and the actor exits (to be restarted) when its server process
-dies. A restarted shard binds the same host and port again (the port is kept
-in Ray's GCS key-value store), so the workers' ZeroMQ sockets reconnect to it
-by themselves. With ``checkpoint_dir``, a restarted server is started with
-``--restore checkpoint_dir --shard-index I --num-shards N`` to reload the
-latest complete checkpoint written there (``kv.save(checkpoint_dir)``);
+dies. A restarted shard binds the same host and port (or ipc socket path)
+again (kept in Ray's GCS key-value store), so the workers' ZeroMQ sockets
+reconnect to it by themselves. With ``checkpoint_dir``, a restarted server
+is started with ``--restore checkpoint_dir --shard-index I --num-shards N``
+to reload the latest complete checkpoint written there (``kv.save(checkpoint_dir)``);
 without one it comes back empty. Workers whose stores have a
 ``retry_window`` (`ServerGroup.store_arguments` and
 `ServerGroup.environment` set it) say HELLO again to the restarted shard,
@@ -53,6 +61,7 @@ import ctypes
 import functools
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -130,14 +139,27 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _same_server(pid: int, port: int) -> bool:
-    """True if pid is still a kvsparse server bound to port (not a recycled pid)."""
+def _same_server(pid: int, record: dict) -> bool:
+    """True if pid is still the kvsparse server of record (not a recycled pid)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
     except OSError:
         return False
-    return b"kvsparse.server" in argv and any(a.endswith(b":%d" % port) for a in argv)
+    if b"kvsparse.server" not in argv:
+        return False
+    if record.get("port") is None:  # an ipc server: bound to its socket path
+        return os.fsencode(record["address"]) in argv
+    return any(a.endswith(b":%d" % record["port"]) for a in argv)
+
+
+def _ipc_bind(record: Optional[dict], index: int) -> str:
+    """The socket path of shard index: its last server's if that one's directory is here."""
+    if record is not None:
+        path = cluster_config.ipc_path(record["address"])
+        if path is not None and os.path.isdir(os.path.dirname(path)):
+            return record["address"]
+    return server_process.ipc_bind_address(server_process.socket_directory(), f"server-{index}")
 
 
 class ServerShard:
@@ -151,6 +173,8 @@ class ServerShard:
         host: interface to bind and to advertise; None: this node's IP.
         port: port to bind; None: the port of this shard's last server, if
             any, else a free one.
+        transport: 'tcp' (host and port) or 'ipc': a Unix socket in a
+            private directory of this node (the last server's path, if any).
         checkpoint_dir: a restarted server restores the latest complete
             checkpoint there (``--restore``), if there is one.
         server_args: more command-line arguments for the server.
@@ -168,6 +192,7 @@ class ServerShard:
         port: Optional[int] = None,
         checkpoint_dir: Optional[str] = None,
         server_args: tuple = (),
+        transport: str = "tcp",
     ):
         self.index = index
         self.name = name
@@ -177,19 +202,24 @@ class ServerShard:
         self.restarts = 0 if record is None else record["restarts"] + 1
         if record is not None:
             # A server left over from a dead actor (no PDEATHSIG on this OS) holds the port.
-            if _pid_alive(record["pid"]) and _same_server(record["pid"], record["port"]):
+            if _pid_alive(record["pid"]) and _same_server(record["pid"], record):
                 os.kill(record["pid"], signal.SIGKILL)
-        if port is None:
-            port = 0 if record is None else record["port"]
+        self.socket_directory: Optional[str] = None
+        if transport == "ipc":
+            bind = _ipc_bind(record, index)
+            self.socket_directory = os.path.dirname(cluster_config.ipc_path(bind))
+            port = None
+        else:
+            if port is None:
+                port = 0 if record is None or record.get("port") is None else record["port"]
+            bind = f"tcp://{self.host}:{port}"
         restore = []
         if record is not None:
             restore = server_process.restore_arguments(checkpoint_dir, index, num_shards)
         self.restored = bool(restore)
-        command = server_process.server_command(
-            f"tcp://{self.host}:{port}", extra_args=[*restore, *server_args]
-        )
+        command = server_process.server_command(bind, extra_args=[*restore, *server_args])
         self.stopping = False
-        self._server = self._start(command, port)
+        self._server = self._start(command, bind, retry=port != 0)
         self.process = self._server.process
         self.address = self._server.address
         _registry_put(
@@ -197,7 +227,7 @@ class ServerShard:
             namespace,
             {
                 "index": index,
-                "port": int(self.address.rsplit(":", 1)[1]),
+                "port": None if port is None else int(self.address.rsplit(":", 1)[1]),
                 "pid": self.process.pid,
                 "address": self.address,
                 "restarts": self.restarts,
@@ -205,7 +235,7 @@ class ServerShard:
         )
         threading.Thread(target=self._watch, name="kvsparse-server-watch", daemon=True).start()
 
-    def _start(self, command: list, port: int) -> server_process.ServerProcess:
+    def _start(self, command: list, bind: str, retry: bool) -> server_process.ServerProcess:
         # The server's output goes on to the actor's (Ray's log of the actor, shown by the
         # driver). It stays in the driver's session (tests look for what a job leaves there).
         output = server_process.LineWriter(sys.stderr)
@@ -223,7 +253,7 @@ class ServerShard:
             )
 
         # Port 0 picks a free port: a bind failure there is no lingering port, no retry.
-        retry_until = time.monotonic() + (_BIND_RETRY_SECONDS if port else 0.0)
+        retry_until = time.monotonic() + (_BIND_RETRY_SECONDS if retry else 0.0)
         server = server_process.start_server(
             start, listen_timeout=START_TIMEOUT, retry_until=retry_until
         )
@@ -231,7 +261,7 @@ class ServerShard:
             raise errors.ServerUnavailable(
                 f"kvsparse server {self.name} did not start ({' '.join(command)}): "
                 f"{server.recent_text() or 'no output'}",
-                address=f"tcp://{self.host}:{port}",
+                address=bind,
             )
         return server
 
@@ -257,9 +287,15 @@ class ServerShard:
         }
 
     def stop(self, grace_period: float = 5.0) -> Optional[int]:
-        """Stops the server (SIGTERM, then SIGKILL after grace_period); its exit status."""
+        """Stops the server (SIGTERM, then SIGKILL after grace_period); its exit status.
+
+        An ipc server's socket directory goes with it.
+        """
         self.stopping = True
-        return self._server.stop(grace_period)
+        code = self._server.stop(grace_period)
+        if self.socket_directory is not None:
+            shutil.rmtree(self.socket_directory, ignore_errors=True)
+        return code
 
 
 def _actor_info(actor, deadline: float) -> dict:
@@ -285,7 +321,8 @@ class ServerGroup:
     """The server actors started by `start_servers`; use `shutdown` (or ``with``) to stop them.
 
     Attributes:
-        addresses: ``tcp://host:port`` of each shard, in shard order.
+        addresses: ``tcp://host:port`` (or ``ipc:///path``) of each shard, in
+            shard order.
         namespace: the Ray namespace of the actors.
         name_prefix: actor i is named ``{name_prefix}-{i}``.
         placement_group: the Ray placement group (one bundle per shard).
@@ -499,6 +536,7 @@ def start_servers(
     server_args: tuple = (),
     timeout: float = START_TIMEOUT,
     retry_window: Optional[float] = None,
+    transport: str = "tcp",
 ) -> ServerGroup:
     """Starts num_servers kvsparse servers as Ray actors, one per shard, and waits for them.
 
@@ -522,12 +560,16 @@ def start_servers(
         retry_window: seconds the workers' stores keep trying to reach a
             restarted shard (`ServerGroup.store_arguments`/`environment`);
             default 120.
+        transport: 'tcp' (default: workers may run on any node) or 'ipc':
+            the servers run on the driver's node and listen on Unix sockets
+            there, for workers on that node only (not with host).
 
     Returns:
         A `ServerGroup` (addresses, config(rank, num_workers), shutdown()).
 
     Raises:
-        InvalidArgument: num_servers < 1, or actors of that name exist.
+        InvalidArgument: num_servers < 1, actors of that name exist, a bad
+            transport, or host with transport 'ipc'.
         ServerUnavailable: a server did not start or answer in time.
         ray.exceptions.GetTimeoutError: the cluster cannot fit the bundles.
 
@@ -543,6 +585,12 @@ def start_servers(
     """
     if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
         raise errors.InvalidArgument(f"num_servers must be an integer >= 1, got {num_servers!r}")
+    server_process.check_transport(transport)
+    if transport == "ipc" and host is not None:
+        raise errors.InvalidArgument(
+            "host is the interface of tcp servers; with transport 'ipc' the servers listen on "
+            "Unix sockets of the driver's node (give one of the two)"
+        )
     if not ray.is_initialized():
         ray.init()
     for index in range(num_servers):
@@ -560,6 +608,10 @@ def start_servers(
     if checkpoint_dir is not None:
         checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
     bundle = dict(resources) if resources else {"CPU": 1}
+    if transport == "ipc" and not any(name.startswith("node:") for name in bundle):
+        # Unix sockets reach no other node: the servers go where the driver (and, the
+        # user says so by choosing ipc, its workers) runs.
+        bundle[f"node:{ray.util.get_node_ip_address()}"] = 0.001
     group = placement_group([dict(bundle) for _ in range(num_servers)], strategy=strategy)
     try:
         ray.get(group.ready(), timeout=timeout)
@@ -593,6 +645,7 @@ def start_servers(
                 "host": host,
                 "checkpoint_dir": checkpoint_dir,
                 "server_args": tuple(server_args),
+                "transport": transport,
             }
             actor = _ShardActor.options(**options).remote(**arguments)
             shards.append(_Shard(actor, "", options, arguments))

@@ -3,6 +3,7 @@
 Usage::
 
     kvsparse launch -s 2 -n 2 -- python train.py   # servers + workers on this host
+    kvsparse launch --transport ipc -s 2 -n 2 -- python train.py   # over Unix sockets
     kvsparse server --bind tcp://0.0.0.0:7000       # one server (shard)
     kvsparse server                                 # bind address from the environment
     kvsparse stats --once                           # every shard's tables and traffic
@@ -96,7 +97,18 @@ def _launch_parser() -> argparse.ArgumentParser:
         help="number of workers (default: 1)",
     )
     parser.add_argument(
-        "--host", default="127.0.0.1", help="interface the servers listen on (default: 127.0.0.1)"
+        "--host",
+        default=None,
+        help="interface tcp servers listen on (default: 127.0.0.1; not with --transport ipc)",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=("tcp", "ipc"),
+        default=None,
+        help="how workers reach the servers: tcp (default: free ports on --host) or ipc (Unix "
+        "sockets in a private temporary directory, removed at the end; the workers are on "
+        "this host anyway). On 2 cores a whole step measured no faster over ipc "
+        "(docs/operations.md)",
     )
     parser.add_argument(
         "--timeout",
@@ -191,6 +203,7 @@ def _launch(argv: list) -> int:
             num_servers=args.servers,
             num_workers=args.workers,
             host=args.host,
+            transport=args.transport,
             timeout=args.timeout,
             staleness=args.staleness,
             env=dict(args.env),

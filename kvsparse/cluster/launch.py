@@ -31,6 +31,13 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   ``checkpoint_dir`` holds a complete checkpoint; the workers get
   ``KVSPARSE_RETRY_WINDOW`` so that they say HELLO again and resend what
   was in flight (`kvsparse.client.remote`). Without it a dead server ends the job.
+- ``transport`` (``--transport``): ``'tcp'`` (the default) puts the servers
+  on free ports of ``host``; ``'ipc'`` on Unix sockets
+  (``ipc:///tmp/kvsparse-XXXXXXXX/server-I``) in a private temporary
+  directory (mode 0700: only this user can connect), removed when the job
+  ends. A restarted server binds the same socket path. tcp stays the
+  default because, measured on 2 cores (docs/operations.md), a whole
+  pull/push step was no faster over ipc, although the bare transport is.
 - ``checkpoint_dir`` (``--checkpoint-dir``) reaches the workers as
   ``KVSPARSE_CHECKPOINT_DIR``; ``keys`` (``--keys``, a ``kvsparse keys``
   directory) makes the servers CurveZMQ-only and reaches the workers as
@@ -56,6 +63,7 @@ import functools
 import os
 import queue
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,6 +80,8 @@ _RESERVED = (config.SERVERS, config.RANK, config.NUM_WORKERS, config.TIMEOUT, co
 DEFAULT_RETRY_WINDOW = config.DEFAULT_RETRY_WINDOW
 _POLL_SECONDS = 0.1
 _LOG = "kvsparse launch: "
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_TRANSPORT = "tcp"
 
 
 class _Stopped(Exception):
@@ -120,6 +130,7 @@ class _Cluster:
         self.max_restarts = 0
         self.checkpoint_dir: Optional[str] = None
         self.server_env = process.server_environment()
+        self.socket_directory: Optional[str] = None  # the ipc sockets' (transport 'ipc')
         self.restarts: dict[int, int] = {}
         self.startup_timeout = 60.0
         self.servers: list[process.ServerProcess] = []
@@ -156,12 +167,29 @@ class _Cluster:
     def _server(self, index: int, argv: list) -> process.ServerProcess:
         return process.ServerProcess(argv, self.server_env, **self._relayed("server", index))
 
-    def start_servers(self, count: int, host: str, startup_timeout: float) -> list[str]:
+    def _bind_addresses(self, count: int, transport: str, host: str) -> list[str]:
+        if transport == "ipc":
+            try:
+                self.socket_directory = process.socket_directory()
+            except OSError as exc:
+                raise errors.InvalidArgument(
+                    f"cannot make a directory for the ipc sockets: {exc}"
+                ) from None
+            return [
+                process.ipc_bind_address(self.socket_directory, f"server-{index}")
+                for index in range(count)
+            ]
         # Port 0: each server picks a free port and says which in its listening line.
-        argv = process.server_command(config.format_address(host, 0), keys=self.keys)
+        return [config.format_address(host, 0)] * count
+
+    def start_servers(
+        self, count: int, host: str, startup_timeout: float, transport: str = "tcp"
+    ) -> list[str]:
+        binds = self._bind_addresses(count, transport, host)
         self.startup_timeout = startup_timeout
         for index in range(count):
             self.check_signal()
+            argv = process.server_command(binds[index], keys=self.keys)
             self.servers.append(self._server(index, argv))
         deadline = time.monotonic() + startup_timeout
         for index, child in enumerate(self.servers):
@@ -200,6 +228,9 @@ class _Cluster:
 
     def restart_server(self, index: int, dead: process.ServerProcess) -> None:
         """Starts server index again on dead's address, restoring the last checkpoint if any.
+
+        An ipc server binds its socket path again: a server killed without
+        stopping leaves the socket file, which the new one replaces.
 
         Raises:
             ServerUnavailable: it did not listen on that address in time.
@@ -309,12 +340,20 @@ class _Cluster:
             child.process.wait()
 
     def stop(self) -> None:
-        """Stops the workers, then the servers; never leaves a child running."""
+        """Stops the workers, then the servers; never leaves a child running.
+
+        Then removes the ipc sockets' directory, with the socket files of
+        servers that were killed.
+        """
         self.stopping = True
-        self._stop_group(self.workers, self.grace_period)
-        self._stop_group(self.servers, self.grace_period)
-        for child in self.workers + self.servers:
-            child.finish_output(1.0)
+        try:
+            self._stop_group(self.workers, self.grace_period)
+            self._stop_group(self.servers, self.grace_period)
+            for child in self.workers + self.servers:
+                child.finish_output(1.0)
+        finally:
+            if self.socket_directory is not None:
+                shutil.rmtree(self.socket_directory, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -339,6 +378,16 @@ def _signals_stop(cluster: _Cluster) -> Iterator[None]:
             signal.signal(s, h)
 
 
+def _transport_and_host(transport: Optional[str], host: Optional[str]) -> tuple:
+    transport = process.check_transport(DEFAULT_TRANSPORT if transport is None else transport)
+    if transport == "ipc" and host is not None:
+        raise errors.InvalidArgument(
+            "host is the interface of tcp servers; with transport 'ipc' the servers listen "
+            "on Unix sockets (give one of the two)"
+        )
+    return transport, DEFAULT_HOST if host is None else host
+
+
 def _check_counts(num_servers, num_workers) -> None:
     for name, value in (("num_servers", num_servers), ("num_workers", num_workers)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -350,7 +399,8 @@ def launch(
     num_servers: int = 1,
     num_workers: int = 1,
     *,
-    host: str = "127.0.0.1",
+    host: Optional[str] = None,
+    transport: Optional[str] = None,
     timeout: Optional[float] = None,
     staleness: Optional[int] = None,
     env: Optional[Mapping[str, str]] = None,
@@ -372,8 +422,11 @@ def launch(
             like a shell would).
         num_servers: servers (shards) to start.
         num_workers: workers to start; worker r gets ``KVSPARSE_RANK=r``.
-        host: interface the servers listen on (workers connect to the
-            addresses the servers print).
+        host: interface tcp servers listen on (workers connect to the
+            addresses the servers print); default 127.0.0.1.
+        transport: 'tcp' (default) or 'ipc': Unix sockets in a private
+            temporary directory, removed at the end (the workers are on
+            this host; not with host).
         timeout: ``KVSPARSE_TIMEOUT`` for the workers (seconds), or None.
         staleness: ``KVSPARSE_STALENESS`` for the workers, or None.
         env: extra variables for the workers (not the ``KVSPARSE_*`` ones the
@@ -414,6 +467,7 @@ def launch(
         0
     """
     _check_counts(num_servers, num_workers)
+    transport, host = _transport_and_host(transport, host)
     if isinstance(command, str):
         command = shlex.split(command)
     command = [os.fspath(part) for part in command] if command is not None else []
@@ -453,7 +507,7 @@ def launch(
         extra.setdefault(config.RETRY_WINDOW, repr(float(retry_window)))
     with _signals_stop(cluster):
         try:
-            addresses = cluster.start_servers(num_servers, host, startup_timeout)
+            addresses = cluster.start_servers(num_servers, host, startup_timeout, transport)
             cluster.start_workers(
                 command,
                 num_workers,
@@ -474,7 +528,8 @@ def launch(
 def local_cluster(
     num_servers: int = 1,
     *,
-    host: str = "127.0.0.1",
+    host: Optional[str] = None,
+    transport: Optional[str] = None,
     stderr: Optional[TextIO] = None,
     startup_timeout: float = 60.0,
     grace_period: float = 5.0,
@@ -483,17 +538,20 @@ def local_cluster(
 
     Args:
         num_servers: servers to start.
-        host: interface they listen on.
+        host: interface tcp servers listen on (default 127.0.0.1).
+        transport: 'tcp' (default) or 'ipc' (Unix sockets in a private
+            temporary directory, removed at the end; not with host).
         stderr: where their prefixed output and the launcher's messages go
             (default: sys.stderr).
         startup_timeout: seconds to wait for them to answer.
         grace_period: seconds between SIGTERM and SIGKILL at the end.
 
     Yields:
-        The servers' addresses (``tcp://host:port``), in shard order. They are
-        stopped when the block exits, whatever the reason.
+        The servers' addresses (``tcp://host:port`` or ``ipc:///path``), in
+        shard order. They are stopped when the block exits, whatever the reason.
 
     Raises:
+        InvalidArgument: a bad count, transport, or host with 'ipc'.
         ServerUnavailable: a server did not start or answer in time.
 
     Thread-safe: each call starts its own servers.
@@ -504,10 +562,11 @@ def local_cluster(
         ...     kv = kvsparse.create('dist_sparse', servers=servers, rank=0, num_workers=1)
     """
     _check_counts(num_servers, 1)
+    transport, host = _transport_and_host(transport, host)
     err = process.LineWriter(stderr or sys.stderr)
     cluster = _Cluster(err, err, grace_period)
     try:
-        yield cluster.start_servers(num_servers, host, startup_timeout)
+        yield cluster.start_servers(num_servers, host, startup_timeout, transport)
     finally:
         cluster.stop()
 

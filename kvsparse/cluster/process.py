@@ -16,6 +16,8 @@ client's ``ping`` only when it is called.
 - `start_server`: starts a server again while the port it must bind is still
   held by one that just died (bind retries); `wait_answering`: pings a server
   until it answers.
+- `socket_directory` / `ipc_bind_address`: where servers of the same host
+  put their ``ipc://`` sockets (a private temporary directory, mode 0700).
 
 The environment rule. A child gets its parent's environment, without
 
@@ -48,6 +50,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -74,6 +77,64 @@ BIND_RETRY_PAUSE = 0.2
 _POLL_SECONDS = 0.1
 _FAILED_SERVER_GRACE_PERIOD = 5.0
 _RECENT_LINES = 20
+# The transports a launcher can give its servers: tcp (any host) or ipc (Unix sockets,
+# for workers on the servers' host).
+TRANSPORTS = ("tcp", "ipc")
+_SOCKET_DIRECTORY_PREFIX = "kvsparse-"
+# The longest socket name ipc_bind_address is given ("server-NNNN"), with a margin.
+_SOCKET_NAME_ROOM = len(_SOCKET_DIRECTORY_PREFIX) + 8 + len("/server-00000") + 2
+
+
+def check_transport(transport) -> str:
+    """Returns transport if it is 'tcp' or 'ipc'; raises InvalidArgument otherwise."""
+    if transport not in TRANSPORTS:
+        raise errors.InvalidArgument(
+            f"transport must be 'tcp' or 'ipc' (Unix sockets, for workers on the servers' "
+            f"host), got {transport!r}"
+        )
+    return transport
+
+
+def socket_directory() -> str:
+    """Makes a private directory (mode 0700) for the ``ipc://`` sockets of this host's servers.
+
+    It is made in the temporary directory (``tempfile.gettempdir()``), or in
+    /tmp when that path is too long to leave room for a socket name (a Unix
+    socket path has at most `kvsparse.config.IPC_PATH_MAX_BYTES` bytes). Only
+    this user can reach sockets in it. The caller removes it (with what is in
+    it) when its servers have stopped.
+
+    Raises:
+        OSError: the directory cannot be made.
+
+    Thread-safe.
+
+    Example:
+        >>> directory = socket_directory()  # doctest: +SKIP
+        >>> ipc_bind_address(directory, 'server-0')  # doctest: +SKIP
+        'ipc:///tmp/kvsparse-k2j4x8ab/server-0'
+    """
+    parent = tempfile.gettempdir()
+    if len(os.fsencode(parent)) + _SOCKET_NAME_ROOM > config.IPC_PATH_MAX_BYTES:
+        parent = "/tmp"
+    return tempfile.mkdtemp(prefix=_SOCKET_DIRECTORY_PREFIX, dir=parent)
+
+
+def ipc_bind_address(directory: str, name: str) -> str:
+    """``ipc://DIRECTORY/NAME``, checked (`kvsparse.config.parse_bind_address`).
+
+    Raises:
+        InvalidArgument: the path is too long for a Unix socket, or malformed.
+
+    Thread-safe.
+
+    Example:
+        >>> ipc_bind_address('/tmp/kvsparse-x', 'server-1')
+        'ipc:///tmp/kvsparse-x/server-1'
+    """
+    return config.parse_bind_address(
+        config.IPC_PREFIX + os.path.join(os.path.abspath(directory), name), "socket path"
+    )
 
 
 def has_checkpoint(path: str) -> bool:
@@ -124,7 +185,8 @@ def server_command(
     """The command line of a server: ``python -m kvsparse.server --bind BIND ...``.
 
     Args:
-        bind: the ``tcp://host:port`` to bind (port 0: a free port).
+        bind: the ``tcp://host:port`` to bind (port 0: a free port), or an
+            ``ipc:///path`` (`ipc_bind_address`).
         keys: a ``kvsparse keys`` directory (``--keys``): CurveZMQ only.
         restarted: ``--restarted``: it replaces a server that died.
         extra_args: more arguments (`restore_arguments`, user options).
@@ -352,7 +414,8 @@ class ServerProcess(ChildProcess):
     the server reports the address itself); the server's other lines are.
 
     Attributes:
-        address: the ``tcp://host:port`` it bound, None until it says so.
+        address: the ``tcp://host:port`` (or ``ipc:///path``) it bound, None
+            until it says so.
         recent_output: its last 20 relayed lines (bytes), for error messages.
 
     Thread safety: as `ChildProcess`; `wait_listening` from one thread at a time.
@@ -418,7 +481,8 @@ def start_server(
 
     A server that exits with `CANNOT_BIND` before listening is started again
     `BIND_RETRY_PAUSE` seconds later, until retry_until: the port that a
-    server which just died held may stay taken for a moment.
+    server which just died held may stay taken for a moment (for an ipc
+    socket, the server refuses to bind while another one still answers there).
 
     Args:
         start: makes one `ServerProcess` (called once per attempt).
@@ -453,7 +517,7 @@ def wait_answering(
     """Pings address until the server answers (True) or `time.monotonic()` passes deadline.
 
     Args:
-        address: ``tcp://host:port``.
+        address: ``tcp://host:port`` or ``ipc:///path``.
         deadline: a `time.monotonic()` time.
         keys: its ``kvsparse keys`` directory, if it is a CurveZMQ server
             (default: ``KVSPARSE_KEYS``, else none).
@@ -484,10 +548,14 @@ __all__ = [
     "LineWriter",
     "PLACEMENT_VARIABLES",
     "ServerProcess",
+    "TRANSPORTS",
+    "check_transport",
     "has_checkpoint",
+    "ipc_bind_address",
     "restore_arguments",
     "server_command",
     "server_environment",
+    "socket_directory",
     "start_server",
     "wait_answering",
     "worker_environment",
