@@ -179,6 +179,8 @@ class _Lookup:
         # A contiguous gradient reaches the store as the same memory (DLPack);
         # only an odd layout (an expanded or transposed gradient) is copied.
         grad = grad.contiguous()
+        # The ids the forward pulled: the store reuses that pull's plan (issue 10),
+        # unless padding ids are dropped here, which makes them another batch.
         if self.padding_idx is not None:
             keep = ids != self.padding_idx
             if not bool(keep.all()):

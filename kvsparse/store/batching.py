@@ -4,9 +4,11 @@
 so a rejected call changes nothing. Sparse ids are planned by shard in C++
 (`_core.plan_batch`: unique ids grouped by shard, ``offsets[s]:offsets[s + 1]``
 for shard ``s``, ``slot`` mapping each input id to its unique one), and the
-gradient rows of duplicate ids are summed (`_core.sum_rows`).
+gradient rows of duplicate ids are summed (`_core.sum_rows`). A push of the
+ids a pull just planned takes that pull's plan (`plans.PlanCache`).
 
-Every function keeps no state and may be called from several threads at once.
+Every function keeps no state of its own and may be called from several
+threads at once (a `PlanCache` passed in may be shared: it takes its own lock).
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ import numpy as np
 from kvsparse import _core, errors
 from kvsparse.arrays import as_float32, as_ids, as_list, as_numpy, flat_ids, rows_view
 from kvsparse.store.keys import KeyInfo
+from kvsparse.store.plans import PlanCache
 
 
-def sparse_push(info: KeyInfo, value, num_shards: int) -> tuple:
+def sparse_push(info: KeyInfo, value, num_shards: int, plans: PlanCache | None = None) -> tuple:
     """(table_id, keys grouped by shard, offsets, summed rows) of a push to a sparse table.
 
     Args:
         info: the table's KeyInfo.
         value: (ids, rows) or a list of them (concatenated, then summed per id).
         num_shards: how many shards the store has.
+        plans: the store's plans; one (ids, rows) pair whose flat ids equal a
+            pulled batch's reuses its plan. None: always plan afresh.
 
     Raises:
         InvalidArgument: value is not (ids, rows) pairs. DTypeError, ShapeError.
@@ -45,7 +50,16 @@ def sparse_push(info: KeyInfo, value, num_shards: int) -> tuple:
         )
     ids = id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts)
     grads = grad_parts[0] if len(grad_parts) == 1 else np.concatenate(grad_parts)
-    keys, offsets, slot = _core.plan_batch(ids, num_shards, info.boundaries)
+    if plans is None:
+        keys, offsets, slot = _core.plan_batch(ids, num_shards, info.boundaries)
+    else:
+        # Only one pair can be the batch a pull planned; a list is concatenated here.
+        plan = (
+            plans.for_push(info.table_id, ids, num_shards, info.boundaries)
+            if len(pairs) == 1
+            else plans.fresh(ids, num_shards, info.boundaries)
+        )
+        keys, offsets, slot = plan.keys, plan.offsets, plan.slot
     summed = _core.sum_rows(grads, slot, keys.size)
     if info.nonfinite != "skip":  # with 'skip' the shard leaves rows with NaN/inf untouched
         bad = _core.first_nonfinite_row(summed)

@@ -1,7 +1,8 @@
 """The KVStore frontend: MXNet's KVStore API over any backend.
 
 `KVStore` validates every input, turns it into arrays, batches ids (unique
-ids grouped by shard, duplicate gradients summed, in C++: `batching`) and hands
+ids grouped by shard, duplicate gradients summed, in C++: `batching`; a push
+of the ids just pulled reuses the pull's plan: `plans`) and hands
 the result to a `backend.Backend`: `LocalBackend` (one in-process shard) for
 ``create('local')``, the ZeroMQ client for ``create('dist_sparse')``. Every
 check runs before the first byte leaves, so a rejected call changes nothing.
@@ -31,11 +32,12 @@ import functools
 
 import numpy as np
 
-from kvsparse import _core, errors, optimizers
+from kvsparse import errors, optimizers
 from kvsparse.arrays import as_float32, as_ids, as_list, flat_ids, outputs_per_key, per_key
 from kvsparse.store import batching
 from kvsparse.store.backend import Backend
 from kvsparse.store.keys import KeyInfo, KeyRegistry
+from kvsparse.store.plans import PlanCache
 from kvsparse.table import SparseTable
 
 # Admission/eviction counters of sparse tables (issue 5), summed over shards by stats().
@@ -81,6 +83,14 @@ class KVStore(StoreFront):
     Use ``kvsparse.create(kind)`` rather than this constructor. Not safe to
     call from several threads at once: serialize such calls with a lock (the
     framework adapters take ``kvsparse.adapters._common.store_lock(kv)``).
+    Calls serialized that way may come from any threads, interleaved (one
+    thread's pull, another's pull, then the first one's push): the plan a
+    push reuses is always that of equal ids (`kvsparse.store.plans`).
+
+    A step's ``row_sparse_pull(key, row_ids=ids)`` then ``push(key, (ids,
+    grads))`` plans the ids once: the pull keeps its plan (the last
+    `plans.PLANS_PER_TABLE` per table, released by close), and a push whose
+    flat int64 ids equal a kept batch's uses it.
 
     Args:
         backend: where the tables live (`kvsparse.store.backend.Backend`).
@@ -92,6 +102,7 @@ class KVStore(StoreFront):
         self._type = kind
         self._keys = KeyRegistry()
         self._optimizer: optimizers.Optimizer | None = None
+        self._plans = PlanCache()
 
     # The checkpoint code (and the shard's file format under it) loads on the first save,
     # load or export: `import kvsparse` stays light for launchers and for workers that
@@ -187,6 +198,10 @@ class KVStore(StoreFront):
 
         Raises:
             UnknownKey, DTypeError (non-integer ids), ShapeError (bad out).
+
+        The ids' plan (unique ids grouped by shard) is kept for the push of
+        the same batch; ids may be refilled in place afterwards (the store
+        compares with its own copy).
         """
         del priority  # requests are issued in call order
         if row_ids is None:
@@ -204,15 +219,17 @@ class KVStore(StoreFront):
                 raise errors.InvalidArgument(f"key {k!r} is dense; use pull")
             ids = as_ids(ids, key=k)
             result, target = batching.rows_output(info, ids, o)
-            plan = _core.plan_batch(flat_ids(ids), self._backend.num_shards, info.boundaries)
+            plan = self._plans.for_pull(
+                info.table_id, flat_ids(ids), self._backend.num_shards, info.boundaries
+            )
             items.append((info, plan))
             results.append(result)
             targets.append(target)
         shard_rows = self._backend.pull_sparse(
-            [(info.table_id, plan[0], plan[1]) for info, plan in items]
+            [(info.table_id, plan.keys, plan.offsets) for info, plan in items]
         )
-        for (info, (_, offsets, slot)), rows, target in zip(items, shard_rows, targets):
-            batching.gather_rows(rows, offsets, slot, target, info.dim)
+        for (info, plan), rows, target in zip(items, shard_rows, targets):
+            batching.gather_rows(rows, plan.offsets, plan.slot, target, info.dim)
         return results[0] if single else results
 
     # -- push / pull ------------------------------------------------------------------------
@@ -224,6 +241,8 @@ class KVStore(StoreFront):
             key: a key or a list of keys; all go out in one request per server.
             value: sparse key: (ids, rows) or a list of them (summed); rows has
                 shape ids.shape + (dim,). Dense key: an array or a list (summed).
+                One (ids, rows) pair whose flat int64 ids equal those of a recent
+                row_sparse_pull of the key reuses that pull's plan (same result).
 
         Raises:
             NonFiniteGradient: NaN/inf in a gradient (nothing applied).
@@ -238,7 +257,9 @@ class KVStore(StoreFront):
         for k, v in zip(keys, values):
             info = self._keys.info(k)
             if info.sparse:
-                sparse_items.append(batching.sparse_push(info, v, self._backend.num_shards))
+                sparse_items.append(
+                    batching.sparse_push(info, v, self._backend.num_shards, self._plans)
+                )
             else:
                 dense_items.append((info.table_id, batching.dense_push(info, v)))
         if sparse_items:
@@ -375,6 +396,7 @@ class KVStore(StoreFront):
             3
         """
         seq, self._optimizer = self._checkpoints.load(path)
+        self._plans.clear()  # the loaded tables may have other partitioners
         return seq
 
     def export(self, path, tables=None) -> str:
@@ -443,5 +465,6 @@ class KVStore(StoreFront):
         return {keys.get(name, name): count for name, count in totals.items()}
 
     def close(self) -> None:
-        """Releases the connections (dist) or the tables (local)."""
+        """Releases the connections (dist) or the tables (local), and the kept plans."""
+        self._plans.clear()
         self._backend.close()
