@@ -23,6 +23,9 @@ constexpr int64_t kProbeBlock = 32;
 constexpr int64_t kMinCapacity = 16;
 // Below this many keys per thread, starting threads costs more than it saves.
 constexpr int64_t kMinKeysPerThread = 16384;
+// Initial values generated per thread at least (floats): a thread start costs
+// about as much as generating this many normals.
+constexpr int64_t kMinInitFloatsPerThread = 1 << 16;
 // Rows per chunk: about 2 MiB of values per chunk (one huge page, see
 // memory.h), at least 64 rows. Untouched pages of the last chunk cost no RSS.
 int64_t RowsPerChunkLog2(int64_t row_floats) {
@@ -149,13 +152,24 @@ void EmbeddingTable::InitRowSlots(int64_t row) {
   *stamps_.Row(row) = change_epoch_;
 }
 
-void EmbeddingTable::InitRow(int64_t row, int64_t key) {
-  FillInitialRow(config_.initializer, key, config_.dim, values_.Row(row));
-  InitRowSlots(row);
-  InitRowMeta(row);
+void EmbeddingTable::FillNewRows(const int64_t* keys, const int64_t* rows, int64_t n) {
+  if (n <= 0) return;
+  const int64_t dim = config_.dim;
+  // Distinct rows: ranges never overlap.
+  ParallelFor(n, std::max<int64_t>(1, kMinInitFloatsPerThread / dim),
+              [&](int64_t begin, int64_t end) {
+                constexpr int64_t kRowsPerCall = 128;
+                float* targets[kRowsPerCall];
+                for (int64_t i = begin; i < end; i += kRowsPerCall) {
+                  const int64_t count = std::min(kRowsPerCall, end - i);
+                  for (int64_t k = 0; k < count; ++k) targets[k] = values_.Row(rows[i + k]);
+                  FillInitialRows(config_.initializer, keys + i, count, dim, targets);
+                }
+              });
 }
 
-Status EmbeddingTable::FindOrInsertRow(int64_t key, int64_t* row_out) {
+Status EmbeddingTable::FindOrInsertRow(int64_t key, int64_t* row_out, bool* inserted) {
+  *inserted = false;
   size_t b = HomeBucket(key);
   while (true) {
     const Bucket& bucket = buckets_[b];
@@ -187,8 +201,10 @@ Status EmbeddingTable::FindOrInsertRow(int64_t key, int64_t* row_out) {
   }
   buckets_[b] = Bucket{key, static_cast<uint32_t>(row)};
   ++size_;
-  InitRow(row, key);
+  InitRowSlots(row);
+  InitRowMeta(row);
   *row_out = row;
+  *inserted = true;
   return Status::Ok();
 }
 
@@ -221,9 +237,12 @@ Status EmbeddingTable::SetOptimizer(const OptimizerConfig& optimizer) {
 }
 
 void EmbeddingTable::InitialValues(const int64_t* keys, int64_t n, float* out) const {
-  for (int64_t i = 0; i < n; ++i) {
-    FillInitialRow(config_.initializer, keys[i], config_.dim, out + i * config_.dim);
-  }
+  const int64_t dim = config_.dim;
+  ParallelFor(n, std::max<int64_t>(1, kMinInitFloatsPerThread / dim),
+              [&](int64_t begin, int64_t end) {
+                FillInitialRows(config_.initializer, keys + begin, end - begin, dim,
+                                out + begin * dim);
+              });
 }
 
 void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out) const {
@@ -258,16 +277,22 @@ void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out) con
       if (row >= 0) __builtin_prefetch(values_.Row(row));
     }
   };
+  // Missing keys of a block get their initial rows in one vectorized call.
+  int64_t missing_keys[kProbeBlock];
+  float* missing_rows[kProbeBlock];
   auto copy = [&](int64_t start, const int64_t* block_rows) {
     const int64_t count = std::min(kProbeBlock, n - start);
+    int64_t missing = 0;
     for (int64_t i = 0; i < count; ++i) {
       float* dst = out + (start + i) * dim;
       if (block_rows[i] >= 0) {
         std::memcpy(dst, values_.Row(block_rows[i]), row_bytes);
       } else {
-        FillInitialRow(config_.initializer, keys[start + i], dim, dst);
+        missing_keys[missing] = keys[start + i];
+        missing_rows[missing++] = dst;
       }
     }
+    if (missing > 0) FillInitialRows(config_.initializer, missing_keys, missing, dim, missing_rows);
   };
   if (n <= 0) return;
   prefetch_buckets(0);
@@ -294,12 +319,27 @@ Status EmbeddingTable::LookupOrInsert(const int64_t* keys, int64_t n, float* out
   if (!s.ok()) return s;
   const int64_t dim = config_.dim;
   const size_t row_bytes = sizeof(float) * static_cast<size_t>(dim);
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t row;
-    s = FindOrInsertRow(keys[i], &row);
-    if (!s.ok()) return s;
-    std::memcpy(out + i * dim, values_.Row(row), row_bytes);
+  std::vector<int64_t> rows, new_keys, new_rows;
+  try {
+    rows.resize(static_cast<size_t>(n));
+    new_keys.reserve(static_cast<size_t>(n));
+    new_rows.reserve(static_cast<size_t>(n));
+  } catch (const std::bad_alloc&) {
+    return Status(StatusCode::kOutOfMemory, "out of memory inserting rows");
   }
+  for (int64_t i = 0; i < n; ++i) {
+    bool inserted;
+    s = FindOrInsertRow(keys[i], &rows[i], &inserted);
+    if (inserted) {
+      new_keys.push_back(keys[i]);
+      new_rows.push_back(rows[i]);
+    }
+    if (!s.ok()) break;
+  }
+  // Rows inserted before a failure still get their values.
+  FillNewRows(new_keys.data(), new_rows.data(), static_cast<int64_t>(new_keys.size()));
+  if (!s.ok()) return s;
+  for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * dim, values_.Row(rows[i]), row_bytes);
   return Status::Ok();
 }
 
@@ -331,7 +371,15 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
   Status s = Reserve(size_ + u);
   if (!s.ok()) return s;
   // Pass 1 (serial: it may insert): the row of every distinct key.
-  std::vector<int64_t> rows(static_cast<size_t>(u));
+  std::vector<int64_t> rows, new_keys, new_rows;
+  int64_t new_count = 0;
+  try {
+    rows.resize(static_cast<size_t>(u));
+    new_keys.resize(static_cast<size_t>(u));
+    new_rows.resize(static_cast<size_t>(u));
+  } catch (const std::bad_alloc&) {
+    return Status(StatusCode::kOutOfMemory, "out of memory inserting rows");
+  }
   FindRows(unique.data(), u, rows.data());
   if (config_.policy.min_count > 1 || config_.policy.max_rows > 0) {
     // Admission and capacity eviction (issue 5): ids left out keep rows[j] < 0.
@@ -349,19 +397,29 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
     }
     if (!s.ok()) return s;
     for (const int64_t j : to_insert) {
-      s = FindOrInsertRow(unique[j], &rows[j]);
-      if (!s.ok()) return s;
+      bool inserted;
+      s = FindOrInsertRow(unique[j], &rows[j], &inserted);
+      if (!s.ok()) break;
+      new_keys[new_count] = unique[j];
+      new_rows[new_count++] = rows[j];
       ++policy_stats_.admissions;
     }
   } else {
     for (int64_t j = 0; j < u; ++j) {
       if (rows[j] >= 0) continue;
       if (bad >= 0 && FirstNonFiniteRow(g + j * dim, 1, dim) >= 0) continue;  // never inserted
-      s = FindOrInsertRow(unique[j], &rows[j]);
-      if (!s.ok()) return s;
+      bool inserted;
+      s = FindOrInsertRow(unique[j], &rows[j], &inserted);
+      if (!s.ok()) break;
+      new_keys[new_count] = unique[j];
+      new_rows[new_count++] = rows[j];
       ++policy_stats_.admissions;
     }
   }
+  // One vectorized (and, for many rows, parallel) pass for every new row;
+  // rows inserted before a failure still get their values.
+  FillNewRows(new_keys.data(), new_rows.data(), new_count);
+  if (!s.ok()) return s;
   // Pass 2 (parallel: distinct rows never overlap): the optimizer.
   ++table_step_;
   const bool per_table = config_.optimizer.step_mode == StepMode::kPerTable;
@@ -410,8 +468,10 @@ Status EmbeddingTable::Assign(const int64_t* keys, int64_t n, const float* value
   const int64_t dim = config_.dim;
   const size_t row_bytes = sizeof(float) * static_cast<size_t>(dim);
   for (int64_t i = 0; i < n; ++i) {
+    // The value is overwritten at once: no initial value to generate.
     int64_t row;
-    s = FindOrInsertRow(keys[i], &row);
+    bool inserted;
+    s = FindOrInsertRow(keys[i], &row, &inserted);
     if (!s.ok()) return s;
     std::memcpy(values_.Row(row), values + i * dim, row_bytes);
     *stamps_.Row(row) = change_epoch_;
@@ -482,8 +542,10 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
   const int64_t dim = config_.dim;
   const int64_t slot_floats = dim * optimizer_.num_slots();
   for (int64_t i = 0; i < n; ++i) {
+    // Values, slots and step are all overwritten: no initial value to generate.
     int64_t row;
-    s = FindOrInsertRow(keys[i], &row);
+    bool inserted;
+    s = FindOrInsertRow(keys[i], &row, &inserted);
     if (!s.ok()) return s;
     std::memcpy(values_.Row(row), values + i * dim, sizeof(float) * dim);
     if (slot_floats > 0) {

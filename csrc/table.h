@@ -246,12 +246,15 @@ class EmbeddingTable {
   // prefetches so the cache misses of different keys overlap.
   void FindRows(const int64_t* keys, int64_t n, int64_t* rows) const;
   void LookupRange(const int64_t* keys, int64_t n, float* out) const;
-  // Returns the row of key, inserting it (initial value, initial slots, step
-  // 0) when missing.
-  Status FindOrInsertRow(int64_t key, int64_t* row);
+  // Returns the row of key, inserting it (initial slots, step 0, policy
+  // metadata) when missing; *inserted tells. The value of an inserted row is
+  // NOT set: the caller writes it or calls FillNewRows for the batch's new
+  // rows, so generation runs vectorized (and in parallel) once per batch.
+  Status FindOrInsertRow(int64_t key, int64_t* row, bool* inserted);
+  // Initial values of rows[i] (just inserted) for keys[i].
+  void FillNewRows(const int64_t* keys, const int64_t* rows, int64_t n);
   Status Reserve(int64_t rows_needed);
   void Rehash(int64_t new_capacity);
-  void InitRow(int64_t row, int64_t key);
   void InitRowSlots(int64_t row);
   size_t HomeBucket(int64_t key) const;
 

@@ -7,6 +7,8 @@ import numpy as np
 import numpy.typing as npt
 
 MAX_DIM: int
+# Version of the initializer streams (csrc/initializer.h); checkpoints record it.
+INITIALIZER_VERSION: int
 
 Int64Array = npt.NDArray[np.int64]
 Float32Array = npt.NDArray[np.float32]
