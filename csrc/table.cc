@@ -36,20 +36,10 @@ int64_t RowsPerChunkLog2(int64_t row_floats) {
 
 std::string KeyText(int64_t key) { return std::to_string(key); }
 
-int64_t PullCacheRows(const TableConfig& config) {
-  if (config.pull_cache_rows >= 0) return config.pull_cache_rows;
-  // Filling zeros or a constant costs less than copying from a cache.
-  const InitializerKind kind = config.initializer.kind;
-  if (kind == InitializerKind::kZeros || kind == InitializerKind::kConstant) return 0;
-  return std::min<int64_t>(int64_t{1} << 17, kDefaultPullCacheBytes / (4 * config.dim));
-}
-
 }  // namespace
 
 EmbeddingTable::EmbeddingTable(const TableConfig& config)
-    : config_(config),
-      optimizer_(config.optimizer),
-      pull_cache_(config.dim, PullCacheRows(config)) {
+    : config_(config), optimizer_(config.optimizer) {
   const int64_t log2 = RowsPerChunkLog2(config.dim);
   values_.Reset(config.dim, log2);
   slots_.Reset(config.dim * optimizer_.num_slots(), log2);
@@ -71,11 +61,6 @@ Status EmbeddingTable::Create(const TableConfig& config, std::unique_ptr<Embeddi
   if (!s.ok()) return s;
   s = ValidatePolicy(config.policy);
   if (!s.ok()) return s;
-  if (config.pull_cache_rows < -1 || config.pull_cache_rows > INT32_MAX) {
-    return Status(StatusCode::kInvalidArgument,
-                  "pull_cache_rows must be in [0, 2147483647] (-1: automatic), got " +
-                      std::to_string(config.pull_cache_rows));
-  }
   try {
     out->reset(new EmbeddingTable(config));
   } catch (const std::bad_alloc&) {
@@ -89,7 +74,7 @@ int64_t EmbeddingTable::MemoryBytes() const {
                               free_rows_.capacity() * sizeof(uint32_t)) +
          values_.Bytes() + slots_.Bytes() + steps_.Bytes() + stamps_.Bytes() +
          static_cast<int64_t>(removed_.capacity() * sizeof(removed_[0])) +
-         touches_.Bytes() + last_step_.Bytes() + CandidateBytes() + pull_cache_.MemoryBytes() +
+         touches_.Bytes() + last_step_.Bytes() + CandidateBytes() +
          static_cast<int64_t>(sizeof(EmbeddingTable));
 }
 
@@ -170,24 +155,6 @@ void EmbeddingTable::InitRowSlots(int64_t row) {
 void EmbeddingTable::FillNewRows(const int64_t* keys, const int64_t* rows, int64_t n) {
   if (n <= 0) return;
   const int64_t dim = config_.dim;
-  std::vector<int64_t> generate_keys, generate_rows;
-  if (pull_cache_.size() > 0) {
-    // Rows a pull generated are copied; only the others are generated.
-    try {
-      generate_keys.reserve(static_cast<size_t>(n));
-      generate_rows.reserve(static_cast<size_t>(n));
-      for (int64_t i = 0; i < n; ++i) {
-        if (pull_cache_.Take(keys[i], values_.Row(rows[i]))) continue;
-        generate_keys.push_back(keys[i]);
-        generate_rows.push_back(rows[i]);
-      }
-      keys = generate_keys.data();
-      rows = generate_rows.data();
-      n = static_cast<int64_t>(generate_keys.size());
-    } catch (const std::bad_alloc&) {
-      // Generate them all: the same values.
-    }
-  }
   // Distinct rows: ranges never overlap.
   ParallelFor(n, std::max<int64_t>(1, kMinInitFloatsPerThread / dim),
               [&](int64_t begin, int64_t end) {
@@ -278,8 +245,7 @@ void EmbeddingTable::InitialValues(const int64_t* keys, int64_t n, float* out) c
               });
 }
 
-void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out,
-                                 uint8_t* missed) const {
+void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out) const {
   const int64_t dim = config_.dim;
   const size_t row_bytes = sizeof(float) * static_cast<size_t>(dim);
   // Three stages in flight at once: the buckets of block k+1 and the rows of
@@ -325,7 +291,6 @@ void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out,
         missing_keys[missing] = keys[start + i];
         missing_rows[missing++] = dst;
       }
-      if (missed != nullptr) missed[start + i] = block_rows[i] < 0;
     }
     if (missing > 0) FillInitialRows(config_.initializer, missing_keys, missing, dim, missing_rows);
   };
@@ -342,40 +307,10 @@ void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out,
 }
 
 Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const {
-  std::vector<uint8_t> missed;
-  if (pull_cache_.capacity() > 0) {
-    try {
-      missed.resize(static_cast<size_t>(n));
-    } catch (const std::bad_alloc&) {
-      // Lookup without caching.
-    }
-  }
-  uint8_t* missed_data = missed.empty() ? nullptr : missed.data();
   // Read-only: ranges of the batch can be served by different threads.
   ParallelFor(n, kMinKeysPerThread, [&](int64_t begin, int64_t end) {
-    LookupRange(keys + begin, end - begin, out + begin * config_.dim,
-                missed_data == nullptr ? nullptr : missed_data + begin);
+    LookupRange(keys + begin, end - begin, out + begin * config_.dim);
   });
-  if (missed_data != nullptr) {
-    constexpr int64_t kPutBatch = 256;
-    int64_t put_keys[kPutBatch];
-    const float* put_rows[kPutBatch];
-    int64_t count = 0;
-    try {
-      for (int64_t i = 0; i < n; ++i) {
-        if (!missed_data[i]) continue;
-        put_keys[count] = keys[i];
-        put_rows[count++] = out + i * config_.dim;
-        if (count == kPutBatch) {
-          pull_cache_.Put(put_keys, put_rows, count);
-          count = 0;
-        }
-      }
-      if (count > 0) pull_cache_.Put(put_keys, put_rows, count);
-    } catch (const std::bad_alloc&) {
-      // The cache is an optimization: a lookup does not fail for it.
-    }
-  }
   return Status::Ok();
 }
 

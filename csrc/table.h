@@ -28,7 +28,6 @@
 #include "initializer.h"
 #include "memory.h"
 #include "optimizer.h"
-#include "pull_cache.h"
 #include "status.h"
 
 namespace kvsparse {
@@ -101,13 +100,7 @@ struct TableConfig {
   InitializerConfig initializer;
   OptimizerConfig optimizer;
   PolicyConfig policy;
-  // Rows of the pull cache (PullCache: rows a lookup generated for missing
-  // ids, reused by the insert of the push that follows); -1: automatic
-  // (kDefaultPullCacheBytes of rows), 0: none.
-  int64_t pull_cache_rows = -1;
 };
-
-constexpr int64_t kDefaultPullCacheBytes = int64_t{32} << 20;
 
 enum class NonFinitePolicy : int {
   kReject = 0,  // the whole batch fails, nothing is applied
@@ -166,11 +159,8 @@ class EmbeddingTable {
   Status SetOptimizer(const OptimizerConfig& optimizer);
 
   // out[i] = row of keys[i]; a missing key gets its initial value and is not
-  // inserted (the generated row is kept in the pull cache, which a later
-  // insert of the id consumes). Duplicates allowed.
+  // inserted. Duplicates allowed.
   Status Lookup(const int64_t* keys, int64_t n, float* out) const;
-  int64_t pull_cache_size() const { return pull_cache_.size(); }
-  int64_t pull_cache_capacity() const { return pull_cache_.capacity(); }
   // Like Lookup, but missing keys are inserted with their initial value.
   Status LookupOrInsert(const int64_t* keys, int64_t n, float* out);
   // Fills only the initial values (never touches the map).
@@ -255,8 +245,7 @@ class EmbeddingTable {
   // Rows of keys[0..n) (-1 when missing), probing a block at a time with
   // prefetches so the cache misses of different keys overlap.
   void FindRows(const int64_t* keys, int64_t n, int64_t* rows) const;
-  // missed (nullable): missed[i] = 1 for keys not found.
-  void LookupRange(const int64_t* keys, int64_t n, float* out, uint8_t* missed) const;
+  void LookupRange(const int64_t* keys, int64_t n, float* out) const;
   // Returns the row of key, inserting it (initial slots, step 0, policy
   // metadata) when missing; *inserted tells. The value of an inserted row is
   // NOT set: the caller writes it or calls FillNewRows for the batch's new
@@ -318,8 +307,6 @@ class EmbeddingTable {
   ChunkedRows<uint32_t> last_step_;
   std::unordered_map<int64_t, Candidate> candidates_;
   PolicyStats policy_stats_;
-  // Mutated by the const Lookup: a table has one caller at a time anyway.
-  mutable PullCache pull_cache_;
 };
 
 }  // namespace kvsparse

@@ -36,7 +36,6 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         InitializerConfig initializer
         OptimizerConfig optimizer
         PolicyConfig policy
-        int64_t pull_cache_rows
 
     cdef enum class NonFinitePolicy(int):
         kReject
@@ -54,8 +53,6 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         void set_table_step(int64_t step)
         Status SetOptimizer(const OptimizerConfig& optimizer)
         Status Lookup(const int64_t* keys, int64_t n, float* out)
-        int64_t pull_cache_size()
-        int64_t pull_cache_capacity()
         Status LookupOrInsert(const int64_t* keys, int64_t n, float* out)
         void InitialValues(const int64_t* keys, int64_t n, float* out)
         Status ApplyGradients(const int64_t* keys, int64_t n, const float* grads,
