@@ -79,7 +79,9 @@ int64_t EmbeddingTable::MemoryBytes() const {
 }
 
 size_t EmbeddingTable::HomeBucket(int64_t key) const {
-  return static_cast<size_t>(Mix64(static_cast<uint64_t>(key)) & mask_);
+  // Lemire's multiply-shift: any capacity, not only powers of two (see Reserve).
+  return static_cast<size_t>(
+      (static_cast<unsigned __int128>(Mix64(static_cast<uint64_t>(key))) * capacity_) >> 64);
 }
 
 int64_t EmbeddingTable::FindRow(int64_t key) const {
@@ -88,7 +90,7 @@ int64_t EmbeddingTable::FindRow(int64_t key) const {
     const Bucket& bucket = buckets_[b];
     if (bucket.row == kEmpty) return -1;
     if (bucket.key == key) return bucket.row;
-    b = (b + 1) & mask_;
+    b = NextBucket(b);
   }
 }
 
@@ -109,7 +111,7 @@ void EmbeddingTable::FindRows(const int64_t* keys, int64_t n, int64_t* rows) con
           row = buckets_[b].row;
           break;
         }
-        b = (b + 1) & mask_;
+        b = NextBucket(b);
       }
       rows[start + i] = row;
     }
@@ -120,11 +122,11 @@ void EmbeddingTable::Rehash(int64_t new_capacity) {
   std::vector<Bucket, HugePageAllocator<Bucket>> old;
   old.swap(buckets_);
   buckets_.assign(static_cast<size_t>(new_capacity), Bucket{0, kEmpty});
-  mask_ = static_cast<uint64_t>(new_capacity - 1);
+  capacity_ = static_cast<uint64_t>(new_capacity);
   for (const Bucket& bucket : old) {
     if (bucket.row == kEmpty) continue;
     size_t b = HomeBucket(bucket.key);
-    while (buckets_[b].row != kEmpty) b = (b + 1) & mask_;
+    while (buckets_[b].row != kEmpty) b = NextBucket(b);
     buckets_[b] = bucket;
   }
 }
@@ -134,12 +136,15 @@ Status EmbeddingTable::Reserve(int64_t rows_needed) {
     return Status(StatusCode::kCapacity,
                   "a shard holds at most 4294967294 rows; add servers to grow further");
   }
-  // Load factor <= 3/4 keeps linear probing short.
-  int64_t capacity = static_cast<int64_t>(buckets_.size());
+  // Load factor <= 3/4 keeps linear probing short. Growing to a load of 0.7
+  // (at least 4/3x) rather than doubling: the average load over sizes is
+  // 0.66 instead of 0.53, 18% fewer bucket bytes (1M rows: 16 MB instead of
+  // 25 MB), for about 3 moves per row in rehashes instead of 1.
+  const int64_t capacity = static_cast<int64_t>(buckets_.size());
   if (rows_needed * 4 <= capacity * 3) return Status::Ok();
-  while (rows_needed * 4 > capacity * 3) capacity *= 2;
+  const int64_t grown = std::max(capacity + capacity / 3, rows_needed * 10 / 7 + 1);
   try {
-    Rehash(capacity);
+    Rehash(grown);
   } catch (const std::bad_alloc&) {
     return Status(StatusCode::kOutOfMemory, "out of memory growing the table");
   }
@@ -178,7 +183,7 @@ Status EmbeddingTable::FindOrInsertRow(int64_t key, int64_t* row_out, bool* inse
       *row_out = bucket.row;
       return Status::Ok();
     }
-    b = (b + 1) & mask_;
+    b = NextBucket(b);
   }
   // Callers Reserve() first, so the load factor holds after this insert.
   int64_t row;
@@ -271,7 +276,7 @@ void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out) con
           row = buckets_[b].row;
           break;
         }
-        b = (b + 1) & mask_;
+        b = NextBucket(b);
       }
       block_rows[i] = row;
       if (row >= 0) __builtin_prefetch(values_.Row(row));
@@ -315,8 +320,6 @@ Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const 
 }
 
 Status EmbeddingTable::LookupOrInsert(const int64_t* keys, int64_t n, float* out) {
-  Status s = Reserve(size_ + n);
-  if (!s.ok()) return s;
   const int64_t dim = config_.dim;
   const size_t row_bytes = sizeof(float) * static_cast<size_t>(dim);
   std::vector<int64_t> rows, new_keys, new_rows;
@@ -327,7 +330,15 @@ Status EmbeddingTable::LookupOrInsert(const int64_t* keys, int64_t n, float* out
   } catch (const std::bad_alloc&) {
     return Status(StatusCode::kOutOfMemory, "out of memory inserting rows");
   }
+  // Probe first (prefetched), then grow for the missing ids only: growing
+  // for the whole batch would over-size the map for batches of known ids.
+  FindRows(keys, n, rows.data());
+  int64_t missing = 0;
+  for (int64_t i = 0; i < n; ++i) missing += rows[i] < 0;
+  Status s = Reserve(size_ + missing);
+  if (!s.ok()) return s;
   for (int64_t i = 0; i < n; ++i) {
+    if (rows[i] >= 0) continue;
     bool inserted;
     s = FindOrInsertRow(keys[i], &rows[i], &inserted);
     if (inserted) {
@@ -368,8 +379,6 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
     return Status(StatusCode::kNonFinite,
                   "gradient for id " + KeyText(unique[bad]) + " has a NaN or inf value");
   }
-  Status s = Reserve(size_ + u);
-  if (!s.ok()) return s;
   // Pass 1 (serial: it may insert): the row of every distinct key.
   std::vector<int64_t> rows, new_keys, new_rows;
   int64_t new_count = 0;
@@ -381,6 +390,11 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
     return Status(StatusCode::kOutOfMemory, "out of memory inserting rows");
   }
   FindRows(unique.data(), u, rows.data());
+  // Grow for the missing ids only (rows are indices: a rehash keeps them).
+  int64_t missing = 0;
+  for (int64_t j = 0; j < u; ++j) missing += rows[j] < 0;
+  Status s = Reserve(size_ + missing);
+  if (!s.ok()) return s;
   if (config_.policy.min_count > 1 || config_.policy.max_rows > 0) {
     // Admission and capacity eviction (issue 5): ids left out keep rows[j] < 0.
     std::vector<uint8_t> skip;
@@ -483,7 +497,7 @@ int64_t EmbeddingTable::Remove(const int64_t* keys, int64_t n) {
   int64_t removed = 0;
   for (int64_t i = 0; i < n; ++i) {
     size_t b = HomeBucket(keys[i]);
-    while (buckets_[b].row != kEmpty && buckets_[b].key != keys[i]) b = (b + 1) & mask_;
+    while (buckets_[b].row != kEmpty && buckets_[b].key != keys[i]) b = NextBucket(b);
     if (buckets_[b].row == kEmpty) continue;
     free_rows_.push_back(buckets_[b].row);
     // Epoch 1 means no checkpoint was saved or loaded yet: no delta can need
@@ -495,17 +509,17 @@ int64_t EmbeddingTable::Remove(const int64_t* keys, int64_t n) {
     // Backward-shift deletion keeps every remaining key reachable from its
     // home bucket without tombstones.
     size_t hole = b;
-    size_t j = (b + 1) & mask_;
+    size_t j = NextBucket(b);
     while (buckets_[j].row != kEmpty) {
       const size_t home = HomeBucket(buckets_[j].key);
       // Move j into the hole unless its home lies cyclically in (hole, j].
-      const bool home_after_hole = ((j - home) & mask_) < ((j - hole) & mask_);
+      const bool home_after_hole = Distance(home, j) < Distance(hole, j);
       if (!home_after_hole) {
         buckets_[hole] = buckets_[j];
         buckets_[j].row = kEmpty;
         hole = j;
       }
-      j = (j + 1) & mask_;
+      j = NextBucket(j);
     }
   }
   return removed;

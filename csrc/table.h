@@ -257,12 +257,18 @@ class EmbeddingTable {
   void Rehash(int64_t new_capacity);
   void InitRowSlots(int64_t row);
   size_t HomeBucket(int64_t key) const;
+  size_t NextBucket(size_t b) const { return b + 1 == capacity_ ? 0 : b + 1; }
+  // Probe steps from bucket `from` forward to bucket `to` (cyclic).
+  size_t Distance(size_t from, size_t to) const {
+    return to >= from ? to - from : to + capacity_ - from;
+  }
 
   TableConfig config_;
   Optimizer optimizer_;
-  // Open addressing with linear probing.
+  // Open addressing with linear probing; capacity_ = buckets_.size(), any
+  // value (HomeBucket maps the hash onto it by multiply-shift).
   std::vector<Bucket, HugePageAllocator<Bucket>> buckets_;
-  uint64_t mask_ = 0;
+  uint64_t capacity_ = 0;
   int64_t size_ = 0;
   int64_t next_row_ = 0;               // rows ever allocated
   std::vector<uint32_t> free_rows_;    // rows released by Remove
