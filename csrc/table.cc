@@ -251,25 +251,57 @@ void EmbeddingTable::InitialValues(const int64_t* keys, int64_t n, float* out) c
 }
 
 void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out) const {
-  const int64_t dim = config_.dim;
+  // Fixed row sizes copy with inline moves instead of a memcpy call per row
+  // (dim 8: 8% of a lookup was libc's memmove).
+  switch (config_.dim) {
+    case 4:
+      return LookupRangeFor<4>(keys, n, out);
+    case 8:
+      return LookupRangeFor<8>(keys, n, out);
+    case 16:
+      return LookupRangeFor<16>(keys, n, out);
+    case 32:
+      return LookupRangeFor<32>(keys, n, out);
+    case 64:
+      return LookupRangeFor<64>(keys, n, out);
+    default:
+      return LookupRangeFor<0>(keys, n, out);
+  }
+}
+
+template <int64_t kRowFloats>
+void EmbeddingTable::LookupRangeFor(const int64_t* keys, int64_t n, float* out) const {
+  const int64_t dim = kRowFloats > 0 ? kRowFloats : config_.dim;
   const size_t row_bytes = sizeof(float) * static_cast<size_t>(dim);
-  // Three stages in flight at once: the buckets of block k+1 and the rows of
-  // block k are fetched while block k-1's rows are copied, so the two
-  // dependent cache misses of a key overlap with other keys' misses.
-  int64_t rows[2][kProbeBlock];
-  size_t home[kProbeBlock];
-  auto prefetch_buckets = [&](int64_t start) {
-    const int64_t count = std::min(kProbeBlock, n - start);
-    for (int64_t i = 0; i < count; ++i) {
-      home[i] = HomeBucket(keys[start + i]);
-      __builtin_prefetch(&buckets_[home[i]]);
+  // A pipeline over the keys: key i's bucket is prefetched kBucketAhead keys
+  // before it is probed, and its row (prefetched by the probe) is copied
+  // kRowAhead keys after that, so the two dependent cache misses of a key
+  // overlap with other keys' misses. Per key, not per block: with blocks of
+  // 32 the probe waited on its buckets (53% of a dim-8 lookup).
+  constexpr int64_t kBucketAhead = 16;
+  constexpr int64_t kRowAhead = 16;
+  constexpr int64_t kRing = 32;  // >= kBucketAhead + kRowAhead, a power of two
+  static_assert(kBucketAhead + kRowAhead <= kRing, "ring too small");
+  size_t home[kRing];
+  int64_t rows[kRing];
+  // Missing keys get their initial rows in one vectorized call per batch.
+  constexpr int64_t kMissingBatch = 32;
+  int64_t missing_keys[kMissingBatch];
+  float* missing_rows[kMissingBatch];
+  int64_t missing = 0;
+  const int64_t row_lines = std::min<int64_t>(4, (static_cast<int64_t>(row_bytes) + 63) / 64);
+  for (int64_t i = 0; i < n + kBucketAhead + kRowAhead; ++i) {
+    if (i < n) {
+      const size_t b = HomeBucket(keys[i]);
+      home[i & (kRing - 1)] = b;
+      const char* bucket = reinterpret_cast<const char*>(&buckets_[b]);
+      __builtin_prefetch(bucket);
+      __builtin_prefetch(bucket + sizeof(Bucket) - 1);  // 12-byte buckets straddle lines
     }
-  };
-  auto probe = [&](int64_t start, int64_t* block_rows) {
-    const int64_t count = std::min(kProbeBlock, n - start);
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t key = keys[start + i];
-      size_t b = home[i];
+    const int64_t p = i - kBucketAhead;
+    if (p >= 0 && p < n) {
+      const int64_t key = keys[p];
+      size_t b = home[p & (kRing - 1)];
       int64_t row = -1;
       while (buckets_[b].row != kEmpty) {
         if (buckets_[b].key == key) {
@@ -278,37 +310,29 @@ void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out) con
         }
         b = NextBucket(b);
       }
-      block_rows[i] = row;
-      if (row >= 0) __builtin_prefetch(values_.Row(row));
-    }
-  };
-  // Missing keys of a block get their initial rows in one vectorized call.
-  int64_t missing_keys[kProbeBlock];
-  float* missing_rows[kProbeBlock];
-  auto copy = [&](int64_t start, const int64_t* block_rows) {
-    const int64_t count = std::min(kProbeBlock, n - start);
-    int64_t missing = 0;
-    for (int64_t i = 0; i < count; ++i) {
-      float* dst = out + (start + i) * dim;
-      if (block_rows[i] >= 0) {
-        std::memcpy(dst, values_.Row(block_rows[i]), row_bytes);
-      } else {
-        missing_keys[missing] = keys[start + i];
-        missing_rows[missing++] = dst;
+      rows[p & (kRing - 1)] = row;
+      if (row >= 0) {
+        const char* values = reinterpret_cast<const char*>(values_.Row(row));
+        for (int64_t line = 0; line < row_lines; ++line) __builtin_prefetch(values + 64 * line);
       }
     }
-    if (missing > 0) FillInitialRows(config_.initializer, missing_keys, missing, dim, missing_rows);
-  };
-  if (n <= 0) return;
-  prefetch_buckets(0);
-  int64_t block = 0;
-  for (int64_t start = 0; start < n; start += kProbeBlock, ++block) {
-    probe(start, rows[block & 1]);
-    if (start + kProbeBlock < n) prefetch_buckets(start + kProbeBlock);
-    if (start > 0) copy(start - kProbeBlock, rows[(block - 1) & 1]);
+    const int64_t c = p - kRowAhead;
+    if (c >= 0 && c < n) {
+      const int64_t row = rows[c & (kRing - 1)];
+      float* dst = out + c * dim;
+      if (row >= 0) {
+        std::memcpy(dst, values_.Row(row), kRowFloats > 0 ? sizeof(float) * kRowFloats : row_bytes);
+      } else {
+        missing_keys[missing] = keys[c];
+        missing_rows[missing++] = dst;
+        if (missing == kMissingBatch) {
+          FillInitialRows(config_.initializer, missing_keys, missing, dim, missing_rows);
+          missing = 0;
+        }
+      }
+    }
   }
-  const int64_t last = ((n - 1) / kProbeBlock) * kProbeBlock;
-  copy(last, rows[(block - 1) & 1]);
+  if (missing > 0) FillInitialRows(config_.initializer, missing_keys, missing, dim, missing_rows);
 }
 
 Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const {

@@ -246,6 +246,9 @@ class EmbeddingTable {
   // prefetches so the cache misses of different keys overlap.
   void FindRows(const int64_t* keys, int64_t n, int64_t* rows) const;
   void LookupRange(const int64_t* keys, int64_t n, float* out) const;
+  // LookupRange for rows of kRowFloats floats (0: config_.dim, any).
+  template <int64_t kRowFloats>
+  void LookupRangeFor(const int64_t* keys, int64_t n, float* out) const;
   // Returns the row of key, inserting it (initial slots, step 0, policy
   // metadata) when missing; *inserted tells. The value of an inserted row is
   // NOT set: the caller writes it or calls FillNewRows for the batch's new
