@@ -266,18 +266,31 @@ void FillRowsV2(const InitializerConfig& config, const int64_t* keys, int64_t n,
     int64_t at = 0;
     row = chunk_row;
     row_block = chunk_row_block;
-    while (at < count) {
-      const int64_t blocks = std::min(blocks_per_row - row_block, count - at);
-      const int64_t first = 4 * row_block;
-      const int64_t elements = std::min(4 * blocks, dim - first);
-      InterleaveAffine(c.z[0] + at, c.z[1] + at, c.z[2] + at, c.z[3] + at, elements, offset,
-                       scale, row_of(row) + first);
-      at += blocks;
+    auto advance = [&](int64_t blocks) {
       row_block += blocks;
       if (row_block == blocks_per_row) {
         ++row;
         row_block = 0;
       }
+    };
+    while (at < count) {
+      float* dst = row_of(row) + 4 * row_block;
+      int64_t blocks = std::min(blocks_per_row - row_block, count - at);
+      int64_t elements = std::min(4 * blocks, dim - 4 * row_block);
+      advance(blocks);
+      // Rows right after this one in memory (a contiguous batch, or rows a
+      // table allocated one after the other) go in the same call: one call
+      // per row cost 30% at dim 8.
+      while (dim % 4 == 0 && row_block == 0 && row < n && at + blocks < count &&
+             row_of(row) == dst + elements) {
+        const int64_t more = std::min(blocks_per_row, count - at - blocks);
+        blocks += more;
+        elements += 4 * more;
+        advance(more);
+      }
+      InterleaveAffine(c.z[0] + at, c.z[1] + at, c.z[2] + at, c.z[3] + at, elements, offset,
+                       scale, dst);
+      at += blocks;
     }
   }
 }
