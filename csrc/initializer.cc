@@ -1,3 +1,15 @@
+// The streams are defined by the float32 operations below in their written
+// order: no fused multiply-add (GCC contracts a * b + c in C++ whenever FMA
+// is enabled, -march=native say, whatever -std), no reassociation.
+#if defined(__FAST_MATH__)
+#error "csrc/initializer.cc must not be built with -ffast-math: the initializer streams would change"
+#endif
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 #include "initializer.h"
 
 #include <algorithm>

@@ -35,9 +35,9 @@
 // - TruncatedNormal: an element with |z| > 2 is redrawn from the same lane
 //   of counter (b, attempt, 0, 0), attempt = 1, 2, ... until |z| <= 2.
 // The arithmetic is exactly the float32 operations written in
-// initializer.cc: the file must be built without FP contraction or
-// -ffast-math (-std=c++17 implies -ffp-contract=off on GCC), and
-// tests/reference.py checks the bits.
+// initializer.cc, which turns FP contraction off for itself (no FMA even
+// with -march=native) and refuses -ffast-math; tests/reference.py checks
+// the bits.
 //
 // Version 1 (kvsparse 0.1.0, kept to resume its checkpoints exactly): double
 // Box-Muller from Mix64 per element, cosine output only. Many times slower.
