@@ -8,6 +8,19 @@ For 100k-key batches at dims 8 and 64 it times:
 and the table's memory against the raw bytes of its content (keys + values +
 Adagrad slot). Ratios > 1 mean kvsparse is faster.
 
+Initialization (issue: FillInitialRow was 65% of a server's time): the
+rows/s of a Normal(0, 0.01) initializer (Table.initial_values) against a
+memset of the same bytes (ndarray.fill(0) of a preallocated array: the write
+bandwidth limit) and NumPy's float32 standard_normal of the same count; and
+a pull of unseen ids followed by the push of the same ids (fresh ids on a
+warm table each time). A bounded cache of the rows a pull generated, for the
+push to copy instead of generating again, was measured with this script at
+commit e31a12e and removed: it did not pay (0.61x at dim 8, 0.62x at dim 64,
+1.15x at dim 256, one thread).
+
+Threads: the core uses KVSPARSE_NUM_THREADS (default: the cores); run with
+KVSPARSE_NUM_THREADS=1 for the single-thread figures.
+
 Run: python benchmarks/table_bench.py [--rows 1000000] [--batch 100000] [--repeat 7]
 Writes benchmarks/results/table_bench.json.
 """
@@ -112,6 +125,55 @@ def bench_dim(dim: int, rows: int, batch: int, repeat: int, rng) -> dict:
     }
 
 
+def bench_init(dim: int, batch: int, repeat: int, rng) -> dict:
+    """Normal(0, 0.01) initialization vs memset and NumPy's standard_normal."""
+    keys = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=batch, dtype=np.int64)
+    table = _core.Table(dim, {"kind": "normal", "a": 0.0, "b": 0.01}, seed=1)
+    out = np.empty((batch, dim), np.float32)
+    numpy_rng = np.random.default_rng(1)
+    flat = out.reshape(-1)
+    t_init = best_time(lambda: table.initial_values(keys, out), repeat)
+    t_memset = best_time(lambda: flat.fill(0.0), repeat)
+    t_numpy = best_time(
+        lambda: numpy_rng.standard_normal(flat.size, dtype=np.float32, out=flat), repeat
+    )
+    return {
+        "dim": dim,
+        "rows": batch,
+        "seconds": {"normal_init": t_init, "memset": t_memset, "numpy_standard_normal": t_numpy},
+        "rows_per_second": {
+            "normal_init": batch / t_init,
+            "memset": batch / t_memset,
+            "numpy_standard_normal": batch / t_numpy,
+        },
+        "ratios": {"init_vs_memset": t_memset / t_init, "init_vs_numpy": t_numpy / t_init},
+    }
+
+
+def bench_pull_push(dim: int, batch: int, repeat: int, rng) -> float:
+    """Best seconds of lookup(unseen ids) + apply_gradients(same ids) on a warm table."""
+    table = _core.Table(
+        dim,
+        {"kind": "normal", "a": 0.0, "b": 0.01},
+        {"kind": "adagrad", "learning_rate": 0.1},
+        seed=1,
+    )
+    out = np.empty((batch, dim), np.float32)
+    grads = rng.standard_normal((batch, dim)).astype(np.float32)
+    best = float("inf")
+    for attempt in range(repeat + 1):
+        keys = rng.integers(
+            np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=batch, dtype=np.int64
+        )
+        table.reserve(len(table) + batch)  # growth is not what this measures
+        start = time.perf_counter()
+        table.lookup(keys, out)
+        table.apply_gradients(keys, grads)
+        if attempt > 0:  # the first one warms the allocations
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -124,6 +186,18 @@ def main(argv=None):
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     results = [bench_dim(d, args.rows, args.batch, args.repeat, rng) for d in args.dims]
+    init = [bench_init(d, args.batch, args.repeat, rng) for d in args.dims]
+    pull_push = []
+    for d in args.dims:
+        seconds = bench_pull_push(d, args.batch, args.repeat, rng)
+        pull_push.append(
+            {
+                "dim": d,
+                "rows": args.batch,
+                "seconds": seconds,
+                "keys_per_second": args.batch / seconds,
+            }
+        )
 
     print(f"{'dim':>4} {'metric':<28} {'kvsparse Mkeys/s':>17} {'numpy Mkeys/s':>14} {'ratio':>7}")
     for r in results:
@@ -145,10 +219,32 @@ def main(argv=None):
             f"{r['dim']:>4} {'memory / raw bytes':<28} {r['memory_bytes'] / 2**20:>14.1f}MiB "
             f"{r['raw_bytes'] / 2**20:>11.1f}MiB {r['ratios']['memory_vs_raw']:>6.2f}x"
         )
+    print(f"{'dim':>4} {'rows/s (M)':<28} {'Normal init':>12} {'memset':>9} {'numpy':>9}")
+    for r in init:
+        k = r["rows_per_second"]
+        print(
+            f"{r['dim']:>4} {'':<28} {k['normal_init'] / 1e6:>12.2f} {k['memset'] / 1e6:>9.1f} "
+            f"{k['numpy_standard_normal'] / 1e6:>9.2f}   init/memset "
+            f"{r['ratios']['init_vs_memset']:.3f}x, init/numpy {r['ratios']['init_vs_numpy']:.2f}x"
+        )
+    for r in pull_push:
+        print(
+            f"{r['dim']:>4} {'pull unseen + push (Adagrad)':<28} "
+            f"{r['keys_per_second'] / 1e6:>17.2f} {'-':>14}"
+        )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(
-            {"machine": platform.machine(), "cpus": os.cpu_count(), "results": results}, f, indent=2
+            {
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "threads": os.environ.get("KVSPARSE_NUM_THREADS", "all cores"),
+                "results": results,
+                "normal_init": init,
+                "pull_push": pull_push,
+            },
+            f,
+            indent=2,
         )
     print(f"wrote {args.out}")
     return results

@@ -246,20 +246,32 @@ class EmbeddingTable {
   // prefetches so the cache misses of different keys overlap.
   void FindRows(const int64_t* keys, int64_t n, int64_t* rows) const;
   void LookupRange(const int64_t* keys, int64_t n, float* out) const;
-  // Returns the row of key, inserting it (initial value, initial slots, step
-  // 0) when missing.
-  Status FindOrInsertRow(int64_t key, int64_t* row);
+  // LookupRange for rows of kRowFloats floats (0: config_.dim, any).
+  template <int64_t kRowFloats>
+  void LookupRangeFor(const int64_t* keys, int64_t n, float* out) const;
+  // Returns the row of key, inserting it (initial slots, step 0, policy
+  // metadata) when missing; *inserted tells. The value of an inserted row is
+  // NOT set: the caller writes it or calls FillNewRows for the batch's new
+  // rows, so generation runs vectorized (and in parallel) once per batch.
+  Status FindOrInsertRow(int64_t key, int64_t* row, bool* inserted);
+  // Initial values of rows[i] (just inserted) for keys[i].
+  void FillNewRows(const int64_t* keys, const int64_t* rows, int64_t n);
   Status Reserve(int64_t rows_needed);
   void Rehash(int64_t new_capacity);
-  void InitRow(int64_t row, int64_t key);
   void InitRowSlots(int64_t row);
   size_t HomeBucket(int64_t key) const;
+  size_t NextBucket(size_t b) const { return b + 1 == capacity_ ? 0 : b + 1; }
+  // Probe steps from bucket `from` forward to bucket `to` (cyclic).
+  size_t Distance(size_t from, size_t to) const {
+    return to >= from ? to - from : to + capacity_ - from;
+  }
 
   TableConfig config_;
   Optimizer optimizer_;
-  // Open addressing with linear probing.
+  // Open addressing with linear probing; capacity_ = buckets_.size(), any
+  // value (HomeBucket maps the hash onto it by multiply-shift).
   std::vector<Bucket, HugePageAllocator<Bucket>> buckets_;
-  uint64_t mask_ = 0;
+  uint64_t capacity_ = 0;
   int64_t size_ = 0;
   int64_t next_row_ = 0;               // rows ever allocated
   std::vector<uint32_t> free_rows_;    // rows released by Remove

@@ -14,7 +14,7 @@ from kvsparse import errors
 
 from batch cimport (BatchPlan, FirstNonFiniteRow, GatherFromShards, Partitioner, PlanBatch,
                     SumRowsByIndex, UniqueWithInverse, ValidatePartitioner)
-from initializer cimport FillInitialRow, InitializerConfig, InitializerKind, ValidateInitializer
+from initializer cimport InitializerConfig, InitializerKind, ValidateInitializer, kInitializerVersion
 from optimizer cimport Optimizer as COptimizer
 from optimizer cimport OptimizerConfig, OptimizerKind, StepMode, ValidateOptimizer
 from status cimport Status, StatusCode
@@ -22,6 +22,10 @@ from table cimport EmbeddingTable, NonFinitePolicy, TableConfig, kMaxDim
 from table cimport EvictionKind, PolicyConfig, PolicyStats, ValidatePolicy
 
 MAX_DIM = kMaxDim
+# Version of the initializer streams (the initial row each (seed, id) gets; see
+# csrc/initializer.h). 1: kvsparse 0.1.0's; 2: Philox/float32, the default.
+# Checkpoints record it so that a resumed table keeps its stream.
+INITIALIZER_VERSION = kInitializerVersion
 
 _INITIALIZER_KINDS = {
     "zeros": InitializerKind.kZeros,
@@ -75,6 +79,7 @@ cdef InitializerConfig _initializer_config(dict spec, uint64_t seed) except *:
     c_config.a = float(spec.get("a", 0.0))
     c_config.b = float(spec.get("b", 0.0))
     c_config.seed = seed
+    c_config.version = int(spec.get("version", kInitializerVersion))
     _check(ValidateInitializer(c_config))
     return c_config
 
@@ -185,7 +190,9 @@ cdef class Table:
     Args:
         dim: row width, 1..4096.
         initializer: dict with "kind" (zeros, constant, uniform, normal,
-            truncated_normal) and parameters "a", "b" (see csrc/initializer.h).
+            truncated_normal), parameters "a", "b" and optionally the stream
+            "version" (1 or INITIALIZER_VERSION, the default; see
+            csrc/initializer.h).
         optimizer: dict as produced by kvsparse.optimizers.*.to_dict(), or
             None for "a push replaces the row".
         seed: the table seed of the deterministic initializer.

@@ -5,6 +5,8 @@ from status cimport Status
 
 
 cdef extern from "initializer.h" namespace "kvsparse" nogil:
+    const int kInitializerVersion
+
     cdef enum class InitializerKind(int):
         kZeros
         kConstant
@@ -17,6 +19,9 @@ cdef extern from "initializer.h" namespace "kvsparse" nogil:
         double a
         double b
         uint64_t seed
+        int version
 
     Status ValidateInitializer(const InitializerConfig& config)
     void FillInitialRow(const InitializerConfig& config, int64_t key, int64_t dim, float* out)
+    void FillInitialRows(const InitializerConfig& config, const int64_t* keys, int64_t n,
+                         int64_t dim, float* out)

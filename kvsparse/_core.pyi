@@ -7,6 +7,8 @@ import numpy as np
 import numpy.typing as npt
 
 MAX_DIM: int
+# Version of the initializer streams (csrc/initializer.h); checkpoints record it.
+INITIALIZER_VERSION: int
 
 Int64Array = npt.NDArray[np.int64]
 Float32Array = npt.NDArray[np.float32]
@@ -18,6 +20,7 @@ class Table:
         initializer: dict[str, Any] | None = ...,
         optimizer: dict[str, Any] | None = ...,
         seed: int = ...,
+        policy: dict[str, Any] | None = ...,
     ) -> None: ...
     @property
     def dim(self) -> int: ...

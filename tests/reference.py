@@ -19,8 +19,9 @@ Public API:
 
 * Hashing and placement: ``mix64``, ``hash_shard_of``, ``range_shard_of``,
   ``shard_of``, ``unique_inverse``, ``plan_batch``.
-* Initializers: ``uniform_at``, ``normal_at``, ``initial_row``,
-  ``initial_rows``, ``normalize_initializer``, ``validate_initializer``.
+* Initializers: ``philox4x32``, ``initial_row``, ``initial_rows``,
+  ``normalize_initializer``, ``validate_initializer``; the version-1 streams'
+  ``uniform_at``, ``normal_at``.
 * Optimizers: ``OPTIMIZER_DEFAULTS``, ``normalize_optimizer``,
   ``validate_optimizer``, ``ReferenceOptimizer`` (the flat-span
   ``Optimizer.update`` of the core).
@@ -40,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from typing import Any, Optional
 
@@ -62,6 +64,14 @@ _COUNTER_MULTIPLIER = np.uint64(0xD1B54A32D192ED03)
 _TWO_PI = 6.283185307179586476925286766559
 _REDRAW_STRIDE = 1 << 32
 _TRUNCATION_STDDEVS = 2.0
+# Initializer stream versions (csrc/initializer.h kInitializerVersion).
+INITIALIZER_VERSION = 2
+# Philox4x32-10 (csrc/philox.h).
+_PHILOX_M0 = np.uint64(0xD2511F53)
+_PHILOX_M1 = np.uint64(0xCD9E8D57)
+_PHILOX_W0 = np.uint64(0x9E3779B9)
+_PHILOX_W1 = np.uint64(0xBB67AE85)
+_PHILOX_ROUNDS = 10
 
 
 # --------------------------------------------------------------------------
@@ -234,17 +244,24 @@ INITIALIZER_KINDS = ("zeros", "constant", "uniform", "normal", "truncated_normal
 
 
 def normalize_initializer(spec: Optional[dict]) -> dict:
-    """The initializer dict with defaults filled in: {"kind", "a", "b"}."""
+    """The initializer dict with defaults filled in: {"kind", "a", "b", "version"}."""
     spec = dict(spec or {"kind": "zeros"})
     kind = spec.get("kind", "zeros")
     if kind not in INITIALIZER_KINDS:
         raise errors.InvalidArgument(f"unknown initializer kind {kind!r}")
-    return {"kind": kind, "a": float(spec.get("a", 0.0)), "b": float(spec.get("b", 0.0))}
+    return {
+        "kind": kind,
+        "a": float(spec.get("a", 0.0)),
+        "b": float(spec.get("b", 0.0)),
+        "version": int(spec.get("version", INITIALIZER_VERSION)),
+    }
 
 
 def validate_initializer(spec: Optional[dict]) -> dict:
     """Returns the normalized initializer, or raises InvalidArgument like the core."""
     spec = normalize_initializer(spec)
+    if spec["version"] not in (1, INITIALIZER_VERSION):
+        raise errors.InvalidArgument("initializer stream version must be 1 or 2")
     if spec["kind"] == "uniform" and not spec["a"] <= spec["b"]:
         raise errors.InvalidArgument("uniform initializer needs low <= high")
     if spec["kind"] in ("normal", "truncated_normal") and not spec["b"] >= 0.0:
@@ -275,22 +292,12 @@ def normal_at(seed: int, key: Any, counter: Any) -> np.ndarray:
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(_TWO_PI * u2)
 
 
-def initial_rows(initializer: Optional[dict], keys: Any, dim: int, seed: int = 0) -> np.ndarray:
-    """Initial values (n x dim float32) of ids under a table's initializer and seed.
-
-    A pure function of (seed, key, element index), as csrc/initializer.cc
-    ``FillInitialRow``; a truncated normal redraws element j beyond 2 stddev
-    from counter ``j + attempt * 2**32``.
-    """
-    spec = normalize_initializer(initializer)
+def _initial_rows_v1(spec: dict, keys: Any, dim: int, seed: int) -> np.ndarray:
+    """Version-1 rows: a truncated normal redraws element j beyond 2 stddev
+    from counter ``j + attempt * 2**32``."""
     key_array = np.asarray(keys, dtype=np.int64).reshape(-1, 1)
-    n = key_array.shape[0]
     columns = np.arange(dim, dtype=np.uint64).reshape(1, -1)
     kind, a, b = spec["kind"], spec["a"], spec["b"]
-    if kind == "zeros":
-        return np.zeros((n, dim), dtype=np.float32)
-    if kind == "constant":
-        return np.full((n, dim), np.float32(a), dtype=np.float32)
     if kind == "uniform":
         u = uniform_at(seed, key_array, columns)
         return (a + (b - a) * u).astype(np.float32)
@@ -308,9 +315,176 @@ def initial_rows(initializer: Optional[dict], keys: Any, dim: int, seed: int = 0
     return (a + b * z).astype(np.float32)
 
 
+# --------------------------------------------------------------------------
+# Version-2 streams (csrc/philox.h, csrc/initializer.cc): Philox4x32-10 and
+# float32 Box-Muller with Cephes polynomials, in the core's operation order.
+# --------------------------------------------------------------------------
+
+
+def philox4x32(counter: Any, key0: Any, key1: Any) -> tuple:
+    """Philox4x32-10 (Salmon et al. 2011; Random123's ``philox4x32_10``).
+
+    Args:
+        counter: 4 uint32 arrays (or ints), broadcast together with the keys.
+        key0, key1: the two key words.
+
+    Returns:
+        The 4 output words as uint32 arrays.
+
+    Example (Random123 tests/kat_vectors):
+        >>> [hex(int(w)) for w in philox4x32((0, 0, 0, 0), 0, 0)]
+        ['0x6627e8d5', '0xe169c58d', '0xbc57ac4c', '0x9b00dbd8']
+    """
+    # uint64 arrays holding 32-bit words: the products fit, no casts per round.
+    mask = np.uint64(0xFFFFFFFF)
+    words = [np.asarray(w, dtype=np.uint64) & mask for w in (*counter, key0, key1)]
+    c0, c1, c2, c3, k0, k1 = np.broadcast_arrays(*words)
+    thirty_two = np.uint64(32)
+    with np.errstate(over="ignore"):
+        for _ in range(_PHILOX_ROUNDS):
+            p0 = _PHILOX_M0 * c0
+            p1 = _PHILOX_M1 * c2
+            c0, c1, c2, c3 = (
+                (p1 >> thirty_two) ^ c1 ^ k0,
+                p1 & mask,
+                (p0 >> thirty_two) ^ c3 ^ k1,
+                p0 & mask,
+            )
+            k0 = (k0 + _PHILOX_W0) & mask
+            k1 = (k1 + _PHILOX_W1) & mask
+    c0, c1, c2, c3 = (w.astype(np.uint32) for w in (c0, c1, c2, c3))
+    return c0, c1, c2, c3
+
+
+def _f32(value: float) -> np.float32:
+    return np.float32(value)
+
+
+def _log_positive_f32(x: np.ndarray) -> np.ndarray:
+    """Cephes logf with musl's integer range reduction (initializer.cc LogPositive)."""
+    ix = x.view(np.uint32) + np.uint32(0x3F800000 - 0x3F3504F3)
+    e = ((ix >> np.uint32(23)).astype(np.int32) - np.int32(0x7F)).astype(np.float32)
+    ix = (ix & np.uint32(0x007FFFFF)) + np.uint32(0x3F3504F3)
+    f = ix.view(np.float32) - _f32(1.0)
+    z = f * f
+    y = np.full_like(f, _f32(7.0376836292e-2))
+    for coefficient in (
+        -1.1514610310e-1,
+        1.1676998740e-1,
+        -1.2420140846e-1,
+        1.4249322787e-1,
+        -1.6668057665e-1,
+        2.0000714765e-1,
+        -2.4999993993e-1,
+        3.3333331174e-1,
+    ):
+        y = y * f + _f32(coefficient)
+    y = y * f * z
+    y = y + _f32(-2.12194440e-4) * e
+    y = y - _f32(0.5) * z
+    r = f + y
+    return r + _f32(0.693359375) * e
+
+
+def _box_muller_f32(radius_bits: np.ndarray, angle_bits: np.ndarray) -> tuple:
+    """(z_cos, z_sin) float32 standard normals (initializer.cc BoxMuller)."""
+    radius_bits = radius_bits.astype(np.uint32)
+    angle_bits = angle_bits.astype(np.uint32)
+    u1 = (radius_bits >> np.uint32(1)).astype(np.int32).astype(np.float32) * _f32(
+        4.656612873e-10
+    ) + _f32(2.0**-32)
+    radius = np.sqrt(np.maximum(_f32(-2.0) * _log_positive_f32(u1), _f32(0.0)))
+    quadrant = angle_bits >> np.uint32(30)
+    t = (angle_bits << np.uint32(2)).view(np.int32).astype(np.float32) * (
+        _f32(2.0**-32) * _f32(1.5707963268)
+    )
+    t2 = t * t
+    s = np.full_like(t, _f32(-1.9515295891e-4))
+    s = s * t2 + _f32(8.3321608736e-3)
+    s = s * t2 - _f32(1.6666654611e-1)
+    s = s * t2 * t + t
+    c = np.full_like(t, _f32(2.443315711809948e-5))
+    c = c * t2 - _f32(1.388731625493765e-3)
+    c = c * t2 + _f32(4.166664568298827e-2)
+    c = c * t2 * t2 - _f32(0.5) * t2 + _f32(1.0)
+    swap = (quadrant & np.uint32(1)).astype(bool)
+    cos_v = np.where(swap, s, c).view(np.uint32) ^ (
+        ((quadrant + np.uint32(1)) & np.uint32(2)) << np.uint32(30)
+    )
+    sin_v = np.where(swap, c, s).view(np.uint32) ^ ((quadrant & np.uint32(2)) << np.uint32(30))
+    return radius * cos_v.view(np.float32), radius * sin_v.view(np.float32)
+
+
+def row_stream_keys(seed: int, keys: Any) -> tuple:
+    """Philox key words (low, high 32 bits of Mix64(seed ^ Mix64(key))) of ids."""
+    h = mix64(as_uint64(seed) ^ mix64(keys))
+    return (h & np.uint64(0xFFFFFFFF)).astype(np.uint32), (h >> np.uint64(32)).astype(np.uint32)
+
+
+def normal_blocks_v2(seed: int, keys: Any, blocks: Any, attempt: int = 0) -> np.ndarray:
+    """Standard normals (..., 4) of blocks (elements 4b..4b+3) of ids, one attempt."""
+    k0, k1 = row_stream_keys(seed, keys)
+    x0, x1, x2, x3 = philox4x32((blocks, attempt, 0, 0), k0, k1)
+    z0, z1 = _box_muller_f32(x0, x1)
+    z2, z3 = _box_muller_f32(x2, x3)
+    return np.stack([z0, z1, z2, z3], axis=-1)
+
+
+def _initial_rows_v2(spec: dict, keys: Any, dim: int, seed: int) -> np.ndarray:
+    key_array = np.asarray(keys, dtype=np.int64).reshape(-1, 1)
+    n = key_array.shape[0]
+    blocks = np.arange((dim + 3) // 4, dtype=np.uint32).reshape(1, -1)
+    kind, a, b = spec["kind"], spec["a"], spec["b"]
+    if kind == "uniform":
+        k0, k1 = row_stream_keys(seed, key_array)
+        words = np.stack(philox4x32((blocks, 0, 0, 0), k0, k1), axis=-1)
+        u = (words >> np.uint32(8)).astype(np.int32).astype(np.float32) * _f32(2.0**-24)
+        standard = u.reshape(n, 4 * blocks.size)[:, :dim]
+        return _f32(a) + _f32(b - a) * standard
+    z = normal_blocks_v2(seed, key_array, blocks).reshape(n, 4 * blocks.size)[:, :dim]
+    if kind == "truncated_normal":
+        attempt = 1
+        bad = np.abs(z) > _f32(_TRUNCATION_STDDEVS)
+        while bad.any():
+            rows, columns = np.nonzero(bad)
+            redraw = normal_blocks_v2(seed, key_array[rows, 0], columns // 4, attempt)
+            z[rows, columns] = redraw[np.arange(rows.size), columns % 4]
+            attempt += 1
+            bad = np.abs(z) > _f32(_TRUNCATION_STDDEVS)
+    return _f32(a) + _f32(b) * z
+
+
+def initial_rows(initializer: Optional[dict], keys: Any, dim: int, seed: int = 0) -> np.ndarray:
+    """Initial values (n x dim float32) of ids under a table's initializer and seed.
+
+    A pure function of (seed, key, element index), as csrc/initializer.cc
+    ``FillInitialRows``, for the initializer's stream "version" (default 2).
+    """
+    spec = normalize_initializer(initializer)
+    n = np.asarray(keys, dtype=np.int64).reshape(-1).shape[0]
+    kind, a = spec["kind"], spec["a"]
+    if kind == "zeros":
+        return np.zeros((n, dim), dtype=np.float32)
+    if kind == "constant":
+        return np.full((n, dim), np.float32(a), dtype=np.float32)
+    if spec["version"] == 1:
+        return _initial_rows_v1(spec, keys, dim, seed)
+    return np.ascontiguousarray(_initial_rows_v2(spec, keys, dim, seed), dtype=np.float32)
+
+
 def initial_row(initializer: Optional[dict], key: int, dim: int, seed: int = 0) -> np.ndarray:
     """Initial value (dim float32) of one id; see ``initial_rows``."""
-    return initial_rows(initializer, [key], dim, seed)[0]
+    spec = normalize_initializer(initializer)
+    frozen = (spec["kind"], spec["a"], spec["b"], spec["version"])
+    return _cached_initial_row(frozen, int(key), int(dim), int(seed)).copy()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _cached_initial_row(frozen: tuple, key: int, dim: int, seed: int) -> np.ndarray:
+    # The reference tables insert one id at a time and tests reuse ids a lot.
+    kind, a, b, version = frozen
+    spec = {"kind": kind, "a": a, "b": b, "version": version}
+    return initial_rows(spec, [key], dim, seed)[0]
 
 
 # --------------------------------------------------------------------------

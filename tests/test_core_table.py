@@ -193,10 +193,10 @@ def test_growth_to_300k_rows_preserves_every_value():
 
 
 def colliding_keys(count, home_buckets, capacity=16, start=0):
-    """Keys whose home bucket (Mix64(key) & (capacity - 1)) is in home_buckets."""
+    """Keys whose home bucket (Mix64(key) * capacity >> 64) is in home_buckets."""
     candidates = np.arange(start, start + 4000 * count, dtype=np.int64)
-    homes = reference.mix64(candidates) & np.uint64(capacity - 1)
-    chosen = candidates[np.isin(homes, np.array(home_buckets, dtype=np.uint64))]
+    homes = np.array([(int(h) * capacity) >> 64 for h in reference.mix64(candidates)])
+    chosen = candidates[np.isin(homes, home_buckets)]
     assert len(chosen) >= count
     return chosen[:count]
 
