@@ -29,6 +29,23 @@ _DENSE_NOT_SPARSE = (
 _SPARSE_NOT_DENSE = "key {name!r} is a sparse table; use row_sparse_pull and push (ids, rows)"
 
 
+def with_stream_version(spec: dict, version: int) -> dict:
+    """A table spec whose initializer names its stream version (`version` if it names none).
+
+    The version is stored with the table (and so in its checkpoints): rows of ids never
+    stored depend on it (`_core.INITIALIZER_VERSION` is the current one).
+    """
+    initializer = spec["initializer"]
+    if "version" in initializer:
+        return spec
+    return {**spec, "initializer": {**initializer, "version": int(version)}}
+
+
+def _without_stream_version(spec: dict) -> dict:
+    initializer = {k: v for k, v in spec["initializer"].items() if k != "version"}
+    return {**spec, "initializer": initializer}
+
+
 @dataclass
 class SparseEntry:
     """A sparse table of this shard: its key name, spec and rows (ShardState's thread rule)."""
@@ -140,9 +157,19 @@ class ShardState:
 
         Raises DuplicateKey when the key exists with another configuration.
         """
+        pinned = "version" in spec["initializer"]
+        spec = with_stream_version(spec, _core.INITIALIZER_VERSION)
         existing = self.sparse.get(table_id)
         if existing is not None or table_id in self.dense:
-            if existing is not None and existing.spec == spec:
+            # A spec that names no stream version matches a table of any version: the
+            # same init after loading an old checkpoint adopts its (v1) table.
+            if existing is not None and (
+                existing.spec == spec
+                or (
+                    not pinned
+                    and _without_stream_version(existing.spec) == _without_stream_version(spec)
+                )
+            ):
                 return False
             raise errors.DuplicateKey(f"key {name!r} is already initialized differently")
         own = spec.get("optimizer") is not None

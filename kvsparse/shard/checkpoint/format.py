@@ -28,7 +28,10 @@ from kvsparse import errors
 from kvsparse.shard.checkpoint.files import AtomicFile
 
 FORMAT = "kvsparse-checkpoint"
-VERSION = 1
+# 2: tables record their initializer's stream version (kvsparse.initializers: the v2
+# streams give unseen ids other rows than v1). Version 1 files are read as stream v1.
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MAGIC = b"KVSPCKPT"
 END_MAGIC = b"KVSPEND1"
 # magic (8) + version (u32) + flags (u32)
@@ -135,6 +138,7 @@ class ShardFile:
     path: str
     index: dict
     data: memoryview = field(repr=False)
+    version: int = VERSION  # the file's format version (READABLE_VERSIONS)
 
     def section(self, entry: dict) -> memoryview:
         """The bytes of a block entry, after checking its bounds and CRC-32."""
@@ -212,9 +216,10 @@ def read_shard_file(path: str) -> ShardFile:
     magic, version, _ = HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise CheckpointError(f"{path}: not a kvsparse checkpoint file (bad magic)")
-    if version != VERSION:
+    if version not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{path}: checkpoint format version {version}; this kvsparse reads {VERSION}"
+            f"{path}: checkpoint format version {version}; this kvsparse reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
     index_len, index_crc, end = TRAILER.unpack_from(data, len(data) - TRAILER.size)
     if end != END_MAGIC or index_len > len(data) - HEADER.size - TRAILER.size:
@@ -223,6 +228,6 @@ def read_shard_file(path: str) -> ShardFile:
     if zlib.crc32(body) != index_crc:
         raise CheckpointError(f"{path}: checksum mismatch in the index (corrupt file)")
     index = json.loads(body)
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
+    if index.get("format") != FORMAT or index.get("version") != version:
         raise CheckpointError(f"{path}: unknown checkpoint index format")
-    return ShardFile(path, index, memoryview(data))
+    return ShardFile(path, index, memoryview(data), version)

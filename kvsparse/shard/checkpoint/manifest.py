@@ -18,7 +18,7 @@ import os
 import re
 
 from kvsparse.shard.checkpoint.files import AtomicFile
-from kvsparse.shard.checkpoint.format import FORMAT, VERSION, CheckpointError
+from kvsparse.shard.checkpoint.format import FORMAT, READABLE_VERSIONS, VERSION, CheckpointError
 
 _MANIFEST_RE = re.compile(r"^ckpt-(\d{6})\.manifest\.json$")
 
@@ -50,7 +50,7 @@ def read_manifest(path: str, seq: int) -> dict:
             manifest = json.loads(f.read())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{name}: cannot read the manifest ({exc})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{name}: unknown manifest format or version")
     return manifest
 

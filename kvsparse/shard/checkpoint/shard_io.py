@@ -34,7 +34,7 @@ from kvsparse.shard.checkpoint.format import (
     read_shard_file,
 )
 from kvsparse.shard.checkpoint.manifest import chain, require_manifest, shard_file_name
-from kvsparse.shard.state import DenseEntry, ShardState, SparseEntry
+from kvsparse.shard.state import DenseEntry, ShardState, SparseEntry, with_stream_version
 
 # -- saving -----------------------------------------------------------------------------------
 
@@ -236,11 +236,14 @@ def load_shard_state(state: ShardState, path: str, shard_index: int, num_shards:
     progress = progress_bar(total_rows, f"load shard {shard_index}")
     try:
         for m in steps:
-            state.default_optimizer = m.get("default_optimizer")
             for old_index in files:
                 f = read_shard_file(os.path.join(path, m["shards"][old_index]["file"]))
                 if f.index["kind"] != m["kind"] or int(f.index["seq"]) != int(m["seq"]):
                     raise CheckpointError(f"{f.path}: does not belong to checkpoint {m['seq']}")
+                # The store-wide optimizer is in each shard file (the manifest has none
+                # under this name): read from the manifest, a loaded store saved tables of
+                # the store-wide optimizer without it, and could not load that save again.
+                state.default_optimizer = f.index.get("default_optimizer")
                 for section in f.index["sparse"]:
                     _load_sparse_section(state, f, section, reshard, progress)
                 # A delta holds every dense key in full: the newest copy wins.
@@ -264,6 +267,8 @@ def _load_sparse_section(
 ) -> None:
     table_id = int(section["table_id"])
     spec = section["spec"]
+    if f.version == 1:  # written before tables recorded their initializer's streams
+        spec = with_stream_version(spec, 1)
     entry = state.sparse.get(table_id)
     if entry is None:
         if not reshard.same and spec.get("boundaries") is not None:
