@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from kvsparse import errors
 from kvsparse.table import SparseTable
 
-# One lock per store, shared by all adapters: a KVStore is not meant to be
-# called from two threads at once, and adapters call it from threads of their
-# own (a prefetch) or of the framework (JAX and TensorFlow host callbacks).
+# One lock per store, shared by all adapters. A KVStore is safe to call from
+# several threads (issue 11); the adapters still take this lock around their
+# calls, which come from threads of their own (a prefetch) or of the framework
+# (JAX and TensorFlow host callbacks), so that a check and the call it guards
+# (ensure_table's lookup and init) run as one.
 _store_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _store_locks_guard = threading.Lock()
 
@@ -22,9 +24,9 @@ _store_locks_guard = threading.Lock()
 def store_lock(kv) -> threading.Lock:
     """The lock the adapters take around every call to `kv`.
 
-    Take it yourself if you call `kv` from another thread while an adapter
-    may be using it (a prefetch in flight, a host callback running). Safe to
-    call from several threads at once.
+    A store is safe to call from several threads without it; take it to
+    make several calls one unit with respect to the adapters (none of them
+    runs in between). Safe to call from several threads at once.
 
     Example:
         >>> with store_lock(kv):
@@ -72,6 +74,32 @@ def ensure_table(
     return TableOptions(initializer, optimizer, seed, partitioner, nonfinite).ensure(
         kv, key, embedding_dim
     )
+
+
+def check_trainable(kv, key) -> None:
+    """Raises unless a push of gradients to sparse table `key` runs an optimizer.
+
+    With no optimizer (neither ``SparseTable(optimizer=...)`` nor
+    ``kv.set_optimizer``) a push replaces the rows by the pushed values: an
+    adapter's backward would silently overwrite the table with its gradients
+    (issue 11). Adapters call this before every gradient push. A table whose
+    optimizer this store cannot know (keys learned from a checkpoint) passes.
+    Safe to call from several threads at once.
+
+    Raises:
+        kvsparse.errors.InvalidArgument: the table has no optimizer.
+
+    Example:
+        >>> check_trainable(kv, 'user')  # kv.set_optimizer(...) was called: passes
+    """
+    if kv.optimizer is not None:
+        return
+    if kv.key_info(key).own_optimizer is False:
+        raise errors.InvalidArgument(
+            f"table {key!r} has no optimizer, so pushing its gradients would replace its rows "
+            f"by the gradients; call kv.set_optimizer(kvsparse.optimizers.SGD(...)) or give the "
+            f"table one (optimizer= here, or SparseTable(optimizer=...))"
+        )
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
-from kvsparse.adapters._common import TableOptions, ensure_table, store_lock
+from kvsparse.adapters._common import TableOptions, check_trainable, ensure_table, store_lock
 
 from kvsparse import errors
 
@@ -81,6 +81,7 @@ class _Table:
 
     def push(self, ids, grad) -> None:
         with store_lock(self.kv):
+            check_trainable(self.kv, self.key)
             self.kv.push(self.key, (np.asarray(ids), np.asarray(grad, np.float32)))
 
 

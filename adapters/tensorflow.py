@@ -93,7 +93,7 @@ import weakref
 import keras
 import numpy as np
 import tensorflow as tf
-from kvsparse.adapters._common import TableOptions, ensure_table, store_lock
+from kvsparse.adapters._common import TableOptions, check_trainable, ensure_table, store_lock
 
 from kvsparse import _core, errors
 
@@ -237,6 +237,7 @@ class Embedding(keras.layers.Layer):
         host_ids = tensor_to_numpy(ids)
         rows = tensor_to_numpy(gradient)
         with store_lock(self.kv):
+            check_trainable(self.kv, self.key)
             self.kv.push(self.key, (host_ids, rows))
         self.pushes += 1
         return tf.zeros((), tf.float32)

@@ -53,7 +53,7 @@ import threading
 
 import torch
 import torch.nn.functional as functional
-from kvsparse.adapters._common import TableOptions, ensure_table, store_lock
+from kvsparse.adapters._common import TableOptions, check_trainable, ensure_table, store_lock
 from torch import nn
 
 from kvsparse import errors
@@ -186,6 +186,7 @@ class _Lookup:
             if not bool(keep.all()):
                 ids, grad = ids[keep], grad[keep]
         with store_lock(self.kv):
+            check_trainable(self.kv, self.key)
             self.kv.push(self.key, (ids, grad))
 
 
@@ -259,7 +260,10 @@ class Embedding(_TableModule):
             never pushed (nn.Embedding's padding row, never stored).
         initializer, optimizer, seed, partitioner, nonfinite: the table's
             settings (kvsparse.SparseTable) when this creates it. Give the
-            table its optimizer here: it runs on the servers.
+            table its optimizer here: it runs on the servers. A table with
+            no optimizer (none here, none in SparseTable, no
+            kv.set_optimizer) refuses the backward's push with
+            InvalidArgument instead of replacing rows by gradients.
 
     forward(ids): ids is an integer tensor of any shape (int64 values of any
     size); returns float32 of shape ids.shape + (embedding_dim,).
@@ -271,6 +275,7 @@ class Embedding(_TableModule):
     Raises:
         kvsparse.errors.UnknownKey: no table and no embedding_dim.
         kvsparse.errors.DTypeError: non-integer ids.
+        kvsparse.errors.InvalidArgument: on backward, the table has no optimizer.
 
     Example:
         >>> emb = Embedding(kv, 'item', embedding_dim=8,

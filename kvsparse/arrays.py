@@ -56,11 +56,30 @@ def as_numpy(obj, *, what: str, writable: bool = False) -> np.ndarray:
         raise errors.DTypeError(f"{what}: cannot read {type(obj).__name__} as an array") from exc
 
 
+def _is_bfloat16(array: np.ndarray) -> bool:
+    """Whether array holds bfloat16 values: ml_dtypes' dtype, or DLPack's raw bits.
+
+    `_core.from_dlpack` gives a bfloat16 tensor as uint16 bits (NumPy has no
+    bfloat16) with ``base.dlpack_dtype == "bfloat16"``; those bits must never
+    be read as integers (issue 11: 1.5 pushed in bfloat16 became -16320).
+    """
+    if array.dtype.name == "bfloat16":
+        return True
+    return array.dtype == np.uint16 and getattr(array.base, "dlpack_dtype", "") == "bfloat16"
+
+
+def dtype_name(array: np.ndarray) -> str:
+    """The dtype of array as a user named it ("bfloat16" for DLPack bfloat16 bits)."""
+    return "bfloat16" if _is_bfloat16(array) else str(array.dtype)
+
+
 def as_ids(obj, *, key) -> np.ndarray:
     """Ids of any shape as int64 (integer dtypes only; no silent float truncation)."""
     array = as_numpy(obj, what=f"row ids of key {key!r}")
     if array.dtype == np.int64:
         return array
+    if _is_bfloat16(array):
+        raise errors.DTypeError(f"row ids of key {key!r} must be integers, got dtype bfloat16")
     if array.dtype.kind == "u":
         if array.size and array.max() > np.iinfo(np.int64).max:
             raise errors.InvalidArgument(f"row ids of key {key!r} exceed the int64 range")
@@ -72,25 +91,72 @@ def as_ids(obj, *, key) -> np.ndarray:
     raise errors.DTypeError(f"row ids of key {key!r} must be integers, got dtype {array.dtype}")
 
 
+# The float dtypes values are converted from (docs/api.md "Dtypes"); the rest are refused.
+_CONVERTED_FLOATS = ("float16", "bfloat16", "float64")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def as_float32(obj, *, what: str) -> np.ndarray:
-    """Values as float32; other dtypes are refused rather than silently cast."""
+    """Values (gradients, dense values) as float32.
+
+    float32 is used as it is (no copy); float16, bfloat16 (NumPy with
+    ml_dtypes, or any DLPack producer: torch, TF, JAX) and float64 are
+    converted exactly or rounded to nearest. A Python int or float is taken as
+    a float32 scalar. bool, integer, complex and other dtypes are refused
+    rather than cast silently.
+
+    Raises:
+        DTypeError: a dtype that is not a float one.
+        InvalidArgument: a finite float64 value beyond the float32 range.
+    """
+    if type(obj) in (int, float):  # a Python scalar, e.g. kv.push('lr', 1)
+        return np.asarray(obj, np.float32)
     array = as_numpy(obj, what=what)
-    if array.dtype != np.float32:
-        if array.dtype.kind in "iub" or array.dtype == np.float64 and array.ndim == 0:
-            return array.astype(np.float32)
-        raise errors.DTypeError(f"{what} must be float32, got dtype {array.dtype}")
-    return array
+    if array.dtype == np.float32:
+        return array
+    name = dtype_name(array)
+    if name not in _CONVERTED_FLOATS:
+        raise errors.DTypeError(
+            f"{what} must be float32 (or float16, bfloat16, float64, converted), got dtype {name}"
+        )
+    if array.dtype == np.uint16:  # bfloat16 bits: the high half of a float32
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    if array.dtype == np.float64 and array.size:
+        finite = array[np.isfinite(array)]
+        if finite.size and np.abs(finite).max() > _FLOAT32_MAX:
+            raise errors.InvalidArgument(
+                f"{what}: a float64 value beyond the float32 range ({_FLOAT32_MAX:.3g})"
+            )
+    return array.astype(np.float32)
 
 
 def flat_ids(ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(ids.reshape(-1))
 
 
-def rows_view(values: np.ndarray, n: int, dim: int, *, what: str) -> np.ndarray:
-    """values as a C-contiguous (n, dim) float32 array (a view when possible)."""
-    if values.size != n * dim or (values.ndim >= 1 and values.shape[-1] != dim and n):
+def check_rows_shape(shape: tuple, ids_shape: tuple, dim: int, *, what: str) -> None:
+    """Raises ShapeError unless shape is ids_shape + (dim,) or (ids.size, dim).
+
+    The two shapes rows of ids may have (pushed, or an ``out=`` pulled into):
+    one row per id in the ids' own shape, or the ids flattened (what adapters
+    send after dropping padding ids). Checking only the size let rows of shape
+    (3, 2, 4) for ids of shape (2, 3) land on the wrong ids (issue 11).
+    """
+    shape, ids_shape = tuple(shape), tuple(ids_shape)
+    exact = ids_shape + (dim,)
+    flat = (int(np.prod(ids_shape, dtype=np.int64)), dim)
+    if shape != exact and shape != flat:
+        allowed = f"{exact}" if exact == flat else f"{exact} or {flat}"
         raise errors.ShapeError(
-            f"{what} must hold {n} rows of {dim} values (shape ids.shape + ({dim},)), "
-            f"got shape {values.shape}"
+            f"{what} must have shape {allowed} for ids of shape {ids_shape}, got {shape}"
         )
-    return np.ascontiguousarray(values.reshape(n, dim))
+
+
+def rows_view(values: np.ndarray, ids_shape: tuple, dim: int, *, what: str) -> np.ndarray:
+    """values as a C-contiguous (ids.size, dim) float32 array (a view when possible).
+
+    Raises:
+        ShapeError: values is neither ids_shape + (dim,) nor (ids.size, dim).
+    """
+    check_rows_shape(values.shape, ids_shape, dim, what=what)
+    return np.ascontiguousarray(values.reshape(-1, dim))

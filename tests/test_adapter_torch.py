@@ -298,7 +298,9 @@ def test_parity_with_torch_nn_on_two_servers(two_servers, optimizer_name):
 @pytest.mark.parametrize("shape", [(), (5,), (2, 3), (2, 3, 4), (0,), (3, 0)])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_output_is_ids_shape_plus_dim_and_matches_the_store(kv, shape, dtype):
-    emb = Embedding(kv, "user", embedding_dim=5, seed=3)
+    emb = Embedding(
+        kv, "user", embedding_dim=5, seed=3, optimizer=optimizers.SGD(learning_rate=0.1)
+    )
     high = 2**62 if dtype == torch.int64 else 2**31 - 1
     ids = torch.from_numpy(np.random.default_rng(0).integers(-high, high, shape)).to(dtype)
     out = emb(ids)

@@ -16,7 +16,16 @@ from __future__ import annotations
 import numpy as np
 
 from kvsparse import _core, errors
-from kvsparse.arrays import as_float32, as_ids, as_list, as_numpy, flat_ids, rows_view
+from kvsparse.arrays import (
+    as_float32,
+    as_ids,
+    as_list,
+    as_numpy,
+    check_rows_shape,
+    dtype_name,
+    flat_ids,
+    rows_view,
+)
 from kvsparse.store.keys import KeyInfo
 from kvsparse.store.plans import PlanCache
 
@@ -31,8 +40,14 @@ def sparse_push(info: KeyInfo, value, num_shards: int, plans: PlanCache | None =
         plans: the store's plans; one (ids, rows) pair whose flat ids equal a
             pulled batch's reuses its plan. None: always plan afresh.
 
+    Rows have shape ids.shape + (dim,), or (ids.size, dim) (ids flattened);
+    float16, bfloat16 and float64 rows are converted to float32
+    (`kvsparse.arrays.as_float32`).
+
     Raises:
-        InvalidArgument: value is not (ids, rows) pairs. DTypeError, ShapeError.
+        InvalidArgument: value is not (ids, rows) pairs.
+        DTypeError: ids not integers, rows not of a float dtype.
+        ShapeError: rows of another shape.
         NonFiniteGradient: NaN/inf in a summed row of a table with nonfinite='raise'.
     """
     pairs = [value] if isinstance(value, tuple) else as_list(value)
@@ -42,12 +57,11 @@ def sparse_push(info: KeyInfo, value, num_shards: int, plans: PlanCache | None =
             raise errors.InvalidArgument(
                 f"a push to sparse key {info.key!r} takes (ids, rows) or a list of them"
             )
-        ids = flat_ids(as_ids(pair[0], key=info.key))
+        ids = as_ids(pair[0], key=info.key)
         grads = as_float32(pair[1], what=f"rows pushed to key {info.key!r}")
-        id_parts.append(ids)
-        grad_parts.append(
-            rows_view(grads, ids.size, info.dim, what=f"rows pushed to key {info.key!r}")
-        )
+        what = f"rows pushed to key {info.key!r}"
+        grad_parts.append(rows_view(grads, ids.shape, info.dim, what=what))
+        id_parts.append(flat_ids(ids))
     ids = id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts)
     grads = grad_parts[0] if len(grad_parts) == 1 else np.concatenate(grad_parts)
     if plans is None:
@@ -74,14 +88,17 @@ def sparse_push(info: KeyInfo, value, num_shards: int, plans: PlanCache | None =
 def dense_push(info: KeyInfo, value) -> np.ndarray:
     """The flat float32 sum of the values pushed to a dense key (an array or a list).
 
+    Each value has exactly the key's shape (MXNet's rule: no reshaping).
+
     Raises:
-        ShapeError: a value of another size. InvalidArgument: an empty list.
+        ShapeError: a value of another shape. InvalidArgument: an empty list.
+        DTypeError: a value not of a float dtype.
         NonFiniteGradient: NaN/inf in the sum.
     """
     total = None
     for part in as_list(value):
         array = as_float32(part, what=f"value pushed to key {info.key!r}")
-        if array.size != info.size:
+        if array.shape != info.shape:
             raise errors.ShapeError(
                 f"value pushed to key {info.key!r} must have shape {info.shape}, got {array.shape}"
             )
@@ -102,7 +119,8 @@ def rows_output(info: KeyInfo, ids: np.ndarray, out) -> tuple:
     A new array when out is None; else out, viewed writable (NumPy or DLPack).
 
     Raises:
-        DTypeError: out is not float32. ShapeError: out has another size.
+        DTypeError: out is not float32.
+        ShapeError: out is neither ids.shape + (dim,) nor (ids.size, dim).
     """
     shape = ids.shape + (info.dim,)
     if out is None:
@@ -110,11 +128,10 @@ def rows_output(info: KeyInfo, ids: np.ndarray, out) -> tuple:
         return result, result
     target = as_numpy(out, what=f"out of key {info.key!r}", writable=True)
     if target.dtype != np.float32:
-        raise errors.DTypeError(f"out of key {info.key!r} must be float32, got {target.dtype}")
-    if target.shape != shape and target.size != int(np.prod(shape)):
-        raise errors.ShapeError(
-            f"out of key {info.key!r} must have shape {shape}, got {target.shape}"
+        raise errors.DTypeError(
+            f"out of key {info.key!r} must be float32, got {dtype_name(target)}"
         )
+    check_rows_shape(target.shape, ids.shape, info.dim, what=f"out of key {info.key!r}")
     return out, target
 
 
@@ -132,15 +149,19 @@ def dense_outputs(info: KeyInfo, out) -> list:
     """The writable float32 arrays a pull of a dense key fills: out, or each of a list of copies.
 
     Raises:
-        ShapeError: an out of another size or dtype.
+        DTypeError: an out that is not float32.
+        ShapeError: an out not of the key's exact shape.
     """
     arrays = []
     for target in [] if out is None else as_list(out):  # MXNet: out may be a list of copies
         array = as_numpy(target, what=f"out of key {info.key!r}", writable=True)
-        if array.size != info.size or array.dtype != np.float32:
+        if array.dtype != np.float32:
+            raise errors.DTypeError(
+                f"out of key {info.key!r} must be float32, got {dtype_name(array)}"
+            )
+        if array.shape != info.shape:
             raise errors.ShapeError(
-                f"out of key {info.key!r} must be float32 of shape {info.shape}, "
-                f"got {array.dtype} {array.shape}"
+                f"out of key {info.key!r} must have shape {info.shape}, got {array.shape}"
             )
         arrays.append(array)
     return arrays

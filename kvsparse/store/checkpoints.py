@@ -33,6 +33,11 @@ OPTIMIZER_STATE_VERSION = 1
 class Checkpoints:
     """Save, load and export of one store's tables (`KVStore.save` / `load` / `export`).
 
+    Threads: keeps no state of its own; save and export may run in several
+    threads at once, and beside pushes and pulls (the backend serializes the
+    shard operations). A load replaces the keys: `KVStore.load` runs it under
+    the store's lock.
+
     Args:
         backend: the store's backend.
         keys: the store's key registry; `load` replaces its keys.
@@ -153,6 +158,9 @@ class OptimizerStateFile:
     key number ``i`` (its position in ``keys``): ``k{i}_slots`` and, for a
     sparse table, ``k{i}_keys`` and ``k{i}_steps`` (rows in any order; loading
     re-plans them onto the store's shards).
+
+    Threads: keeps no state of its own; may be called from several threads
+    at once (the backend serializes the shard operations).
 
     Args:
         backend: the store's backend.

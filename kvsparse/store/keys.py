@@ -29,7 +29,8 @@ from kvsparse.table import SparseTable
 class KeyInfo:
     """What the store knows of one initialized key (`KVStore.key_info`).
 
-    A plain record; do not change one that a store handed out.
+    A plain record; do not change one that a store handed out. Read it from
+    any number of threads at once.
     """
 
     key: object
@@ -39,6 +40,9 @@ class KeyInfo:
     shape: tuple = ()  # dense
     boundaries: list | None = None  # sparse, range partitioner
     nonfinite: str = "raise"  # sparse: 'raise' or 'skip'
+    # sparse: SparseTable(optimizer=...) was given; None: not known here (a key
+    # learned from a checkpoint manifest, which does not record it).
+    own_optimizer: bool | None = None
 
     @property
     def size(self) -> int:
@@ -75,8 +79,11 @@ class KeyRegistry:
     """The initialized keys of one store, in init order, and the key kind they use.
 
     Keys are int or str (NumPy integers count as int and are stored as int);
-    once a key is added, keys of the other kind are refused. Not safe to call
-    from several threads at once (its store is not either).
+    once a key is added, keys of the other kind are refused.
+
+    Threads: lookups (info, ``in``, infos, names) may run in several threads
+    at once, also while one thread adds or replaces keys; adding and
+    replacing must be serialized by the caller (`KVStore` does, under its lock).
     """
 
     def __init__(self):
@@ -160,6 +167,7 @@ class KeyRegistry:
             dim=table.dim,
             boundaries=spec["boundaries"],
             nonfinite=table.nonfinite,
+            own_optimizer=table.optimizer is not None,
         )
         return info, spec
 
@@ -176,11 +184,13 @@ class KeyRegistry:
 
     def replace(self, infos) -> None:
         """Forgets every key, then registers infos (a checkpoint's keys)."""
-        self._infos = {}
-        self._key_type = None
+        # Built aside, then swapped in: a reader in another thread sees the old keys or
+        # the new ones, never an empty registry.
+        replacement, key_type = {}, None
         for info in infos:
-            self._infos[info.key] = info
-            self._key_type = str if isinstance(info.key, str) else int
+            replacement[info.key] = info
+            key_type = str if isinstance(info.key, str) else int
+        self._infos, self._key_type = replacement, key_type
 
 
 __all__ = ["KeyInfo", "KeyRegistry"]

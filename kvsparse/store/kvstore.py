@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 
@@ -80,12 +81,19 @@ class StoreFront:
 class KVStore(StoreFront):
     """MXNet-style key-value store whose sparse tables live on shards.
 
-    Use ``kvsparse.create(kind)`` rather than this constructor. Not safe to
-    call from several threads at once: serialize such calls with a lock (the
-    framework adapters take ``kvsparse.adapters._common.store_lock(kv)``).
-    Calls serialized that way may come from any threads, interleaved (one
-    thread's pull, another's pull, then the first one's push): the plan a
-    push reuses is always that of equal ids (`kvsparse.store.plans`).
+    Use ``kvsparse.create(kind)`` rather than this constructor.
+
+    Threads: safe to call from several threads at once (data-loader threads,
+    ``tf.py_function``, Keras workers), every push applied exactly once.
+    What runs in parallel: checking and converting inputs, planning ids and
+    summing duplicate rows (C++, without the GIL), and gathering pulled rows.
+    What is serialized: the shard operations (the local backend's lock; a
+    dist store's `kvsparse.client.session.Session` lock, one exchange with
+    the servers at a time), and init, set_optimizer and load (this store's
+    lock). Calls may interleave in any order (one thread's pull, another's
+    pull, then the first one's push): the plan a push reuses is always that
+    of equal ids (`kvsparse.store.plans`). Concurrent pushes to the same rows
+    are applied one after the other, in an order the caller does not choose.
 
     A step's ``row_sparse_pull(key, row_ids=ids)`` then ``push(key, (ids,
     grads))`` plans the ids once: the pull keeps its plan (the last
@@ -103,6 +111,9 @@ class KVStore(StoreFront):
         self._keys = KeyRegistry()
         self._optimizer: optimizers.Optimizer | None = None
         self._plans = PlanCache()
+        # init, set_optimizer and load change what every later call reads (the keys, the
+        # optimizer): one at a time. Pushes and pulls only read those.
+        self._lock = threading.RLock()
 
     # The checkpoint code (and the shard's file format under it) loads on the first save,
     # load or export: `import kvsparse` stays light for launchers and for workers that
@@ -158,6 +169,10 @@ class KVStore(StoreFront):
         keys, values = as_list(key), as_list(value)
         if len(keys) != len(values):
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(values)} values")
+        with self._lock:
+            self._init_locked(keys, values)
+
+    def _init_locked(self, keys: list, values: list) -> None:
         prepared = []
         seen: set = set()
         for k, v in zip(keys, values):
@@ -272,8 +287,20 @@ class KVStore(StoreFront):
 
         Returns the filled output (a new array if out is None). Sparse tables
         have no whole value to pull: use row_sparse_pull.
+
+        Raises:
+            ShapeError: an out not of the key's exact shape. DTypeError: not float32.
         """
         del priority, ignore_sparse
+        single = not isinstance(key, (list, tuple))
+        items, results, fills = self._dense_targets(key, out)
+        self._backend.pull_dense(items)
+        for array, flat in fills:
+            array[...] = flat.reshape(array.shape)
+        return results[0] if single else results
+
+    def _dense_targets(self, key, out) -> tuple:
+        """(backend items, what pull returns, [(out array, flat)]) of a pull; checks out."""
         single = not isinstance(key, (list, tuple))
         keys = as_list(key)
         outs = outputs_per_key(out, single, len(keys))
@@ -290,13 +317,14 @@ class KVStore(StoreFront):
             items.append((info.table_id, flat))
             fills += [(array, flat) for array in batching.dense_outputs(info, o)]
             results.append(o if o is not None else flat.reshape(info.shape))
-        self._backend.pull_dense(items)
-        for array, flat in fills:
-            array[...] = flat.reshape(array.shape)
-        return results[0] if single else results
+        return items, results, fills
 
     def pushpull(self, key, value, out=None, priority=0):
-        """push(key, value) then pull(key, out): the updated value after this push."""
+        """push(key, value) then pull(key, out): the updated value after this push.
+
+        out is checked before the push: a bad out changes nothing.
+        """
+        self._dense_targets(key, out)
         self.push(key, value, priority)
         return self.pull(key, out, priority)
 
@@ -321,8 +349,9 @@ class KVStore(StoreFront):
             raise errors.InvalidArgument(
                 f"set_optimizer takes a kvsparse.optimizers object, got {type(optimizer).__name__}"
             )
-        self._backend.set_optimizer(None if optimizer is None else optimizer.to_dict())
-        self._optimizer = optimizer
+        with self._lock:
+            self._backend.set_optimizer(None if optimizer is None else optimizer.to_dict())
+            self._optimizer = optimizer
 
     @property
     def optimizer(self):
@@ -395,9 +424,10 @@ class KVStore(StoreFront):
             >>> kv.load("/ckpt")                                          # doctest: +SKIP
             3
         """
-        seq, self._optimizer = self._checkpoints.load(path)
-        self._plans.clear()  # the loaded tables may have other partitioners
-        return seq
+        with self._lock:
+            seq, self._optimizer = self._checkpoints.load(path)
+            self._plans.clear()  # the loaded tables may have other partitioners
+            return seq
 
     def export(self, path, tables=None) -> str:
         """Writes keys and values (no optimizer slots) of sparse tables for inference.

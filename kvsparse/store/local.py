@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import functools
+import threading
+
 from kvsparse.shard.state import ShardState
+
+
+def _serialized(method):
+    """Runs method under the backend's lock (see LocalBackend: threads)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class LocalBackend:
     """Serves the KVStore frontend from a ShardState in this process.
 
     The same ShardState code runs inside each `kvsparse server`, so `local`
-    and `dist_sparse` compute the same results. Not safe to call from several
-    threads at once (the store above it is not either).
+    and `dist_sparse` compute the same results.
+
+    Threads: safe to call from several threads at once. Every method runs
+    under one lock, because the C++ table is not thread-safe and the bridge
+    releases the GIL inside each table call (issue 11: a local store used
+    from 4 threads crashed). The GIL stays released inside the C++ work, so
+    other Python threads keep running; the store's own preparation (id
+    planning, summing duplicate rows, gathering pulled rows) runs outside
+    this lock, in parallel.
     """
 
     num_shards = 1
@@ -19,24 +40,30 @@ class LocalBackend:
 
     def __init__(self):
         self.state = ShardState()
+        self._lock = threading.Lock()
 
+    @_serialized
     def init_sparse(self, table_id, name, spec):
         """Creates the sparse table (an identical existing one is kept)."""
         self.state.create_sparse(table_id, name, spec)
 
+    @_serialized
     def init_dense(self, table_id, name, values):
         """Creates the dense key holding values."""
         self.state.create_dense(table_id, name, values)
 
+    @_serialized
     def set_optimizer(self, spec):
         """Sets (spec) or removes (None) the store-wide optimizer."""
         self.state.set_optimizer(spec)
 
+    @_serialized
     def pull_sparse(self, items):
         """items: [(table_id, keys, offsets)] -> [[rows of shard 0]]."""
         self.state.counters.requests += 1
         return [[self.state.pull_sparse(table_id, keys)] for table_id, keys, _ in items]
 
+    @_serialized
     def push_sparse(self, items):
         """items: [(table_id, keys, offsets, summed rows)]; all checked before any applies."""
         self.state.counters.requests += 1
@@ -45,12 +72,14 @@ class LocalBackend:
         for table_id, keys, _, rows in items:
             self.state.push_sparse(table_id, keys, rows)
 
+    @_serialized
     def pull_dense(self, items):
         """items: [(table_id, flat out)]."""
         self.state.counters.requests += 1
         for table_id, out in items:
             out[...] = self.state.pull_dense(table_id)
 
+    @_serialized
     def push_dense(self, items):
         """items: [(table_id, flat gradient)]; all checked before any applies."""
         self.state.counters.requests += 1
@@ -59,15 +88,18 @@ class LocalBackend:
         for table_id, grad in items:
             self.state.push_dense(table_id, grad)
 
+    @_serialized
     def optimizer_states(self):
         """[{table_id: state}] of the one shard."""
         return [self.state.optimizer_state()]
 
+    @_serialized
     def load_optimizer_states(self, loads):
         """loads: [(shard, table_id, state)]; the shard is always 0 here."""
         for _, table_id, state in loads:
             self.state.load_optimizer_state(table_id, state)
 
+    @_serialized
     def checkpoint(self, requests):
         """{shard: request body} -> {shard: reply}, run in this process (`checkpoint.handle`)."""
         from kvsparse.shard import checkpoint
@@ -77,14 +109,17 @@ class LocalBackend:
     def barrier(self):
         """One worker: nothing to wait for."""
 
+    @_serialized
     def evict(self):
         """TTL eviction now: [{table name: rows evicted}] (one shard)."""
         return [self.state.evict()]
 
+    @_serialized
     def stats(self):
         """[stats of the one shard], its address 'local'."""
         return [{"address": "local", **self.state.stats()}]
 
+    @_serialized
     def close(self):
         """Drops the tables."""
         self.state = ShardState()
