@@ -7,6 +7,8 @@ Every function here keeps no state and may be called from several threads at onc
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from kvsparse import _core, errors
@@ -144,7 +146,7 @@ def check_rows_shape(shape: tuple, ids_shape: tuple, dim: int, *, what: str) -> 
     """
     shape, ids_shape = tuple(shape), tuple(ids_shape)
     exact = ids_shape + (dim,)
-    flat = (int(np.prod(ids_shape, dtype=np.int64)), dim)
+    flat = (math.prod(ids_shape), dim)
     if shape != exact and shape != flat:
         allowed = f"{exact}" if exact == flat else f"{exact} or {flat}"
         raise errors.ShapeError(
