@@ -317,3 +317,70 @@ def test_torch_embedding_with_its_own_optimizer_trains_under_bfloat16_autocast()
     loss.backward()
     np.testing.assert_array_equal(rows_of(kv, [3], "item"), np.full((1, DIM), -0.5))
     kv.close()
+
+
+# -- property: any dtype, shape, layout and tensor type --------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+ACCEPTED = {"float16", "bfloat16", "float32", "float64"}
+NUMPY_DTYPES = {
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+    "float32": np.float32,
+    "float64": np.float64,
+    "int32": np.int32,
+    "int64": np.int64,
+    "bool": np.bool_,
+}
+
+
+def _as_tensor(array: np.ndarray, kind: str, dtype: str):
+    if kind == "numpy":
+        return array
+    if dtype == "bfloat16":
+        return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(array)  # keeps a non-contiguous layout
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(
+    dtype=st.sampled_from(sorted(NUMPY_DTYPES)),
+    kind=st.sampled_from(["numpy", "torch"]),
+    ids_shape=st.sampled_from([(), (3,), (2, 3), (0,), (2, 0, 2)]),
+    layout=st.sampled_from(["exact", "flat", "transposed", "wrong"]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_push_matches_the_reference_or_changes_nothing(dtype, kind, ids_shape, layout, seed):
+    rng = np.random.default_rng(seed)
+    kv = kvsparse.create("local")
+    kv.init("user", zeros_table())
+    kv.set_optimizer(optimizers.SGD(learning_rate=1.0))
+    ids = rng.integers(0, 5, ids_shape)
+    # Values exact in every accepted dtype (small multiples of 1/4), so the reference is exact.
+    values = rng.integers(-8, 8, ids_shape + (DIM,)).astype(np.float32) / 4
+    if dtype == "bool":
+        values = values > 0
+    rows = values.astype(NUMPY_DTYPES[dtype])
+    if layout == "flat":
+        rows = rows.reshape(-1, DIM)
+    elif layout == "transposed":  # the same values, through a non-contiguous view
+        rows = np.ascontiguousarray(np.swapaxes(rows, 0, -1)).swapaxes(0, -1)
+    elif layout == "wrong":  # never ids.shape + (dim,) nor (ids.size, dim)
+        rows = rows[..., None]
+    tensor = _as_tensor(rows, kind, dtype)
+    before = rows_of(kv, np.arange(5))
+    if dtype not in ACCEPTED or layout == "wrong":
+        with pytest.raises(errors.KVSparseError):
+            kv.push("user", (ids, tensor))
+        np.testing.assert_array_equal(rows_of(kv, np.arange(5)), before)
+        assert kv.stats()["tables"]["user"]["rows"] == 0
+        kv.close()
+        return
+    kv.push("user", (ids, tensor))
+    expected = np.zeros((5, DIM), np.float32)
+    np.subtract.at(expected, ids.reshape(-1), values.astype(np.float32).reshape(-1, DIM))
+    np.testing.assert_array_equal(rows_of(kv, np.arange(5)), expected)
+    kv.close()
