@@ -155,6 +155,19 @@ def test_torch_float_gradients_of_a_non_contiguous_view(kv, dtype):
     np.testing.assert_array_equal(rows_of(kv, [1, 2]), np.full((2, DIM), -1.5))
 
 
+@pytest.mark.parametrize("framework", ["jax", "tensorflow"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_jax_and_tensorflow_half_gradients_are_converted(kv, framework, dtype):
+    if framework == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+        grads = jnp.full((1, DIM), 1.5, getattr(jnp, dtype))
+    else:
+        tf = pytest.importorskip("tensorflow")
+        grads = tf.fill((1, DIM), tf.constant(1.5, getattr(tf, dtype)))
+    kv.push("user", (np.array([3]), grads))
+    np.testing.assert_array_equal(rows_of(kv, [3]), np.full((1, DIM), -1.5))
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float64", "bfloat16"])
 def test_numpy_float_gradients_are_converted(kv, dtype):
     if dtype == "bfloat16":
