@@ -467,6 +467,15 @@ class DenseGradientSync:
         gradient counts as zeros). Call it after backward, before the dense
         optimizer's step.
         """
+        if self.kv.num_workers == 1:
+            # The mean over one worker is its own gradient: the push and pull would only
+            # send it to the servers and back (2 of the 6 round trips of a MovieLens step,
+            # benchmarks/end_to_end.py profile, issue 10).
+            with torch.no_grad():
+                for p in self.parameters:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+            return
         with torch.no_grad():
             offset = 0
             for p, size in zip(self.parameters, self._sizes):

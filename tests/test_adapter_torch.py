@@ -567,15 +567,28 @@ def test_dense_gradient_sync_refuses_a_store_wide_optimizer(kv):
         DenseGradientSync(kv, torch.nn.Linear(2, 2).parameters())
 
 
-def test_dense_gradient_sync_single_worker_keeps_gradients(kv):
+def test_dense_gradient_sync_single_worker_keeps_gradients(kv, monkeypatch):
     model = torch.nn.Linear(4, 3)
     sync = DenseGradientSync(kv, model.parameters(), key="dense")
     model(torch.ones(2, 4)).pow(2).sum().backward()
     local = [p.grad.clone() for p in model.parameters()]
+    calls = []
+    for name in ("push", "pull"):
+        monkeypatch.setattr(kv, name, lambda *a, _name=name, **k: calls.append(_name))
     sync.synchronize()
+    assert calls == []  # one worker: nothing to average, no round trip
     for p, g in zip(model.parameters(), local):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
     assert kv.key_info("dense").shape == (4 * 3 + 3,)  # one flat dense key for all parameters
+
+
+def test_dense_gradient_sync_single_worker_gives_missing_gradients_zeros(kv):
+    used, unused = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    sync = DenseGradientSync(kv, [*used.parameters(), *unused.parameters()], key="dense")
+    used(torch.ones(1, 2)).sum().backward()
+    sync.synchronize()
+    for p in unused.parameters():  # as with several workers: a missing gradient is zeros
+        torch.testing.assert_close(p.grad, torch.zeros_like(p), rtol=0, atol=0)
 
 
 def test_ids_changed_in_place_before_backward_are_refused(kv):
