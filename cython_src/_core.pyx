@@ -211,6 +211,14 @@ cdef class Table:
     cdef unique_ptr[EmbeddingTable] c_table
     cdef int64_t c_dim
 
+    cdef EmbeddingTable* _table(self) except NULL:
+        # Table.__new__(Table) skips __init__: no C++ table behind it (issue 11, defect 8).
+        if self.c_table.get() == NULL:
+            raise errors.InvalidArgument(
+                "this Table was not initialized: create it as Table(dim, ...)"
+            )
+        return self.c_table.get()
+
     def __init__(self, int64_t dim, dict initializer=None, optimizer=None, uint64_t seed=0,
                  dict policy=None):
         cdef TableConfig c_config
@@ -229,31 +237,38 @@ cdef class Table:
 
     @property
     def num_slots(self):
-        return self.c_table.get().num_slots()
+        cdef EmbeddingTable* c_table = self._table()
+        return c_table.num_slots()
 
     @property
     def table_step(self):
-        return self.c_table.get().table_step()
+        cdef EmbeddingTable* c_table = self._table()
+        return c_table.table_step()
 
     @table_step.setter
     def table_step(self, int64_t step):
-        self.c_table.get().set_table_step(step)
+        cdef EmbeddingTable* c_table = self._table()
+        c_table.set_table_step(step)
 
     def __len__(self):
-        return self.c_table.get().Size()
+        cdef EmbeddingTable* c_table = self._table()
+        return c_table.Size()
 
     def size(self):
         """Number of rows stored."""
-        return self.c_table.get().Size()
+        cdef EmbeddingTable* c_table = self._table()
+        return c_table.Size()
 
     def memory_bytes(self):
         """Bytes held by this table (buckets, rows, slots, step counters)."""
-        return self.c_table.get().MemoryBytes()
+        cdef EmbeddingTable* c_table = self._table()
+        return c_table.MemoryBytes()
 
     def set_optimizer(self, optimizer):
         """Replaces the optimizer; every row's slots restart from their initial values."""
+        cdef EmbeddingTable* c_table = self._table()
         cdef OptimizerConfig c_config = _optimizer_config(optimizer)
-        _check(self.c_table.get().SetOptimizer(c_config))
+        _check(c_table.SetOptimizer(c_config))
 
     cdef _check_rows(self, const float[:, ::1] rows, int64_t n, str what):
         if rows.shape[0] != n or rows.shape[1] != self.c_dim:
@@ -263,6 +278,7 @@ cdef class Table:
 
     def lookup(self, keys_arg, out=None):
         """Rows of keys into out (n x dim); missing ids get their initial value, not stored."""
+        cdef EmbeddingTable* c_table = self._table()
         cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
         cdef int64_t c_n = keys.shape[0]
         out = _rows_out(out, c_n, self.c_dim)
@@ -270,13 +286,14 @@ cdef class Table:
         self._check_rows(c_out, c_n, "out")
         cdef Status c_status
         with nogil:
-            c_status = self.c_table.get().Lookup(&keys[0] if c_n else NULL, c_n,
+            c_status = c_table.Lookup(&keys[0] if c_n else NULL, c_n,
                                                   &c_out[0, 0] if c_n else NULL)
         _check(c_status)
         return out
 
     def lookup_or_insert(self, keys_arg, out=None):
         """Like lookup, but missing ids are inserted with their initial value."""
+        cdef EmbeddingTable* c_table = self._table()
         cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
         cdef int64_t c_n = keys.shape[0]
         out = _rows_out(out, c_n, self.c_dim)
@@ -284,13 +301,14 @@ cdef class Table:
         self._check_rows(c_out, c_n, "out")
         cdef Status c_status
         with nogil:
-            c_status = self.c_table.get().LookupOrInsert(&keys[0] if c_n else NULL, c_n,
+            c_status = c_table.LookupOrInsert(&keys[0] if c_n else NULL, c_n,
                                                           &c_out[0, 0] if c_n else NULL)
         _check(c_status)
         return out
 
     def initial_values(self, keys_arg, out=None):
         """The initial rows of keys, without touching the table."""
+        cdef EmbeddingTable* c_table = self._table()
         cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
         cdef int64_t c_n = keys.shape[0]
         out = _rows_out(out, c_n, self.c_dim)
@@ -298,7 +316,7 @@ cdef class Table:
         self._check_rows(c_out, c_n, "out")
         if c_n:
             with nogil:
-                self.c_table.get().InitialValues(&keys[0], c_n, &c_out[0, 0])
+                c_table.InitialValues(&keys[0], c_n, &c_out[0, 0])
         return out
 
     def apply_gradients(self, keys_arg, grads_arg,
@@ -309,6 +327,7 @@ cdef class Table:
         (and changes nothing) on a NaN/inf unless skip_nonfinite, which leaves
         such rows untouched instead.
         """
+        cdef EmbeddingTable* c_table = self._table()
         cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
         cdef const float[:, ::1] grads = _arg(grads_arg, np.float32, 2, "grads")
         cdef int64_t c_n = keys.shape[0]
@@ -320,13 +339,14 @@ cdef class Table:
         if c_n == 0:
             return 0
         with nogil:
-            c_status = self.c_table.get().ApplyGradients(&keys[0], c_n, &grads[0, 0], c_policy,
+            c_status = c_table.ApplyGradients(&keys[0], c_n, &grads[0, 0], c_policy,
                                                           &c_applied)
         _check(c_status)
         return c_applied
 
     def assign(self, keys_arg, values_arg):
         """Sets the rows of keys to values, inserting missing ids."""
+        cdef EmbeddingTable* c_table = self._table()
         cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
         cdef const float[:, ::1] values = _arg(values_arg, np.float32, 2, "values")
         cdef int64_t c_n = keys.shape[0]
@@ -335,24 +355,26 @@ cdef class Table:
         if c_n == 0:
             return
         with nogil:
-            c_status = self.c_table.get().Assign(&keys[0], c_n, &values[0, 0])
+            c_status = c_table.Assign(&keys[0], c_n, &values[0, 0])
         _check(c_status)
 
     def remove(self, keys_arg):
         """Removes the ids that exist; returns how many were removed."""
+        cdef EmbeddingTable* c_table = self._table()
         cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
         cdef int64_t c_n = keys.shape[0]
         cdef int64_t c_removed = 0
         if c_n:
             with nogil:
-                c_removed = self.c_table.get().Remove(&keys[0], c_n)
+                c_removed = c_table.Remove(&keys[0], c_n)
         return c_removed
 
     def read_state(self, keys_arg):
         """(values n x dim, slots n x num_slots x dim, steps n) of existing ids."""
+        cdef EmbeddingTable* c_table = self._table()
         cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
         cdef int64_t c_n = keys.shape[0]
-        cdef int c_slots = self.c_table.get().num_slots()
+        cdef int c_slots = c_table.num_slots()
         values = np.empty((c_n, self.c_dim), np.float32)
         slots = np.empty((c_n, c_slots, self.c_dim), np.float32)
         steps = np.empty(c_n, np.int64)
@@ -363,7 +385,7 @@ cdef class Table:
         cdef Status c_status
         if c_n:
             with nogil:
-                c_status = self.c_table.get().ReadState(&keys[0], c_n, &c_values[0, 0],
+                c_status = c_table.ReadState(&keys[0], c_n, &c_values[0, 0],
                                                          c_slot_ptr, &c_steps[0])
             _check(c_status)
         return values, slots, steps
@@ -371,12 +393,13 @@ cdef class Table:
     def write_state(self, keys_arg, values_arg,
                     slots_arg, steps_arg):
         """Sets values, slots and step counters of ids (inserting them)."""
+        cdef EmbeddingTable* c_table = self._table()
         cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
         cdef const float[:, ::1] values = _arg(values_arg, np.float32, 2, "values")
         cdef const float[:, :, ::1] slots = _arg(slots_arg, np.float32, 3, "slots")
         cdef const int64_t[::1] steps = _arg(steps_arg, np.int64, 1, "steps")
         cdef int64_t c_n = keys.shape[0]
-        cdef int c_slots = self.c_table.get().num_slots()
+        cdef int c_slots = c_table.num_slots()
         self._check_rows(values, c_n, "values")
         if (slots.shape[0] != c_n or slots.shape[1] != c_slots or
                 (c_slots and slots.shape[2] != self.c_dim)):
@@ -389,7 +412,7 @@ cdef class Table:
         cdef Status c_status
         if c_n:
             with nogil:
-                c_status = self.c_table.get().WriteState(&keys[0], c_n, &values[0, 0],
+                c_status = c_table.WriteState(&keys[0], c_n, &values[0, 0],
                                                           c_slot_ptr, &steps[0])
             _check(c_status)
 
@@ -398,13 +421,14 @@ cdef class Table:
 
         The table must not change while the iteration runs.
         """
+        cdef EmbeddingTable* c_table = self._table()
         cdef int64_t c_cursor = 0
         cdef int64_t c_count
         buffer = np.empty(chunk_rows, np.int64)
         cdef int64_t[::1] c_buffer = buffer
         while True:
             with nogil:
-                c_count = self.c_table.get().NextKeys(&c_cursor, chunk_rows, &c_buffer[0])
+                c_count = c_table.NextKeys(&c_cursor, chunk_rows, &c_buffer[0])
             if c_count == 0:
                 return
             keys = buffer[:c_count].copy()
@@ -416,11 +440,13 @@ cdef class Table:
     @property
     def change_epoch(self):
         """The epoch stamped on rows written now (starts at 1; a checkpoint advances it)."""
-        return self.c_table.get().change_epoch()
+        cdef EmbeddingTable* c_table = self._table()
+        return c_table.change_epoch()
 
     @change_epoch.setter
     def change_epoch(self, uint32_t epoch):
-        self.c_table.get().set_change_epoch(epoch)
+        cdef EmbeddingTable* c_table = self._table()
+        c_table.set_change_epoch(epoch)
 
     def changed_keys(self, uint32_t since, int64_t chunk_rows=65536):
         """Yields arrays of the ids whose rows were written at an epoch > since.
@@ -431,6 +457,7 @@ cdef class Table:
             >>> [k.tolist() for k in t.changed_keys(1)]
             [[6]]
         """
+        cdef EmbeddingTable* c_table = self._table()
         cdef int64_t c_cursor = 0
         cdef int64_t c_count
         cdef uint32_t c_since = since
@@ -438,7 +465,7 @@ cdef class Table:
         cdef int64_t[::1] c_buffer = buffer
         while True:
             with nogil:
-                c_count = self.c_table.get().NextChangedKeys(&c_cursor, chunk_rows, c_since,
+                c_count = c_table.NextChangedKeys(&c_cursor, chunk_rows, c_since,
                                                              &c_buffer[0])
             if c_count == 0:
                 return
@@ -452,10 +479,11 @@ cdef class Table:
         reuse: every chunk is written into the same buffers (valid until the
         next one), which saves the page faults of fresh memory per chunk.
         """
+        cdef EmbeddingTable* c_table = self._table()
         cdef int64_t c_cursor = 0
         cdef int64_t c_count
         cdef uint32_t c_since = since
-        cdef int c_slots = self.c_table.get().num_slots()
+        cdef int c_slots = c_table.num_slots()
         cdef int64_t c_rows = max(chunk_rows, 1)
         cdef int64_t[::1] c_keys
         cdef float[:, ::1] c_values
@@ -472,7 +500,7 @@ cdef class Table:
             c_keys, c_values, c_slot_view, c_steps = keys, values, slots, steps
             c_slot_ptr = &c_slot_view[0, 0, 0] if c_slots else NULL
             with nogil:
-                c_count = self.c_table.get().NextChangedRows(
+                c_count = c_table.NextChangedRows(
                     &c_cursor, c_rows, c_since, &c_keys[0], &c_values[0, 0], c_slot_ptr,
                     &c_steps[0])
             if c_count == 0:
@@ -481,23 +509,26 @@ cdef class Table:
 
     def removed_since(self, uint32_t since):
         """Ids removed at an epoch > since (oldest first; an id may repeat)."""
-        cdef int64_t c_total = self.c_table.get().RemovedSince(since, NULL, 0)
+        cdef EmbeddingTable* c_table = self._table()
+        cdef int64_t c_total = c_table.RemovedSince(since, NULL, 0)
         out = np.empty(c_total, np.int64)
         cdef int64_t[::1] c_out = out
         if c_total:
-            self.c_table.get().RemovedSince(since, &c_out[0], c_total)
+            c_table.RemovedSince(since, &c_out[0], c_total)
         return out
 
     def reserve(self, int64_t rows):
         """Grows the map to hold rows rows without rehashing (before a bulk load)."""
+        cdef EmbeddingTable* c_table = self._table()
         cdef Status c_status
         with nogil:
-            c_status = self.c_table.get().ReserveRows(rows)
+            c_status = c_table.ReserveRows(rows)
         _check(c_status)
 
     def prune_removed(self, uint32_t through):
         """Forgets removals recorded at epochs <= through."""
-        self.c_table.get().PruneRemoved(through)
+        cdef EmbeddingTable* c_table = self._table()
+        c_table.PruneRemoved(through)
 
     # -- admission and eviction (issue 5; semantics in csrc/table.h) ------------------------
 
@@ -511,19 +542,22 @@ cdef class Table:
             >>> t.advance_step(); t.evict_expired(), len(t)
             (1, 0)
         """
+        cdef EmbeddingTable* c_table = self._table()
         cdef int64_t c_removed
         with nogil:
-            c_removed = self.c_table.get().EvictExpired()
+            c_removed = c_table.EvictExpired()
         return c_removed
 
     def advance_step(self):
         """Counts a push of the table that brought this shard no ids (may evict by TTL)."""
+        cdef EmbeddingTable* c_table = self._table()
         with nogil:
-            self.c_table.get().AdvanceStep()
+            c_table.AdvanceStep()
 
     def policy_stats(self):
         """{"admissions", "evicted_ttl", "evicted_capacity", "rejected", "candidates"}."""
-        cdef PolicyStats c_stats = self.c_table.get().policy_stats()
+        cdef EmbeddingTable* c_table = self._table()
+        cdef PolicyStats c_stats = c_table.policy_stats()
         return {
             "admissions": c_stats.admissions,
             "evicted_ttl": c_stats.evicted_ttl,

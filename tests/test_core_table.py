@@ -955,3 +955,37 @@ def test_memory_bytes_matches_resident_growth():
     assert counted >= lower_bound
     assert counted > 250 * 2**20
     assert abs(rss_growth - counted) <= 0.10 * counted, report
+
+
+def test_a_table_made_without_init_raises_instead_of_crashing():
+    # Table.__new__(Table) skips __init__: there is no C++ table behind it (issue 11,
+    # defect 8: len() of one segfaulted). Every method must say so.
+    table = _core.Table.__new__(_core.Table)
+    keys = ids([1, 2])
+    rows = np.ones((2, 1), np.float32)
+    calls = {
+        "len": lambda: len(table),
+        "size": table.size,
+        "memory_bytes": table.memory_bytes,
+        "num_slots": lambda: table.num_slots,
+        "table_step": lambda: table.table_step,
+        "change_epoch": lambda: table.change_epoch,
+        "set_optimizer": lambda: table.set_optimizer(None),
+        "lookup": lambda: table.lookup(keys),
+        "lookup_or_insert": lambda: table.lookup_or_insert(keys),
+        "initial_values": lambda: table.initial_values(keys),
+        "apply_gradients": lambda: table.apply_gradients(keys, rows),
+        "assign": lambda: table.assign(keys, rows),
+        "remove": lambda: table.remove(keys),
+        "read_state": lambda: table.read_state(keys),
+        "reserve": lambda: table.reserve(10),
+        "advance_step": table.advance_step,
+        "evict_expired": table.evict_expired,
+        "policy_stats": table.policy_stats,
+        "removed_since": lambda: table.removed_since(0),
+        "iter_chunks": lambda: list(table.iter_chunks()),
+        "changed_keys": lambda: list(table.changed_keys(0)),
+    }
+    for call in calls.values():
+        with pytest.raises(errors.InvalidArgument, match="not initialized"):
+            call()
