@@ -7,9 +7,9 @@ from status cimport Status
 
 cdef extern from "batch.h" namespace "kvsparse" nogil:
     void UniqueWithInverse(const int64_t* keys, int64_t n, vector[int64_t]* unique,
-                           int64_t* inverse)
+                           int64_t* inverse) except +
     void SumRowsByIndex(const float* rows, const int64_t* index, int64_t n, int64_t dim,
-                        int64_t num_unique, float* out)
+                        int64_t num_unique, float* out) except +
     int64_t FirstNonFiniteRow(const float* rows, int64_t n, int64_t dim)
 
     cdef cppclass Partitioner:
@@ -25,7 +25,7 @@ cdef extern from "batch.h" namespace "kvsparse" nogil:
         vector[int64_t] slot
 
     void PlanBatch(const int64_t* ids, int64_t n, const Partitioner& partitioner,
-                   BatchPlan* plan)
+                   BatchPlan* plan) except +
     void GatherFromShards(const float* const* shard_rows, const int64_t* offsets,
                           int64_t num_shards, const int64_t* slot, int64_t n, int64_t dim,
-                          float* out)
+                          float* out) except +

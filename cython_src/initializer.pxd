@@ -24,4 +24,4 @@ cdef extern from "initializer.h" namespace "kvsparse" nogil:
     Status ValidateInitializer(const InitializerConfig& config)
     void FillInitialRow(const InitializerConfig& config, int64_t key, int64_t dim, float* out)
     void FillInitialRows(const InitializerConfig& config, const int64_t* keys, int64_t n,
-                         int64_t dim, float* out)
+                         int64_t dim, float* out) except +

@@ -43,7 +43,7 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
 
     cdef cppclass EmbeddingTable:
         @staticmethod
-        Status Create(const TableConfig& config, unique_ptr[EmbeddingTable]* out)
+        Status Create(const TableConfig& config, unique_ptr[EmbeddingTable]* out) except +
         int64_t dim()
         int num_slots()
         const TableConfig& config()
@@ -51,29 +51,29 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         int64_t MemoryBytes()
         int64_t table_step()
         void set_table_step(int64_t step)
-        Status SetOptimizer(const OptimizerConfig& optimizer)
-        Status Lookup(const int64_t* keys, int64_t n, float* out)
-        Status LookupOrInsert(const int64_t* keys, int64_t n, float* out)
-        void InitialValues(const int64_t* keys, int64_t n, float* out)
+        Status SetOptimizer(const OptimizerConfig& optimizer) except +
+        Status Lookup(const int64_t* keys, int64_t n, float* out) except +
+        Status LookupOrInsert(const int64_t* keys, int64_t n, float* out) except +
+        void InitialValues(const int64_t* keys, int64_t n, float* out) except +
         Status ApplyGradients(const int64_t* keys, int64_t n, const float* grads,
-                              NonFinitePolicy policy, int64_t* applied)
-        Status Assign(const int64_t* keys, int64_t n, const float* values)
-        int64_t Remove(const int64_t* keys, int64_t n)
+                              NonFinitePolicy policy, int64_t* applied) except +
+        Status Assign(const int64_t* keys, int64_t n, const float* values) except +
+        int64_t Remove(const int64_t* keys, int64_t n) except +
         Status ReadState(const int64_t* keys, int64_t n, float* values, float* slots,
-                         int64_t* steps)
+                         int64_t* steps) except +
         Status WriteState(const int64_t* keys, int64_t n, const float* values,
-                          const float* slots, const int64_t* steps)
-        int64_t NextKeys(int64_t* cursor, int64_t max_rows, int64_t* keys_out)
+                          const float* slots, const int64_t* steps) except +
+        int64_t NextKeys(int64_t* cursor, int64_t max_rows, int64_t* keys_out) except +
         uint32_t change_epoch()
         void set_change_epoch(uint32_t epoch)
         int64_t NextChangedKeys(int64_t* cursor, int64_t max_rows, uint32_t since,
-                                int64_t* keys_out)
-        int64_t RemovedSince(uint32_t since, int64_t* keys_out, int64_t capacity)
+                                int64_t* keys_out) except +
+        int64_t RemovedSince(uint32_t since, int64_t* keys_out, int64_t capacity) except +
         void PruneRemoved(uint32_t through)
-        Status ReserveRows(int64_t rows)
+        Status ReserveRows(int64_t rows) except +
         int64_t NextChangedRows(int64_t* cursor, int64_t max_rows, uint32_t since,
-                                int64_t* keys_out, float* values, float* slots, int64_t* steps)
+                                int64_t* keys_out, float* values, float* slots, int64_t* steps) except +
         # Admission and eviction (issue 5).
-        int64_t EvictExpired()
+        int64_t EvictExpired() except +
         void AdvanceStep()
         PolicyStats policy_stats()

@@ -989,3 +989,30 @@ def test_a_table_made_without_init_raises_instead_of_crashing():
     for call in calls.values():
         with pytest.raises(errors.InvalidArgument, match="not initialized"):
             call()
+
+
+_OUT_OF_MEMORY = """
+import resource, sys
+import numpy as np
+from kvsparse import _core
+ids = np.arange(40_000_000, dtype=np.int64)  # 320 MB, allocated before the limit
+with open("/proc/self/statm") as f:
+    used = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + (64 << 20), resource.RLIM_INFINITY))
+try:
+    _core.plan_batch(ids, 2, None)  # its vectors need ~1 GB more: std::bad_alloc
+except MemoryError:
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_a_cpp_allocation_failure_is_a_memory_error_not_an_abort():
+    # A C++ exception crossing the Cython boundary without `except +` is std::terminate:
+    # the whole process (a server) aborts (issue 11, defect 8).
+    env = {**os.environ, "KVSPARSE_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_MEMORY], env=env, capture_output=True, timeout=120
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr.decode()[-2000:])
