@@ -78,6 +78,7 @@ class Job:
             text=True,
         )
         self.lines: queue.Queue = queue.Queue()
+        self._passed: list[str] = []  # lines read by a wait_for that did not match
         self.stdout: list[str] = []
         self.stderr: list[str] = []
         self._threads = [
@@ -97,8 +98,16 @@ class Job:
             self.lines.put(line)
 
     def wait_for(self, pattern, count=1, timeout=JOB_TIMEOUT):
-        """Blocks until `count` output lines matched `pattern` (bounded)."""
-        seen = []
+        """Blocks until `count` output lines matched `pattern` (bounded).
+
+        Lines an earlier wait read past are kept for later waits: workers' lines are
+        relayed by one thread each, so worker 0's "ready" can arrive before worker 1's
+        "child pid" although worker 1 printed first (a wait for "child pid" used to
+        drop it, and the wait for "ready" then timed out).
+        """
+        seen = [line for line in self._passed if re.search(pattern, line)][:count]
+        for line in seen:
+            self._passed.remove(line)
         deadline = time.monotonic() + timeout
         while len(seen) < count:
             try:
@@ -108,6 +117,8 @@ class Job:
                 pytest.fail(f"no {pattern!r} within {timeout} s; output:\n{self.output()}")
             if re.search(pattern, line):
                 seen.append(line)
+            else:
+                self._passed.append(line)
         return seen
 
     def wait(self, timeout=JOB_TIMEOUT):
