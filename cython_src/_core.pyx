@@ -4,7 +4,7 @@
 # `const` so read-only inputs work), releases the GIL for the whole batch and
 # turns a C++ Status into a kvsparse.errors exception in one place (_check).
 from cython.operator cimport dereference as deref
-from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 from libcpp.memory cimport unique_ptr
 from libcpp.vector cimport vector
 
@@ -14,6 +14,7 @@ from kvsparse import errors
 
 from batch cimport (BatchPlan, FirstNonFiniteRow, GatherFromShards, Partitioner, PlanBatch,
                     SumRowsByIndex, UniqueWithInverse, ValidatePartitioner)
+from half cimport FirstNonFiniteHalfRow, GatherWidenFromShards, HalfKind, NarrowFloats, WidenHalves
 from initializer cimport InitializerConfig, InitializerKind, ValidateInitializer, kInitializerVersion
 from optimizer cimport Optimizer as COptimizer
 from optimizer cimport OptimizerConfig, OptimizerKind, StepMode, ValidateOptimizer
@@ -749,6 +750,120 @@ def gather_from_shards(list shard_rows, offsets_arg, slot_arg,
         with nogil:
             GatherFromShards(c_ptrs.data(), &offsets[0], c_shards, &slot[0], c_n, c_dim,
                              &out[0, 0])
+
+
+# -- 16-bit rows on the wire (csrc/half.h; issue 10) ------------------------------------------
+#
+# A table's wire dtype says how its pulled rows and pushed gradients travel: float32, or
+# 16-bit values as uint16 bit patterns. Tables stay float32.
+
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
+_HALF_KINDS = {"float16": HalfKind.kFloat16, "bfloat16": HalfKind.kBFloat16}
+
+
+cdef HalfKind _half_kind(dtype) except *:
+    kind = _HALF_KINDS.get(dtype) if isinstance(dtype, str) else None
+    if kind is None:
+        raise errors.InvalidArgument(
+            f"a 16-bit wire dtype is 'float16' or 'bfloat16', got {dtype!r}")
+    return kind
+
+
+cdef object _same_shape_out(out, shape, dtype):
+    """A new C-contiguous array of shape and dtype, or out checked to be one (writable)."""
+    if out is None:
+        return np.empty(shape, dtype)
+    out = _arg(out, dtype, len(shape), "out", output=True)
+    if out.shape != shape:
+        raise errors.ShapeError(f"out has shape {out.shape}, expected {shape}")
+    return out
+
+
+def narrow(values_arg, dtype, out=None):
+    """values (float32, any shape) rounded to dtype, as uint16 bit patterns of the same shape.
+
+    dtype: 'float16' or 'bfloat16'. Rounds to nearest, ties to even; float16
+    overflows to inf from 65520 up; NaN stays NaN (quiet, same sign).
+    Releases the GIL for the whole array; safe from several threads at once.
+    """
+    cdef HalfKind c_kind = _half_kind(dtype)
+    values = np.asarray(values_arg)
+    values = _arg(values, np.float32, values.ndim, "values")
+    out = _same_shape_out(out, values.shape, np.uint16)
+    cdef const float[::1] c_values = values.reshape(-1)
+    cdef uint16_t[::1] c_out = out.reshape(-1)
+    cdef int64_t c_n = c_values.shape[0]
+    if c_n:
+        with nogil:
+            NarrowFloats(c_kind, &c_values[0], c_n, &c_out[0])
+    return out
+
+
+def widen(halves_arg, dtype, out=None):
+    """The float32 values (same shape) of uint16 bit patterns of dtype; exact.
+
+    dtype: 'float16' or 'bfloat16'. Releases the GIL for the whole array;
+    safe from several threads at once.
+    """
+    cdef HalfKind c_kind = _half_kind(dtype)
+    halves = np.asarray(halves_arg)
+    halves = _arg(halves, np.uint16, halves.ndim, "halves")
+    out = _same_shape_out(out, halves.shape, np.float32)
+    cdef const uint16_t[::1] c_halves = halves.reshape(-1)
+    cdef float[::1] c_out = out.reshape(-1)
+    cdef int64_t c_n = c_halves.shape[0]
+    if c_n:
+        with nogil:
+            WidenHalves(c_kind, &c_halves[0], c_n, &c_out[0])
+    return out
+
+
+def first_nonfinite_half_row(rows_arg, dtype):
+    """Index of the first row of 16-bit rows (uint16, n x dim) holding an inf or NaN, or -1."""
+    cdef HalfKind c_kind = _half_kind(dtype)
+    cdef const uint16_t[:, ::1] rows = _arg(rows_arg, np.uint16, 2, "rows")
+    cdef int64_t c_result = -1
+    if rows.shape[0] and rows.shape[1]:
+        with nogil:
+            c_result = FirstNonFiniteHalfRow(c_kind, &rows[0, 0], rows.shape[0], rows.shape[1])
+    return c_result
+
+
+def gather_widen_from_shards(list shard_rows, offsets_arg, slot_arg, out_arg, dtype):
+    """gather_from_shards over 16-bit replies: out[i] = the widened reply row for slot[i].
+
+    shard_rows[s]: shard s's rows as uint16 bit patterns of dtype
+    ((offsets[s + 1] - offsets[s]) x dim); out: float32 (len(slot) x dim),
+    written in place: the replies are widened straight into it.
+    """
+    cdef HalfKind c_kind = _half_kind(dtype)
+    cdef const int64_t[::1] offsets = _arg(offsets_arg, np.int64, 1, "offsets")
+    cdef const int64_t[::1] slot = _arg(slot_arg, np.int64, 1, "slot")
+    cdef float[:, ::1] out = _arg(out_arg, np.float32, 2, "out", output=True)
+    cdef int64_t c_n = slot.shape[0]
+    cdef int64_t c_dim = out.shape[1]
+    cdef int64_t s
+    cdef vector[const uint16_t*] c_ptrs
+    cdef const uint16_t[:, ::1] c_rows
+    if offsets.shape[0] != len(shard_rows) + 1 or out.shape[0] != c_n:
+        raise errors.ShapeError(
+            f"{len(shard_rows)} shards need {len(shard_rows) + 1} offsets (got "
+            f"{offsets.shape[0]}), and out needs {c_n} rows (has {out.shape[0]})")
+    keep = [_arg(rows, np.uint16, 2, f"shard {s} rows") for s, rows in enumerate(shard_rows)]
+    for s, rows in enumerate(keep):
+        count = offsets[s + 1] - offsets[s]
+        if rows.shape[0] != count or (count and rows.shape[1] != c_dim):
+            raise errors.ShapeError(
+                f"shard {s} replied {rows.shape} 16-bit rows, expected ({count}, {c_dim})")
+        c_rows = rows
+        c_ptrs.push_back(&c_rows[0, 0] if count else NULL)
+    cdef int64_t c_shards = len(keep)
+    if c_n and (np.min(slot) < 0 or np.max(slot) >= offsets[c_shards]):
+        raise errors.InvalidArgument("slot out of range")
+    if c_n and c_dim:
+        with nogil:
+            GatherWidenFromShards(c_kind, c_ptrs.data(), &offsets[0], c_shards, &slot[0], c_n,
+                                  c_dim, &out[0, 0])
 
 
 include "dlpack.pxi"

@@ -82,6 +82,21 @@ def gather_from_shards(
     shard_rows: list[Float32Array], offsets: Int64Array, slot: Int64Array, out: Float32Array
 ) -> None: ...
 
+# 16-bit rows on the wire (csrc/half.h): uint16 bit patterns of float16 / bfloat16.
+WIRE_DTYPES: tuple[str, ...]
+UInt16Array = npt.NDArray[np.uint16]
+
+def narrow(values: Float32Array, dtype: str, out: UInt16Array | None = ...) -> UInt16Array: ...
+def widen(halves: UInt16Array, dtype: str, out: Float32Array | None = ...) -> Float32Array: ...
+def first_nonfinite_half_row(rows: UInt16Array, dtype: str) -> int: ...
+def gather_widen_from_shards(
+    shard_rows: list[UInt16Array],
+    offsets: Int64Array,
+    slot: Int64Array,
+    out: Float32Array,
+    dtype: str,
+) -> None: ...
+
 # DLPack (cython_src/dlpack.pxi)
 class DLPackOwner:
     """Base of the arrays from_dlpack returns; calls the producer's deleter once."""
