@@ -16,6 +16,9 @@ from kvsparse import errors, initializers, optimizers
 MAX_DIM = 4096
 _NONFINITE_POLICIES = ("raise", "skip")
 _EVICTIONS = ("lfu", "lru")
+# How a sparse table's pulled rows and pushed gradients travel between workers and servers
+# (issue 10); the servers always hold float32. The first is the default.
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
 _POLICY_DEFAULTS = {
     "min_count": 1,
     "ttl_steps": None,
@@ -73,6 +76,11 @@ class SparseTable:
         evict_every: run TTL eviction automatically after every evict_every-th
             push of the table; None (default) means every ttl_steps pushes, 0
             only on ``kv.evict()``.
+        wire_dtype: how this table's rows travel between workers and servers:
+            'float32', 'float16' or 'bfloat16' (see `check_wire_dtype`). None
+            (default): the store's (``kvsparse.create(..., wire_dtype=...)``,
+            itself 'float32' by default). A worker-side setting: the servers
+            never see it and keep the table in float32.
 
     Admission and eviction semantics (exactly; tests/reference.py models them):
 
@@ -113,6 +121,7 @@ class SparseTable:
     max_rows: int | None = None
     eviction: str = "lfu"
     evict_every: int | None = None
+    wire_dtype: str | None = None
 
     def __post_init__(self):
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
@@ -133,6 +142,8 @@ class SparseTable:
             )
         if not 0 <= int(self.seed) < 2**64:
             raise errors.InvalidArgument(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.wire_dtype is not None:
+            check_wire_dtype(self.wire_dtype, "SparseTable wire_dtype")
         self._check_policy()
 
     def _check_policy(self) -> None:
@@ -174,6 +185,8 @@ class SparseTable:
                 for name, default in _POLICY_DEFAULTS.items()
                 if getattr(self, name) != default
             },
+            # Only when set, likewise; the store leaves it out of what servers get.
+            **({} if self.wire_dtype is None else {"wire_dtype": self.wire_dtype}),
         }
 
     @classmethod
@@ -187,7 +200,33 @@ class SparseTable:
             partitioner=None if boundaries is None else RangePartitioner(tuple(boundaries)),
             nonfinite=spec.get("nonfinite", "raise"),
             **{name: spec.get(name, default) for name, default in _POLICY_DEFAULTS.items()},
+            wire_dtype=spec.get("wire_dtype"),
         )
+
+
+def check_wire_dtype(wire_dtype, what: str = "wire_dtype") -> str:
+    """wire_dtype, if it names a wire dtype: 'float32', 'float16' or 'bfloat16'.
+
+    With 'float16' or 'bfloat16', a sparse table's pulled rows and pushed
+    gradients travel as 16-bit values: each value is rounded to that type
+    (to nearest, ties to even) once, on the side that sends it; the receiver
+    widens it to float32 exactly. A push's gradient rows are first summed per
+    id in float32 on the worker, then rounded. float16 keeps 11 significant
+    bits and overflows to inf beyond 65504; bfloat16 keeps 8 bits and
+    float32's range. Dense keys always travel as float32.
+
+    Raises:
+        InvalidArgument: anything else (naming what was given).
+
+    Example:
+        >>> check_wire_dtype("bfloat16")
+        'bfloat16'
+    """
+    if not isinstance(wire_dtype, str) or wire_dtype not in WIRE_DTYPES:
+        raise errors.InvalidArgument(
+            f"{what} must be one of {', '.join(map(repr, WIRE_DTYPES))}, got {wire_dtype!r}"
+        )
+    return wire_dtype
 
 
 def policy_of(spec: dict) -> dict | None:

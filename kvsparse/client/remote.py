@@ -40,6 +40,7 @@ from kvsparse import config, errors
 from kvsparse.client.session import Session
 from kvsparse.placement import dense_ranges
 from kvsparse.wire import ops
+from kvsparse.wire.protocol import WIRE_FRAME_DTYPES
 
 
 class RemoteBackend:
@@ -181,47 +182,56 @@ class RemoteBackend:
         )
 
     def pull_sparse(self, items):
-        """items: [(table_id, keys, offsets)] -> [[rows of each shard] per item]."""
+        """items: [(table_id, keys, offsets[, wire_dtype])] -> [[rows of each shard] per item].
+
+        Rows come as the servers sent them: float32, or uint16 bit patterns of
+        a 16-bit wire dtype (the store widens them into the caller's output).
+        """
         per_server: dict[int, list] = {}
-        for index, (table_id, keys, offsets) in enumerate(items):
+        wires = []
+        for index, (table_id, keys, offsets, *wire) in enumerate(items):
+            wires.append(wire[0] if wire else "float32")
             bounds = offsets.tolist()
             for server in range(self.num_shards):
                 a, b = bounds[server], bounds[server + 1]
                 if b > a:
-                    per_server.setdefault(server, []).append((index, table_id, keys[a:b]))
+                    entry = (index, table_id, keys[a:b], wires[index])
+                    per_server.setdefault(server, []).append(entry)
         requests = {
-            server: ops.PullSparse.encode_request([(t, k) for _, t, k in entries])
+            server: ops.PullSparse.encode_request([(t, k, w) for _, t, k, w in entries])
             for server, entries in per_server.items()
         }
         answers = self.session.exchange(requests) if requests else {}
         results = [[None] * self.num_shards for _ in items]
         dims = [0] * len(items)
         for server, entries in per_server.items():
-            requested = [(table_id, keys.size) for _, table_id, keys in entries]
+            requested = [(table_id, keys.size, w) for _, table_id, keys, w in entries]
             rows = self._decode(server, ops.PullSparse, answers[server], requested)
-            for (index, _, _), item_rows in zip(entries, rows):
+            for (index, _, _, _), item_rows in zip(entries, rows):
                 results[index][server] = item_rows
                 dims[index] = item_rows.shape[1]
         for index, shard_rows in enumerate(results):
             for server in range(self.num_shards):
                 if shard_rows[server] is None:
-                    shard_rows[server] = np.empty((0, dims[index]), np.float32)
+                    shard_rows[server] = np.empty((0, dims[index]), WIRE_FRAME_DTYPES[wires[index]])
         return results
 
     def push_sparse(self, items):
-        """items: [(table_id, keys, offsets, summed rows)].
+        """items: [(table_id, keys, offsets, summed rows[, wire_dtype])], rows in the wire dtype.
 
         Every server gets every table, with no keys where it holds none: BSP
         rounds count one push per worker, SSP clocks advance everywhere, and
         a table's step counts the push on every shard.
         """
         per_server: list[list] = [[] for _ in range(self.num_shards)]
-        for table_id, keys, offsets, rows in items:
+        for table_id, keys, offsets, rows, *wire in items:
             bounds = offsets.tolist()
             step = keys.size > 0
+            wire_dtype = wire[0] if wire else "float32"
             for server in range(self.num_shards):
                 a, b = bounds[server], bounds[server + 1]
-                per_server[server].append(ops.SparsePush(table_id, keys[a:b], rows[a:b], step))
+                push = ops.SparsePush(table_id, keys[a:b], rows[a:b], step, wire_dtype)
+                per_server[server].append(push)
         requests = {
             server: ops.PushSparse.encode_request(entries)
             for server, entries in enumerate(per_server)

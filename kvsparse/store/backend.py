@@ -10,7 +10,12 @@ them only.
 What a backend receives is already validated and planned by the frontend:
 keys of a sparse request are unique, grouped by shard (``offsets[s]`` to
 ``offsets[s + 1]`` belong to shard ``s``), gradient rows summed per key, and
-every array C-contiguous. A backend never sees a user's key: tables are named
+every array C-contiguous. Sparse rows move in the item's *wire dtype*
+(issue 10; 'float32' where an item does not name one): a push's rows come
+already rounded to it, as uint16 bit patterns for 'float16' / 'bfloat16', and
+a pull returns its rows in it; the frontend widens them into the caller's
+output. The local backend rounds as the servers' replies are rounded, so
+both backends give the same numbers. A backend never sees a user's key: tables are named
 by their 64-bit table id (`kvsparse.placement.table_id_of`).
 """
 
@@ -46,10 +51,14 @@ class Backend(Protocol):
         """Sets (`Optimizer.to_dict()`) or removes (None) the store-wide optimizer."""
 
     def pull_sparse(self, items: list) -> list:
-        """items: [(table_id, keys, offsets)] -> per item, [rows of each shard] ((n, dim))."""
+        """items: [(table_id, keys, offsets[, wire_dtype])] -> per item, [rows of each shard].
+
+        Each shard's rows: (n, dim), float32 or uint16 bit patterns of the item's wire dtype.
+        """
 
     def push_sparse(self, items: list) -> None:
-        """items: [(table_id, keys, offsets, summed rows)]; all checked before any applies."""
+        """items: [(table_id, keys, offsets, summed rows[, wire_dtype])], rows in the wire
+        dtype; all checked before any applies."""
 
     def pull_dense(self, items: list) -> None:
         """items: [(table_id, flat float32 out)]; fills each out."""

@@ -30,8 +30,14 @@ from kvsparse.store.keys import KeyInfo
 from kvsparse.store.plans import PlanCache
 
 
-def sparse_push(info: KeyInfo, value, num_shards: int, plans: PlanCache | None = None) -> tuple:
-    """(table_id, keys grouped by shard, offsets, summed rows) of a push to a sparse table.
+def sparse_push(
+    info: KeyInfo,
+    value,
+    num_shards: int,
+    plans: PlanCache | None = None,
+    wire_dtype: str = "float32",
+) -> tuple:
+    """(table_id, keys grouped by shard, offsets, summed rows, wire_dtype) of a sparse push.
 
     Args:
         info: the table's KeyInfo.
@@ -39,6 +45,9 @@ def sparse_push(info: KeyInfo, value, num_shards: int, plans: PlanCache | None =
         num_shards: how many shards the store has.
         plans: the store's plans; one (ids, rows) pair whose flat ids equal a
             pulled batch's reuses its plan. None: always plan afresh.
+        wire_dtype: how the rows travel: 'float32', or 'float16' / 'bfloat16',
+            to which the summed rows are rounded here, once (uint16 bit
+            patterns; issue 10).
 
     Rows have shape ids.shape + (dim,), or (ids.size, dim) (ids flattened);
     float16, bfloat16 and float64 rows are converted to float32
@@ -48,7 +57,8 @@ def sparse_push(info: KeyInfo, value, num_shards: int, plans: PlanCache | None =
         InvalidArgument: value is not (ids, rows) pairs.
         DTypeError: ids not integers, rows not of a float dtype.
         ShapeError: rows of another shape.
-        NonFiniteGradient: NaN/inf in a summed row of a table with nonfinite='raise'.
+        NonFiniteGradient: NaN/inf in a summed row of a table with nonfinite='raise',
+            or a summed row beyond the range of its 16-bit wire dtype.
     """
     pairs = [value] if isinstance(value, tuple) else as_list(value)
     id_parts, grad_parts = [], []
@@ -82,7 +92,18 @@ def sparse_push(info: KeyInfo, value, num_shards: int, plans: PlanCache | None =
                 f"key {info.key!r}: gradient for id {int(keys[bad])} has a NaN or inf value; "
                 "nothing was applied (SparseTable(nonfinite='skip') drops such rows instead)"
             )
-    return info.table_id, keys, offsets, summed
+    if wire_dtype == "float32":
+        return info.table_id, keys, offsets, summed, wire_dtype
+    narrowed = _core.narrow(summed, wire_dtype)
+    if info.nonfinite != "skip":
+        bad = _core.first_nonfinite_half_row(narrowed, wire_dtype)
+        if bad >= 0:  # finite in float32 (checked above), so it overflowed
+            raise errors.NonFiniteGradient(
+                f"key {info.key!r}: the summed gradient for id {int(keys[bad])} is beyond the "
+                f"range of {wire_dtype}, its wire dtype (it would arrive as inf); nothing was "
+                "applied (use wire_dtype='bfloat16' or 'float32', or scale the loss down)"
+            )
+    return info.table_id, keys, offsets, narrowed, wire_dtype
 
 
 def dense_push(info: KeyInfo, value) -> np.ndarray:
@@ -135,14 +156,27 @@ def rows_output(info: KeyInfo, ids: np.ndarray, out) -> tuple:
     return out, target
 
 
-def gather_rows(shard_rows: list, offsets, slot, target: np.ndarray, dim: int) -> None:
-    """Writes the row of each requested id (slot order) from the shards' replies into target."""
+def gather_rows(
+    shard_rows: list, offsets, slot, target: np.ndarray, dim: int, wire_dtype: str = "float32"
+) -> None:
+    """Writes the row of each requested id (slot order) from the shards' replies into target.
+
+    Replies of a 16-bit wire_dtype (uint16 bit patterns) are widened straight
+    into target, with no float32 copy of them in between.
+    """
     if target.flags.c_contiguous:
-        _core.gather_from_shards(shard_rows, offsets, slot, target.reshape(-1, dim))
+        _gather(shard_rows, offsets, slot, target.reshape(-1, dim), wire_dtype)
     else:
         tmp = np.empty((slot.size, dim), np.float32)
-        _core.gather_from_shards(shard_rows, offsets, slot, tmp)
+        _gather(shard_rows, offsets, slot, tmp, wire_dtype)
         target[...] = tmp.reshape(target.shape)
+
+
+def _gather(shard_rows: list, offsets, slot, out: np.ndarray, wire_dtype: str) -> None:
+    if wire_dtype == "float32":
+        _core.gather_from_shards(shard_rows, offsets, slot, out)
+    else:
+        _core.gather_widen_from_shards(shard_rows, offsets, slot, out, wire_dtype)
 
 
 def dense_outputs(info: KeyInfo, out) -> list:

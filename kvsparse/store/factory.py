@@ -17,6 +17,7 @@ from __future__ import annotations
 from kvsparse import config as cluster_config
 from kvsparse import errors
 from kvsparse.store.kvstore import KVStore
+from kvsparse.table import check_wire_dtype
 
 LOCAL_KINDS = ("local", "device", "local_update_cpu", "local_allreduce_cpu")
 # A dist kind and the consistency mode its servers run.
@@ -39,19 +40,29 @@ def create(name: str = "local", **kwargs) -> KVStore:
         **kwargs: for dist kinds: servers=[addresses], rank=, num_workers=,
             timeout=, staleness=, retry_window=, keys= (default: what the
             launcher or the environment set; see `create_remote_store`).
+            For every kind: wire_dtype= 'float32' (default), 'float16' or
+            'bfloat16': how sparse tables' pulled rows and pushed gradients
+            travel, unless a table sets its own (`SparseTable.wire_dtype`).
+            'local' rounds them the same way, so it gives the numbers
+            'dist_sparse' gives with the same setting.
 
     Raises:
-        InvalidArgument (a ValueError): an unknown kind, or options for 'local'.
+        InvalidArgument (a ValueError): an unknown kind, a bad wire_dtype, or
+            options other than wire_dtype for 'local'.
     """
     if not isinstance(name, str):
         raise errors.InvalidArgument(f"store kind must be a str, got {name!r}")
     kind = name.lower()
     if kind in LOCAL_KINDS:
+        wire_dtype = kwargs.pop("wire_dtype", "float32")
         if kwargs:
-            raise errors.InvalidArgument(f"the local store takes no options, got {sorted(kwargs)}")
+            raise errors.InvalidArgument(
+                f"the local store takes no options but wire_dtype, got {sorted(kwargs)}"
+            )
         from kvsparse.store.local import LocalBackend
 
-        return KVStore(LocalBackend(), "local")
+        check_wire_dtype(wire_dtype, "kvsparse.create wire_dtype")
+        return KVStore(LocalBackend(), "local", wire_dtype)
     if kind in _KIND_MODES:
         return create_remote_store(kind, **kwargs)
     raise errors.InvalidArgument(
@@ -68,6 +79,7 @@ def create_remote_store(
     staleness=None,
     retry_window=None,
     keys=None,
+    wire_dtype="float32",
 ) -> KVStore:
     """A KVStore whose tables live on `kvsparse server` processes.
 
@@ -88,6 +100,8 @@ def create_remote_store(
             before ServerUnavailable (see `RemoteBackend`); None:
             ``KVSPARSE_RETRY_WINDOW`` or 0 (no retry).
         keys: CurveZMQ key directory; None: ``KVSPARSE_KEYS`` or none.
+        wire_dtype: 'float32', 'float16' or 'bfloat16': how sparse tables'
+            rows travel unless a table sets its own (see `create`).
 
     Raises:
         InvalidArgument: an unknown kind or a bad configuration.
@@ -98,6 +112,7 @@ def create_remote_store(
         ...                        rank=0, num_workers=1)      # doctest: +SKIP
     """
     kind = kind.lower()
+    check_wire_dtype(wire_dtype, "kvsparse.create wire_dtype")
     if kind not in _KIND_MODES:
         raise errors.InvalidArgument(
             f"unknown dist store kind {kind!r}; use one of {sorted(_KIND_MODES)}"
@@ -133,7 +148,7 @@ def create_remote_store(
         retry_window=cluster_config.retry_window() if retry_window is None else retry_window,
         keys=cluster_config.curve_keys() if keys is None else keys,
     )
-    return KVStore(backend, kind)
+    return KVStore(backend, kind, wire_dtype)
 
 
 __all__ = ["LOCAL_KINDS", "create", "create_remote_store"]

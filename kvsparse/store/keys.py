@@ -22,7 +22,7 @@ import numpy as np
 
 from kvsparse import errors
 from kvsparse.placement import table_id_of
-from kvsparse.table import SparseTable
+from kvsparse.table import SparseTable, check_wire_dtype
 
 
 @dataclass
@@ -43,6 +43,8 @@ class KeyInfo:
     # sparse: SparseTable(optimizer=...) was given; None: not known here (a key
     # learned from a checkpoint manifest, which does not record it).
     own_optimizer: bool | None = None
+    # sparse: SparseTable(wire_dtype=...), None: the store's (`KVStore.wire_dtype_of`).
+    wire_dtype: str | None = None
 
     @property
     def size(self) -> int:
@@ -59,11 +61,19 @@ class KeyInfo:
             "shape": list(self.shape),
             "boundaries": self.boundaries,
             "nonfinite": self.nonfinite,
+            "wire_dtype": self.wire_dtype,
         }
 
     @classmethod
     def from_record(cls, record: dict) -> KeyInfo:
-        """The KeyInfo of a manifest record written by `to_record`."""
+        """The KeyInfo of a manifest record written by `to_record`.
+
+        Raises:
+            InvalidArgument: a wire dtype that is not one.
+        """
+        wire_dtype = record.get("wire_dtype")
+        if wire_dtype is not None:
+            check_wire_dtype(wire_dtype, f"key {record['key']!r}: the manifest's wire_dtype")
         return cls(
             record["key"],
             int(record["table_id"]),
@@ -72,6 +82,8 @@ class KeyInfo:
             shape=tuple(record["shape"]),
             boundaries=record["boundaries"],
             nonfinite=record["nonfinite"],
+            # Manifests from before issue 10 have none: the store's wire dtype.
+            wire_dtype=wire_dtype,
         )
 
 
@@ -160,6 +172,8 @@ class KeyRegistry:
                 f"boundaries for {num_shards} servers"
             )
         spec = table.to_dict()
+        # The wire dtype is the workers' concern: servers hold float32 whatever it is.
+        spec.pop("wire_dtype", None)
         info = KeyInfo(
             key,
             table_id_of(key),
@@ -168,6 +182,7 @@ class KeyRegistry:
             boundaries=spec["boundaries"],
             nonfinite=table.nonfinite,
             own_optimizer=table.optimizer is not None,
+            wire_dtype=table.wire_dtype,
         )
         return info, spec
 

@@ -39,7 +39,7 @@ from kvsparse.store import batching
 from kvsparse.store.backend import Backend
 from kvsparse.store.keys import KeyInfo, KeyRegistry
 from kvsparse.store.plans import PlanCache
-from kvsparse.table import SparseTable
+from kvsparse.table import SparseTable, check_wire_dtype
 
 # Admission/eviction counters of sparse tables (issue 5), summed over shards by stats().
 _POLICY_COUNTERS = (
@@ -103,11 +103,18 @@ class KVStore(StoreFront):
     Args:
         backend: where the tables live (`kvsparse.store.backend.Backend`).
         kind: what ``type`` reports.
+        wire_dtype: how sparse tables' rows travel unless a table says
+            otherwise (`SparseTable.wire_dtype`): 'float32' (default),
+            'float16' or 'bfloat16' (`kvsparse.table.check_wire_dtype`).
+
+    Raises:
+        InvalidArgument: a wire_dtype that is not one of those.
     """
 
-    def __init__(self, backend: Backend, kind: str):
+    def __init__(self, backend: Backend, kind: str, wire_dtype: str = "float32"):
         self._backend = backend
         self._type = kind
+        self._wire_dtype = check_wire_dtype(wire_dtype)
         self._keys = KeyRegistry()
         self._optimizer: optimizers.Optimizer | None = None
         self._plans = PlanCache()
@@ -151,6 +158,23 @@ class KVStore(StoreFront):
     def num_servers(self) -> int:
         """How many shards hold the tables."""
         return self._backend.num_shards
+
+    @property
+    def wire_dtype(self) -> str:
+        """How sparse tables' rows travel unless a table sets its own: 'float32' (default),
+        'float16' or 'bfloat16' (``kvsparse.create(..., wire_dtype=...)``)."""
+        return self._wire_dtype
+
+    def wire_dtype_of(self, key) -> str:
+        """How the rows of sparse key travel: its table's wire_dtype, else the store's.
+
+        The local store rounds the same way, so it gives the numbers a dist
+        store with the same setting gives.
+
+        Raises:
+            UnknownKey: key is not initialized.
+        """
+        return self._keys.info(key).wire_dtype or self._wire_dtype
 
     # -- init -------------------------------------------------------------------------------
 
@@ -237,14 +261,14 @@ class KVStore(StoreFront):
             plan = self._plans.for_pull(
                 info.table_id, flat_ids(ids), self._backend.num_shards, info.boundaries
             )
-            items.append((info, plan))
+            items.append((info, plan, info.wire_dtype or self._wire_dtype))
             results.append(result)
             targets.append(target)
         shard_rows = self._backend.pull_sparse(
-            [(info.table_id, plan.keys, plan.offsets) for info, plan in items]
+            [(info.table_id, plan.keys, plan.offsets, wire) for info, plan, wire in items]
         )
-        for (info, plan), rows, target in zip(items, shard_rows, targets):
-            batching.gather_rows(rows, plan.offsets, plan.slot, target, info.dim)
+        for (info, plan, wire), rows, target in zip(items, shard_rows, targets):
+            batching.gather_rows(rows, plan.offsets, plan.slot, target, info.dim, wire)
         return results[0] if single else results
 
     # -- push / pull ------------------------------------------------------------------------
@@ -272,8 +296,9 @@ class KVStore(StoreFront):
         for k, v in zip(keys, values):
             info = self._keys.info(k)
             if info.sparse:
+                wire = info.wire_dtype or self._wire_dtype
                 sparse_items.append(
-                    batching.sparse_push(info, v, self._backend.num_shards, self._plans)
+                    batching.sparse_push(info, v, self._backend.num_shards, self._plans, wire)
                 )
             else:
                 dense_items.append((info.table_id, batching.dense_push(info, v)))

@@ -5,7 +5,10 @@ from __future__ import annotations
 import functools
 import threading
 
+from kvsparse import _core
 from kvsparse.shard.state import ShardState
+
+FLOAT32 = "float32"
 
 
 def _serialized(method):
@@ -57,19 +60,41 @@ class LocalBackend:
         """Sets (spec) or removes (None) the store-wide optimizer."""
         self.state.set_optimizer(spec)
 
-    @_serialized
     def pull_sparse(self, items):
-        """items: [(table_id, keys, offsets)] -> [[rows of shard 0]]."""
-        self.state.counters.requests += 1
-        return [[self.state.pull_sparse(table_id, keys)] for table_id, keys, _ in items]
+        """items: [(table_id, keys, offsets[, wire_dtype])] -> [[rows of shard 0]].
+
+        Rows of a 16-bit wire dtype are rounded to it (uint16 bit patterns), as
+        a server's reply is: `local` gives the numbers `dist_sparse` gives.
+        """
+        wires = [wire[0] if wire else FLOAT32 for _, _, _, *wire in items]
+        rows = self._pull_rows([(table_id, keys) for table_id, keys, *_ in items])
+        # Rounded outside the lock, like the rest of the store's own preparation.
+        return [
+            [shard_rows if wire == FLOAT32 else _core.narrow(shard_rows, wire)]
+            for shard_rows, wire in zip(rows, wires)
+        ]
 
     @_serialized
-    def push_sparse(self, items):
-        """items: [(table_id, keys, offsets, summed rows)]; all checked before any applies."""
+    def _pull_rows(self, pulls):
         self.state.counters.requests += 1
-        for table_id, keys, _, rows in items:
+        return [self.state.pull_sparse(table_id, keys) for table_id, keys in pulls]
+
+    def push_sparse(self, items):
+        """items: [(table_id, keys, offsets, summed rows[, wire_dtype])]; rows of a 16-bit
+        wire dtype are widened as a server widens them. All checked before any applies."""
+        pushes = []
+        for table_id, keys, _, rows, *wire in items:
+            if wire and wire[0] != FLOAT32:
+                rows = _core.widen(rows, wire[0])
+            pushes.append((table_id, keys, rows))
+        self._push_rows(pushes)
+
+    @_serialized
+    def _push_rows(self, pushes):
+        self.state.counters.requests += 1
+        for table_id, keys, rows in pushes:
             self.state.check_sparse_push(table_id, keys, rows)
-        for table_id, keys, _, rows in items:
+        for table_id, keys, rows in pushes:
             self.state.push_sparse(table_id, keys, rows)
 
     @_serialized

@@ -11,6 +11,14 @@ class methods:
 - ``decode_reply(header, payload, ...)`` (worker): typed values of a
   successful reply (an error reply is raised by the session before).
 
+Sparse rows may travel as 16-bit values (a table's wire dtype, issue 10;
+the layout in `kvsparse.wire.protocol`): the server's codecs convert (a
+pull's reply rows are narrowed by ``encode_reply``, a push's rows widened to
+float32 by ``decode_request``, so the server's state sees float32 only); the
+worker's codecs pass the 16-bit rows as they are (uint16 bit patterns): the
+store narrows a push's summed rows once, and widens a pull's reply rows
+straight into the caller's output (`_core.gather_widen_from_shards`).
+
 A decoder raises `kvsparse.errors.ProtocolError` for anything malformed: a
 missing or extra frame, a frame of the wrong length, bad JSON, a field of the
 wrong type or range. Checks that need a shard's state (does the table exist,
@@ -34,9 +42,18 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from kvsparse import errors
+from kvsparse import _core, errors
 from kvsparse.wire import protocol
-from kvsparse.wire.protocol import FLAG_DECLARE, FLAG_MONITOR, ITEM_FLAG_STEP, Header, Op
+from kvsparse.wire.protocol import (
+    FLAG_DECLARE,
+    FLAG_MONITOR,
+    ITEM_DTYPE_MASK,
+    ITEM_FLAG_STEP,
+    WIRE_FRAME_DTYPES,
+    Header,
+    Op,
+    item_dtype_flags,
+)
 
 _U64 = struct.Struct("<Q")
 _MAX_TABLE_ID = (1 << 64) - 1
@@ -132,6 +149,23 @@ def _array_per_item_request(op: Op, entries: Sequence) -> Request:
     """entries: [(table_id, 1-D array)] -> an item each (count: the array's size), the arrays."""
     items = protocol.make_items([(table_id, array.size, 0) for table_id, array in entries])
     return Request(op, [items, *(array for _, array in entries)], num_items=len(entries))
+
+
+def _float32_items(items: np.ndarray, what: str) -> np.ndarray:
+    """items, if none names a row dtype: dense values always travel as float32.
+
+    Raises:
+        ProtocolError: an item with a row dtype code.
+    """
+    if (items["flags"] & np.uint32(ITEM_DTYPE_MASK)).any():
+        raise errors.ProtocolError(f"{what}: dense values travel as float32 (no row dtype code)")
+    return items
+
+
+def _wire_rows(frame, wire_dtype: str, count: int, dim: int, what: str) -> np.ndarray:
+    """A (count, dim) rows frame of wire_dtype: float32, or uint16 bit patterns (a view)."""
+    rows = protocol.frame_array(frame, WIRE_FRAME_DTYPES[wire_dtype], count * dim, what=what)
+    return rows.reshape(count, dim)
 
 
 def _array_per_item(header: Header, payload, dtype, what: str, frame_what: str) -> tuple:
@@ -443,44 +477,79 @@ class PullSparse(_Codec):
 
     @classmethod
     def encode_request(cls, entries: Sequence) -> Request:
-        """entries: [(table_id, int64 keys)]; one item each."""
-        return _array_per_item_request(cls.op, entries)
+        """entries: [(table_id, int64 keys)] or [(table_id, keys, wire_dtype)]; one item each.
+
+        wire_dtype ('float32' when not given): the dtype the rows come back in.
+        """
+        items = protocol.make_items(
+            [
+                (
+                    entry[0],
+                    entry[1].size,
+                    0,
+                    item_dtype_flags(entry[2] if len(entry) > 2 else "float32"),
+                )
+                for entry in entries
+            ]
+        )
+        return Request(cls.op, [items, *(entry[1] for entry in entries)], num_items=len(entries))
 
     @classmethod
     def decode_request(cls, header: Header, payload) -> PullSparseRequest:
-        """The items and each one's int64 keys."""
+        """The items (each with its row dtype code) and each one's int64 keys."""
         return PullSparseRequest(
             *_array_per_item(header, payload, np.int64, cls.op.name, "PULL_SPARSE keys")
         )
 
     @classmethod
     def encode_reply(cls, items: np.ndarray, rows: Sequence) -> Reply:
-        """items: the request's; rows: a float32 (count, dim) array per item (sent uncopied)."""
+        """items: the request's; rows: a float32 (count, dim) array per item.
+
+        Rows of an item that asks for a 16-bit dtype are narrowed to it (a new
+        array); float32 rows are sent uncopied.
+        """
         reply_items = items.copy()
-        for index, item_rows in enumerate(rows):
+        frames = []
+        for index, (item_rows, wire_dtype) in enumerate(
+            zip(rows, protocol.item_wire_dtypes(items))
+        ):
             reply_items["dim"][index] = item_rows.shape[1]
-        return Reply([reply_items, *rows], len(rows))
+            frames.append(
+                item_rows if wire_dtype == "float32" else _core.narrow(item_rows, wire_dtype)
+            )
+        return Reply([reply_items, *frames], len(rows))
 
     @classmethod
     def decode_reply(cls, header: Header, payload, requested: Sequence) -> list:
-        """requested: [(table_id, number of keys)] as sent -> a (count, dim) rows array each.
+        """requested: [(table_id, number of keys[, wire_dtype])] as sent -> rows per item.
+
+        Each item's rows: a (count, dim) view of its frame, float32, or uint16
+        bit patterns for a 16-bit wire dtype (widened by the caller).
 
         Raises:
-            ProtocolError: the reply does not answer exactly the items requested.
+            ProtocolError: the reply does not answer exactly the items requested
+                (their tables, counts and row dtypes).
         """
         reply_items = _reply_items(header, payload, len(requested), "PULL_SPARSE")
+        dtypes = protocol.item_wire_dtypes(reply_items)
         out = []
-        for position, ((table_id, count), item) in enumerate(zip(requested, reply_items.tolist())):
+        for position, (entry, item) in enumerate(zip(requested, reply_items.tolist())):
+            table_id, count = entry[0], entry[1]
+            wire_dtype = entry[2] if len(entry) > 2 else "float32"
             dim = item[2]
             if item[0] != int(table_id) or item[1] != count or not 1 <= dim:
                 raise errors.ProtocolError(
                     f"PULL_SPARSE reply: item {item} answers a pull of {count} keys of table "
                     f"{int(table_id):#x}"
                 )
-            rows = protocol.frame_array(
-                payload[1 + position], np.float32, count * dim, what="PULL_SPARSE rows"
+            if dtypes[position] != wire_dtype:
+                raise errors.ProtocolError(
+                    f"PULL_SPARSE reply: rows of table {int(table_id):#x} came as "
+                    f"{dtypes[position]}, asked for {wire_dtype}"
+                )
+            out.append(
+                _wire_rows(payload[1 + position], wire_dtype, count, dim, "PULL_SPARSE rows")
             )
-            out.append(rows.reshape(count, dim))
         return out
 
 
@@ -489,12 +558,17 @@ class SparsePush(NamedTuple):
 
     step: the push had keys of this table on some server, so it counts as a
     step of the table even where it has none (`ITEM_FLAG_STEP`).
+    wire_dtype: how the rows travel. To `PushSparse.encode_request` rows are
+    in it already (float32, or uint16 bit patterns of 'float16' /
+    'bfloat16'); from `PushSparse.decode_request` they are always float32
+    (widened), and wire_dtype says what came.
     """
 
     table_id: int
     keys: np.ndarray
     rows: np.ndarray
     step: bool
+    wire_dtype: str = "float32"
 
 
 class PushSparseRequest(NamedTuple):
@@ -511,33 +585,54 @@ class PushSparse(_Codec):
 
     @classmethod
     def encode_request(cls, entries: Sequence) -> Request:
-        """entries: [`SparsePush`] or (table_id, keys, 2-D float32 rows, step) tuples."""
+        """entries: [`SparsePush`] or (table_id, keys, 2-D rows, step[, wire_dtype]) tuples.
+
+        Raises:
+            DTypeError: rows not of their wire dtype's frame dtype (float32 or uint16).
+        """
+        entries = [SparsePush(*entry) for entry in entries]
+        for entry in entries:
+            if entry.rows.dtype != WIRE_FRAME_DTYPES[entry.wire_dtype]:
+                raise errors.DTypeError(
+                    f"PUSH_SPARSE rows of wire dtype {entry.wire_dtype} must be "
+                    f"{np.dtype(WIRE_FRAME_DTYPES[entry.wire_dtype]).name}, got {entry.rows.dtype}"
+                )
         items = protocol.make_items(
             [
-                (table_id, keys.size, rows.shape[1], ITEM_FLAG_STEP if step else 0)
-                for table_id, keys, rows, step in entries
+                (
+                    entry.table_id,
+                    entry.keys.size,
+                    entry.rows.shape[1],
+                    (ITEM_FLAG_STEP if entry.step else 0) | item_dtype_flags(entry.wire_dtype),
+                )
+                for entry in entries
             ]
         )
         frames = [items]
-        for _, keys, rows, _ in entries:
-            frames += [keys, rows]
+        for entry in entries:
+            frames += [entry.keys, entry.rows]
         return Request(cls.op, frames, num_items=len(entries))
 
     @classmethod
     def decode_request(cls, header: Header, payload) -> PushSparseRequest:
-        """The items and each one's keys and (count, dim) rows (views of the frames)."""
+        """The items and each one's keys and float32 (count, dim) rows.
+
+        float32 rows are views of the frames; 16-bit rows are widened into new arrays.
+        """
         items = _request_items(header, payload, 2, "PUSH_SPARSE")
         entries = []
+        dtypes = protocol.item_wire_dtypes(items)
         for i, (table_id, count, dim, item_flags) in enumerate(items.tolist()):
             if dim < 1:
                 raise errors.ProtocolError(f"PUSH_SPARSE item {i}: dim must be >= 1")
             keys = protocol.frame_array(
                 payload[1 + 2 * i], np.int64, count, what=f"PUSH_SPARSE keys {i}"
             )
-            rows = protocol.frame_array(
-                payload[2 + 2 * i], np.float32, count * dim, what=f"PUSH_SPARSE rows {i}"
-            ).reshape(count, dim)
-            entries.append(SparsePush(table_id, keys, rows, bool(item_flags & ITEM_FLAG_STEP)))
+            rows = _wire_rows(payload[2 + 2 * i], dtypes[i], count, dim, f"PUSH_SPARSE rows {i}")
+            if dtypes[i] != "float32":
+                rows = _core.widen(rows, dtypes[i])
+            step = bool(item_flags & ITEM_FLAG_STEP)
+            entries.append(SparsePush(table_id, keys, rows, step, dtypes[i]))
         return PushSparseRequest(items, entries)
 
 
@@ -555,7 +650,7 @@ class PullDense(_Codec):
     @classmethod
     def decode_request(cls, header: Header, payload) -> np.ndarray:
         """The items (count: the slice size the worker expects)."""
-        return _request_items(header, payload, 0, "PULL_DENSE")
+        return _float32_items(_request_items(header, payload, 0, "PULL_DENSE"), "PULL_DENSE")
 
     @classmethod
     def encode_reply(cls, items: np.ndarray, values: Sequence) -> Reply:
@@ -606,6 +701,7 @@ class PushDense(_Codec):
     def decode_request(cls, header: Header, payload) -> PushDenseRequest:
         """The items and [(table_id, gradient)] (views of the frames)."""
         items, grads = _array_per_item(header, payload, np.float32, cls.op.name, "PUSH_DENSE")
+        _float32_items(items, cls.op.name)
         return PushDenseRequest(items, list(zip(items["table_id"].tolist(), grads)))
 
 

@@ -33,10 +33,22 @@ resends what was in flight (`kvsparse.client.session`).
 Item descriptors (the "items" frame of table operations, `ITEM_DTYPE`, 24
 bytes each, ``num_items`` of them): ``table_id`` u64, ``count`` i64 (keys of a
 sparse item, values of a dense item), ``dim`` i32 (row width of a sparse
-item; 0 where not known), ``flags`` u32 (`ITEM_FLAG_STEP` on a push whose
-table got keys on some server: a shard that got none of them still counts
-the push as a step of the table, as the local store does, so Adam's
-per-table step agrees; every other bit 0).
+item; 0 where not known), ``flags`` u32: bit 0 `ITEM_FLAG_STEP` on a push
+whose table got keys on some server (a shard that got none of them still
+counts the push as a step of the table, as the local store does, so Adam's
+per-table step agrees); bits 8-15 the *row dtype code* of the item's rows
+frames (`WIRE_DTYPE_CODES`: 0 float32, 1 float16, 2 bfloat16, others
+refused; PULL_SPARSE and PUSH_SPARSE only, 0 in every other op); every
+other bit 0.
+
+Row dtype (issue 10): a PULL_SPARSE item's code asks for its rows in that
+dtype and the reply's item echoes it; a PUSH_SPARSE item's code says what
+its rows frame holds. A 16-bit rows frame holds count x dim little-endian
+IEEE float16 or bfloat16 values (2 bytes each), rounded to nearest, ties to
+even, from the float32 rows by the sender; the receiver widens them exactly.
+Tables stay float32 on the servers. Messages with code 0 are byte for byte
+those of before, so the version stays 1; a server that predates the codes
+refuses a 16-bit item ("unknown item flags") with an error reply.
 
 Payload per op (request -> reply; every reply starts with the header). Each
 op's layout is encoded and decoded in one place, `kvsparse.wire.ops`, which
@@ -55,9 +67,10 @@ both ends call:
                            (f32; none with FLAG_DECLARE)
     SET_OPTIMIZER (5)      JSON {spec, epoch}                      none
     PULL_SPARSE (6)        items, keys (i64) per item              items (dim set), rows
-                                                                   (f32, count x dim)
-    PUSH_SPARSE (7)        items, keys (i64) + rows (f32) per      none
-                           item
+                                                                   (count x dim, of the
+                                                                   item's row dtype)
+    PUSH_SPARSE (7)        items, keys (i64) + rows (count x dim,  none
+                           of the item's row dtype) per item
     PULL_DENSE (8)         items (count = slice size)              items, values (f32)
     PUSH_DENSE (9)         items, gradient (f32) per item          none
     BARRIER (10)           none                                    none
@@ -132,7 +145,14 @@ FLAG_DECLARE = 1  # INIT_DENSE from a worker other than rank 0: no values, wait 
 FLAG_MONITOR = 2
 KNOWN_FLAGS = FLAG_DECLARE | FLAG_MONITOR
 ITEM_FLAG_STEP = 1  # PUSH_SPARSE item: the push counts as a table step even with no keys here
-KNOWN_ITEM_FLAGS = ITEM_FLAG_STEP
+# Bits 8-15 of an item's flags: the dtype code of its rows frames (issue 10; module docstring).
+ITEM_DTYPE_SHIFT = 8
+ITEM_DTYPE_MASK = 0xFF << ITEM_DTYPE_SHIFT
+WIRE_DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+WIRE_DTYPE_NAMES = {code: name for name, code in WIRE_DTYPE_CODES.items()}
+# The NumPy dtype of a rows frame of each wire dtype (16-bit values as their bit patterns).
+WIRE_FRAME_DTYPES = {"float32": np.float32, "float16": np.uint16, "bfloat16": np.uint16}
+KNOWN_ITEM_FLAGS = ITEM_FLAG_STEP | ITEM_DTYPE_MASK
 
 ITEM_DTYPE = np.dtype([("table_id", "<u8"), ("count", "<i8"), ("dim", "<i4"), ("flags", "<u4")])
 
@@ -377,7 +397,24 @@ def parse_items(frame, num_items: int) -> np.ndarray:
             raise errors.ProtocolError(f"items frame: dim outside [0, {MAX_DIM}]")
         if (items["flags"] & ~np.uint32(KNOWN_ITEM_FLAGS)).any():
             raise errors.ProtocolError("items frame: unknown item flags")
+        codes = items["flags"] >> np.uint32(ITEM_DTYPE_SHIFT)
+        if (codes >= len(WIRE_DTYPE_CODES)).any():
+            raise errors.ProtocolError(
+                f"items frame: unknown row dtype code {int(codes.max())} "
+                f"(known: {WIRE_DTYPE_NAMES})"
+            )
     return items
+
+
+def item_dtype_flags(wire_dtype: str) -> int:
+    """The item flags bits that say an item's rows travel as wire_dtype ('float32': 0)."""
+    return WIRE_DTYPE_CODES[wire_dtype] << ITEM_DTYPE_SHIFT
+
+
+def item_wire_dtypes(items: np.ndarray) -> list:
+    """The wire dtype name of each item of a parsed items array (`parse_items` checked them)."""
+    codes = (items["flags"] >> np.uint32(ITEM_DTYPE_SHIFT)).tolist()
+    return [WIRE_DTYPE_NAMES[code] for code in codes]
 
 
 def make_items(rows) -> np.ndarray:
@@ -515,10 +552,13 @@ __all__ = [
     "FLAG_MONITOR",
     "HEADER_SIZE",
     "ITEM_DTYPE",
+    "ITEM_DTYPE_MASK",
     "ITEM_FLAG_STEP",
     "MAGIC",
     "MUTATING_OPS",
     "VERSION",
+    "WIRE_DTYPE_CODES",
+    "WIRE_FRAME_DTYPES",
     "Header",
     "Op",
     "decode_json",
@@ -527,6 +567,8 @@ __all__ = [
     "encode_tree",
     "error_reply",
     "frame_array",
+    "item_dtype_flags",
+    "item_wire_dtypes",
     "make_items",
     "parse_items",
     "parse_message",
