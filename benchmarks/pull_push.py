@@ -18,6 +18,9 @@ time). In the same run, side by side:
                 server table lookup and Adagrad), and with --profile cProfile of the worker
                 and of both servers.
 - dist_sparse_unique: the same store fed exactly what the peers get (below).
+- dist_sparse_fp16, dist_sparse_bf16: dist_sparse over tcp with
+                ``wire_dtype='float16'`` / ``'bfloat16'``: pulled rows and pushed
+                gradients travel as 16-bit values (issue 10); the tables stay float32.
 - adapter_*:    W1 through kvsparse's PyTorch / TensorFlow / MXNet adapters
                 (benchmarks/peers/adapters.py), each in its own process on 2 fresh servers,
                 as a ratio to the same process driving the store with NumPy first.
@@ -75,6 +78,8 @@ import kvsparse  # noqa: E402
 from kvsparse import _core  # noqa: E402
 
 NUM_SERVERS = 2
+# dist_sparse variants with 16-bit rows on the wire, and their wire_dtype.
+WIRE_SYSTEMS = {"dist_sparse_fp16": "float16", "dist_sparse_bf16": "bfloat16"}
 FOLD_ROWS = 2_000_000
 ALL_SYSTEMS = (
     "numpy",
@@ -85,6 +90,8 @@ ALL_SYSTEMS = (
     "dist_sparse",
     "dist_sparse_ipc",
     "dist_sparse_unique",
+    "dist_sparse_fp16",
+    "dist_sparse_bf16",
     "adapter_torch",
     "adapter_tensorflow",
     "adapter_mxnet",
@@ -98,6 +105,8 @@ DESCRIPTIONS = {
     "dist_sparse": "kvsparse dist_sparse, driven with NumPy",
     "dist_sparse_ipc": "dist_sparse with its servers on ipc:// sockets (same host)",
     "dist_sparse_unique": "dist_sparse fed the peers' deduplicated ids + summed gradients",
+    "dist_sparse_fp16": "dist_sparse, float16 rows and gradients on the wire (tcp)",
+    "dist_sparse_bf16": "dist_sparse, bfloat16 rows and gradients on the wire (tcp)",
     "adapter_torch": "kvsparse.adapters.torch.Embedding forward+backward",
     "adapter_tensorflow": "kvsparse.adapters.tensorflow.Embedding forward+backward",
     "adapter_mxnet": "mx.kv.create('dist_sparse') row_sparse_pull + push, row_sparse",
@@ -401,6 +410,17 @@ def run_dist_sparse_ipc(work: wl.Workload, args, log_dir: str) -> dict:
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
+def run_dist_sparse_wire(work: wl.Workload, args, log_dir: str, wire_dtype: str) -> dict:
+    """dist_sparse over tcp, its pulled rows and pushed gradients as 16-bit wire_dtype values."""
+    with procs.Processes(log_dir) as processes:
+        addresses, pids = start_kvsparse_servers(processes, NUM_SERVERS)
+        store = kvsparse.create(
+            "dist_sparse", servers=addresses, rank=0, num_workers=1, wire_dtype=wire_dtype
+        )
+        with store as kv:
+            return drive_store(kv, work, args, server_pids=pids)
+
+
 def run_dist_sparse(work: wl.Workload, args, log_dir: str) -> dict:
     server_profiles = []
     if args.profile:
@@ -527,6 +547,11 @@ RATIOS = (
     ("dist_sparse / raw_zmq", "dist_sparse", "step", "raw_zmq", "step", None),
     ("dist_sparse_ipc / mxnet_pslite", "dist_sparse_ipc", "step", "mxnet_pslite", "step", 5.0),
     ("dist_sparse_ipc / dist_sparse", "dist_sparse_ipc", "step", "dist_sparse", "step", None),
+    ("dist_sparse_fp16 / mxnet_pslite", "dist_sparse_fp16", "step", "mxnet_pslite", "step", 5.0),
+    ("dist_sparse_fp16 / dist_sparse", "dist_sparse_fp16", "step", "dist_sparse", "step", None),
+    ("dist_sparse_fp16 / raw_zmq", "dist_sparse_fp16", "step", "raw_zmq", "step", None),
+    ("dist_sparse_bf16 / mxnet_pslite", "dist_sparse_bf16", "step", "mxnet_pslite", "step", None),
+    ("dist_sparse_bf16 / dist_sparse", "dist_sparse_bf16", "step", "dist_sparse", "step", None),
     (
         "dist_sparse_unique pull / raw_zmq pull",
         "dist_sparse_unique",
@@ -814,6 +839,8 @@ def run_system(name: str, work: wl.Workload, work_path: str, args, log_dir: str)
         return run_dist_sparse_unique(work, args, log_dir)
     if name == "dist_sparse_ipc":
         return run_dist_sparse_ipc(work, args, log_dir)
+    if name in WIRE_SYSTEMS:
+        return run_dist_sparse_wire(work, args, log_dir, WIRE_SYSTEMS[name])
     if name.startswith("adapter_"):
         return run_adapter(name[len("adapter_") :], work_path, args, log_dir)
     raise ValueError(name)

@@ -5,9 +5,11 @@
 // rounds to nearest, ties to even, as an IEEE conversion does: a float16
 // overflows to inf above 65504 (from 65520 up), inf stays inf, and a NaN stays
 // a NaN of the same sign with its quiet bit set and the top of its payload
-// kept. Widening is exact (every 16-bit value is a float32; NaN payloads are
-// kept bit for bit). The loops are branch-free so that the compiler
-// vectorizes them; large arrays are split over threads.
+// kept. Widening is exact (every 16-bit value is a float32); a NaN keeps its
+// sign and payload and comes out quiet, as IEEE conversions make it. On x86-64
+// CPUs with F16C and AVX2 the conversions use them (chosen at run time); the
+// portable loops elsewhere are branch-free so that the compiler vectorizes
+// them, and give the same bits. Large arrays are split over threads.
 //
 //   std::vector<uint16_t> wire(n);
 //   kvsparse::NarrowFloats(kvsparse::HalfKind::kFloat16, rows, n, wire.data());
@@ -33,6 +35,11 @@ void WidenHalves(HalfKind kind, const uint16_t* halves, int64_t n, float* out);
 
 // Index of the first row (n rows of dim values) holding an inf or NaN, or -1.
 int64_t FirstNonFiniteHalfRow(HalfKind kind, const uint16_t* rows, int64_t n, int64_t dim);
+
+// Chooses the x86 F16C/AVX2 kernels (enable, where the CPU has them) or the portable
+// ones for every later conversion; returns whether the x86 ones are now in use. For
+// tests and benchmarks comparing the two: not to be called while conversions run.
+bool UseHalfHardware(bool enable);
 
 // GatherFromShards (batch.h) over 16-bit replies, widened into float32 out:
 // out[i] = the widened row of shard s at (slot[i] - offsets[s]).

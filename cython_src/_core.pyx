@@ -14,7 +14,8 @@ from kvsparse import errors
 
 from batch cimport (BatchPlan, FirstNonFiniteRow, GatherFromShards, Partitioner, PlanBatch,
                     SumRowsByIndex, UniqueWithInverse, ValidatePartitioner)
-from half cimport FirstNonFiniteHalfRow, GatherWidenFromShards, HalfKind, NarrowFloats, WidenHalves
+from half cimport (FirstNonFiniteHalfRow, GatherWidenFromShards, HalfKind, NarrowFloats,
+                  UseHalfHardware, WidenHalves)
 from initializer cimport InitializerConfig, InitializerKind, ValidateInitializer, kInitializerVersion
 from optimizer cimport Optimizer as COptimizer
 from optimizer cimport OptimizerConfig, OptimizerKind, StepMode, ValidateOptimizer
@@ -777,6 +778,16 @@ cdef object _same_shape_out(out, shape, dtype):
     if out.shape != shape:
         raise errors.ShapeError(f"out has shape {out.shape}, expected {shape}")
     return out
+
+
+def use_half_hardware(bint enable):
+    """Uses the x86 F16C/AVX2 conversions (enable, where the CPU has them; the default)
+    or the portable loops from now on; returns whether the x86 ones are in use.
+
+    Both give the same bits: for tests and benchmarks comparing them. Not to
+    be called while another thread converts.
+    """
+    return UseHalfHardware(enable)
 
 
 def narrow(values_arg, dtype, out=None):

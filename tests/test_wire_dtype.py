@@ -23,7 +23,7 @@ import os
 import numpy as np
 import pytest
 import zmq
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import ReferenceTable
 
@@ -90,10 +90,22 @@ def assert_same_bits(got: np.ndarray, want: np.ndarray) -> None:
 # -- the C++ conversions ----------------------------------------------------------------------
 
 
+@pytest.fixture(params=["x86", "portable"])
+def kernels(request):
+    """Runs a test with the x86 F16C/AVX2 kernels, then with the portable loops."""
+    if request.param == "x86" and not _core.use_half_hardware(True):
+        pytest.skip("this CPU has no F16C/AVX2: the portable kernels are the only ones")
+    _core.use_half_hardware(request.param == "x86")
+    try:
+        yield request.param
+    finally:
+        _core.use_half_hardware(True)
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_narrowing_random_bit_patterns_matches_the_reference_bit_for_bit(dtype):
+def test_narrowing_random_bit_patterns_matches_the_reference_bit_for_bit(dtype, kernels):
     rng = np.random.default_rng(10)
-    values = floats_of(rng.integers(0, 2**32, 1 << 21, dtype=np.uint64))
+    values = floats_of(rng.integers(0, 2**32, (1 << 21) + 13, dtype=np.uint64))
     finite_or_inf = ~np.isnan(values)
     assert_same_bits(
         _core.narrow(values, dtype)[finite_or_inf], reference_bits(values, dtype)[finite_or_inf]
@@ -101,7 +113,7 @@ def test_narrowing_random_bit_patterns_matches_the_reference_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_every_tie_rounds_to_even(dtype):
+def test_every_tie_rounds_to_even(dtype, kernels):
     # Midpoints of every pair of neighbouring finite 16-bit values (exact in float32).
     patterns = np.arange(0x7C00 if dtype == "float16" else 0x7F80, dtype=np.uint16)
     low, high = reference_widen(patterns[:-1], dtype), reference_widen(patterns[1:], dtype)
@@ -113,7 +125,7 @@ def test_every_tie_rounds_to_even(dtype):
     assert (got & 1 == 0).all()  # to even, every one of them
 
 
-def test_float16_special_values():
+def test_float16_special_values(kernels):
     specials = np.array(
         [
             0.0,
@@ -143,7 +155,7 @@ def test_float16_special_values():
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_nan_stays_a_nan_of_the_same_sign_and_quiet(dtype):
+def test_nan_stays_a_nan_of_the_same_sign_and_quiet(dtype, kernels):
     nans = floats_of([0x7FC00000, 0xFFC00000, 0x7FC01234, 0x7F800001, 0xFF800001, 0x7FFFFFFF])
     got = _core.narrow(nans, dtype)
     back = _core.widen(got, dtype)
@@ -157,13 +169,36 @@ def test_nan_stays_a_nan_of_the_same_sign_and_quiet(dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_widening_every_16_bit_pattern_is_exact(dtype):
+def test_widening_every_16_bit_pattern_is_exact(dtype, kernels):
     patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     got = _core.widen(patterns, dtype)
-    assert_same_bits(got.view(np.uint32), reference_widen(patterns, dtype).view(np.uint32))
+    want = reference_widen(patterns, dtype).view(np.uint32)
+    # A NaN keeps its sign and payload and comes out quiet (IEEE: a signaling NaN is quieted).
+    want = np.where(np.isnan(want.view(np.float32)), want | 0x00400000, want)
+    assert_same_bits(got.view(np.uint32), want)
     # Narrowing a widened value gives the pattern back (NaNs aside): nothing is lost.
     finite = ~np.isnan(got)
     assert_same_bits(_core.narrow(got, dtype)[finite], patterns[finite])
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_the_x86_and_portable_kernels_give_the_same_bits_nans_included(dtype):
+    if not _core.use_half_hardware(True):
+        pytest.skip("this CPU has no F16C/AVX2: the portable kernels are the only ones")
+    rng = np.random.default_rng(13)
+    values = floats_of(rng.integers(0, 2**32, (1 << 20) + 7, dtype=np.uint64))
+    values[::97] = floats_of(rng.integers(0x7F800001, 0x7FFFFFFF, values[::97].size))
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    try:
+        results = []
+        for hardware in (True, False):
+            _core.use_half_hardware(hardware)
+            widened = _core.widen(patterns, dtype).view(np.uint32)
+            results.append((_core.narrow(values, dtype), widened))
+    finally:
+        _core.use_half_hardware(True)
+    for x86, portable in zip(*results):
+        assert_same_bits(x86, portable)
 
 
 def test_the_numpy_bfloat16_reference_agrees_with_ml_dtypes():
@@ -177,12 +212,14 @@ def test_the_numpy_bfloat16_reference_agrees_with_ml_dtypes():
     assert_same_bits(bfloat16_bits_numpy(values), want)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     values=st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=64),
     dtype=st.sampled_from(HALF_DTYPES),
 )
-def test_property_narrowing_is_the_references_rounding_and_idempotent(values, dtype):
+def test_property_narrowing_is_the_references_rounding_and_idempotent(values, dtype, kernels):
     array = np.array(values, np.float32)
     bits = _core.narrow(array, dtype)
     assert_same_bits(bits, reference_bits(array, dtype))
@@ -223,9 +260,9 @@ def test_conversion_errors_name_the_problem():
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_gather_widens_reply_rows_straight_into_the_output(dtype):
+def test_gather_widens_reply_rows_straight_into_the_output(dtype, kernels):
     rng = np.random.default_rng(12)
-    dim, offsets = 5, np.array([0, 3, 3, 7], np.int64)
+    dim, offsets = 21, np.array([0, 3, 3, 7], np.int64)  # 21: vector width plus a tail
     replies = [rng.standard_normal((n, dim)).astype(np.float32) for n in (3, 0, 4)]
     slot = rng.integers(0, 7, 40).astype(np.int64)
     out = np.full((40, dim), np.nan, np.float32)
