@@ -352,6 +352,24 @@ def test_local_pulls_are_the_float32_rows_rounded(dtype):
     np.testing.assert_array_equal(out, want)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=0, max_size=40),
+    repeat=st.integers(1, 3),
+    dim=st.integers(1, 40),
+    scale=st.sampled_from([1e-6, 1.0, 1e5]),
+    dtype=st.sampled_from(HALF_DTYPES),
+)
+def test_property_local_pulls_are_the_float32_pulls_rounded(ids, repeat, dim, scale, dtype):
+    row_ids = np.array(ids * repeat, np.int64)
+    table = kvsparse.SparseTable(dim=dim, initializer=_uniform(scale), seed=len(ids))
+    exact, half = kvsparse.create("local"), kvsparse.create("local", wire_dtype=dtype)
+    exact.init("emb", table)
+    half.init("emb", table)
+    want = rounded(exact.row_sparse_pull("emb", row_ids=row_ids), dtype)
+    np.testing.assert_array_equal(half.row_sparse_pull("emb", row_ids=row_ids), want)
+
+
 def test_a_float16_overflow_is_refused_before_anything_is_sent():
     kv = kvsparse.create("local", wire_dtype="float16")
     kv.init("emb", kvsparse.SparseTable(dim=2, initializer=kvsparse.initializers.Zeros()))
@@ -581,3 +599,27 @@ def test_dense_keys_stay_float32_on_a_16_bit_store(servers, dtype):
     with _store(servers, dtype) as kv:
         kv.init(f"dense_{dtype}", value)
         np.testing.assert_array_equal(kv.pull(f"dense_{dtype}"), value)
+
+
+def test_one_fused_request_carries_each_tables_own_wire_dtype(servers):
+    names = {"fused_default": None, "fused_bf16": "bfloat16", "fused_f32": "float32"}
+    ids = np.array([5, 6, 5, 123456789])
+    grads = np.linspace(-3, 3, 4 * 6, dtype=np.float32).reshape(4, 6) / 7
+    sgd = kvsparse.optimizers.SGD(learning_rate=1.0)
+    with _store(servers, "float16") as kv, _store(servers) as exact:
+        for name, wire in names.items():
+            table = kvsparse.SparseTable(dim=6, initializer=_uniform(), optimizer=sgd, seed=9)
+            kv.init(name, kvsparse.SparseTable(**{**vars(table), "wire_dtype": wire}))
+            exact.init(name, table)
+        keys = list(names)
+        before = exact.row_sparse_pull(keys, row_ids=[ids] * 3)
+        pulled = kv.row_sparse_pull(keys, row_ids=[ids] * 3)
+        for got, want, wire in zip(pulled, before, ["float16", "bfloat16", "float32"]):
+            np.testing.assert_array_equal(got, want if wire == "float32" else rounded(want, wire))
+        kv.push(keys, [(ids, grads)] * 3)
+        after = exact.row_sparse_pull(keys, row_ids=[ids] * 3)
+        summed = grads.copy()
+        summed[0] += grads[2]
+        for got, old, wire in zip(after, before, ["float16", "bfloat16", "float32"]):
+            step = summed if wire == "float32" else rounded(summed, wire)
+            np.testing.assert_array_equal(got[[0, 1, 3]], old[[0, 1, 3]] - step[[0, 1, 3]])
