@@ -321,7 +321,8 @@ def test_a_tables_setting_wins_over_the_stores():
     kv.init("own", kvsparse.SparseTable(dim=4, wire_dtype="bfloat16"))
     kv.init("exact", kvsparse.SparseTable(dim=4, wire_dtype="float32"))
     kv.init("default", kvsparse.SparseTable(dim=4))
-    assert kv.wire_dtype == "float16"
+    kv.init("dense", np.zeros(3, np.float32))
+    assert kv.wire_dtype == "float16" and kv.wire_dtype_of("dense") == "float32"
     assert [kv.wire_dtype_of(k) for k in ("own", "exact", "default")] == [
         "bfloat16",
         "float32",

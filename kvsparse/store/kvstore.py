@@ -166,7 +166,8 @@ class KVStore(StoreFront):
         return self._wire_dtype
 
     def wire_dtype_of(self, key) -> str:
-        """How the rows of sparse key travel: its table's wire_dtype, else the store's.
+        """How key's values travel: a sparse table's wire_dtype, else the store's;
+        'float32' for a dense key (dense values always travel as float32).
 
         The local store rounds the same way, so it gives the numbers a dist
         store with the same setting gives.
@@ -174,7 +175,8 @@ class KVStore(StoreFront):
         Raises:
             UnknownKey: key is not initialized.
         """
-        return self._keys.info(key).wire_dtype or self._wire_dtype
+        info = self._keys.info(key)
+        return (info.wire_dtype or self._wire_dtype) if info.sparse else "float32"
 
     # -- init -------------------------------------------------------------------------------
 
