@@ -505,6 +505,9 @@ def test_checkpoint_actions_travel_as_plain_strings(tmp_path):
         "save",
         "commit",
         "load",
+        "activate",
+        "discard",
+        "abort",
         "describe",
         "export",
     }

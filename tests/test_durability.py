@@ -16,12 +16,15 @@ that a test can kill its server during a save.
 from __future__ import annotations
 
 import glob
+import json
 import os
+import resource
 import signal
 import threading
 import time
 
 import numpy as np
+import pytest
 
 import kvsparse
 from kvsparse import errors
@@ -104,3 +107,92 @@ def test_server_killed_during_a_save_is_replaced_on_its_port_at_once(tmp_path):
             except ProcessLookupError:
                 pass
         _stop(server, replacement)
+
+
+# -- defect 15: a failed save cleans up, and the next delta builds on the last real checkpoint -----
+
+
+def _push_ids(kv, ids, value: float = 1.0, key: str = "t") -> None:
+    ids = np.asarray(ids, np.int64)
+    kv.push(key, (ids, -value * np.ones((ids.size, 2), np.float32)))
+
+
+def test_save_failed_by_a_full_disk_leaves_no_file_and_the_next_delta_is_accepted(
+    server_factory, tmp_path
+):
+    servers = server_factory(2)
+    ckpt = str(tmp_path / "ckpt")
+    kv = kvsparse.create("dist_async", servers=servers, rank=0, num_workers=1, timeout=10)
+    kv.init("t", _sgd_table())
+    _push_ids(kv, range(10))
+    assert kv.save(ckpt) == 1
+    _push_ids(kv, range(10, 3000))  # server 1's next shard file needs more than 4 KiB
+    full_disk = server_factory.processes[1].process.pid
+    _, hard = resource.prlimit(full_disk, resource.RLIMIT_FSIZE)
+    resource.prlimit(full_disk, resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(errors.KVSparseError, match="File too large"):
+            kv.save(ckpt)
+    finally:
+        resource.prlimit(full_disk, resource.RLIMIT_FSIZE, (hard, hard))
+    # Server 0's file of the failed save is gone, and no temporary file is left.
+    assert sorted(os.listdir(ckpt)) == [
+        "ckpt-000001.manifest.json",
+        "ckpt-000001.shard-00000-of-00002.kvs",
+        "ckpt-000001.shard-00001-of-00002.kvs",
+    ]
+    _push_ids(kv, [5, 3001])
+    # A delta on checkpoint 1, not on the failed save (whose number is free again).
+    assert kv.save(ckpt, incremental=True) == 2
+    with open(os.path.join(ckpt, "ckpt-000002.manifest.json")) as f:
+        assert json.load(f)["parent"] == 1
+    expected = kv.row_sparse_pull("t", row_ids=np.arange(3002))
+    fresh = kvsparse.create("dist_async", servers=server_factory(2), rank=0, num_workers=1)
+    assert fresh.load(ckpt) == 2
+    np.testing.assert_array_equal(fresh.row_sparse_pull("t", row_ids=np.arange(3002)), expected)
+    fresh.close()
+    kv.close()
+
+
+# -- defect 6: a load is all or nothing per store ------------------------------------------------
+
+
+def _corrupt_first_block(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(16)  # the first section, right after the header
+        byte = f.read(1)
+        f.seek(16)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_load_of_a_corrupt_delta_changes_no_server_and_a_later_init_starts_fresh(
+    server_factory, tmp_path
+):
+    ckpt = str(tmp_path / "ckpt")
+    kv = kvsparse.create("dist_async", servers=server_factory(2), rank=0, num_workers=1)
+    kv.init("t", _sgd_table())
+    _push_ids(kv, range(100))
+    kv.save(ckpt)
+    _push_ids(kv, range(100))
+    kv.save(ckpt, incremental=True)
+    kv.close()
+    _corrupt_first_block(os.path.join(ckpt, "ckpt-000002.shard-00001-of-00002.kvs"))
+
+    # Servers that already serve "t": a failed load leaves their rows as they were.
+    kv = kvsparse.create("dist_async", servers=server_factory(2), rank=0, num_workers=1)
+    kv.init("t", _sgd_table())
+    _push_ids(kv, range(0, 100, 2), value=7.0)
+    before = kv.row_sparse_pull("t", row_ids=np.arange(100))
+    with pytest.raises(errors.InvalidArgument, match="checksum mismatch"):
+        kv.load(ckpt)
+    np.testing.assert_array_equal(kv.row_sparse_pull("t", row_ids=np.arange(100)), before)
+    kv.close()
+
+    # Blank servers: nothing is left that a later identical init would adopt.
+    kv = kvsparse.create("dist_async", servers=server_factory(2), rank=0, num_workers=1)
+    with pytest.raises(errors.InvalidArgument, match="checksum mismatch"):
+        kv.load(ckpt)
+    assert all(not shard["tables"] for shard in kv._backend.stats())
+    kv.init("t", _sgd_table())
+    assert not kv.row_sparse_pull("t", row_ids=np.arange(100)).any()
+    kv.close()
