@@ -75,8 +75,6 @@ KEYS = "KVSPARSE_KEYS"  # CurveZMQ key directory (`kvsparse keys DIR`)
 RETRY_WINDOW = "KVSPARSE_RETRY_WINDOW"  # seconds a worker keeps retrying a restarted server
 CHECKPOINT_DIR = "KVSPARSE_CHECKPOINT_DIR"
 NUM_THREADS = "KVSPARSE_NUM_THREADS"  # threads a batch of the C++ core may use
-# Test-only faults a process injects into itself (comma-separated names, see fault_injection).
-FAULT_INJECTION = "KVSPARSE_FAULT_INJECTION"
 # Seconds workers retry a restarted server when `kvsparse launch --restart-servers`
 # or `kvsparse.ray` start them and the user gives no --retry-window.
 DEFAULT_RETRY_WINDOW = 120.0
@@ -769,22 +767,6 @@ def checkpoint_dir(environ: Optional[Mapping] = None) -> Optional[str]:
     return _get(environ, CHECKPOINT_DIR)
 
 
-def fault_injection(environ: Optional[Mapping] = None) -> frozenset:
-    """The names of the test-only faults set in ``KVSPARSE_FAULT_INJECTION`` (comma-separated).
-
-    Only tests set it, to make a rare moment last (``checkpoint-writer-stall``:
-    a server's forked checkpoint writer waits before it writes, so a test can
-    kill the server during a save). Unknown names are ignored. Thread-safe.
-
-    Example:
-        >>> sorted(fault_injection({"KVSPARSE_FAULT_INJECTION": "checkpoint-writer-stall"}))
-        ['checkpoint-writer-stall']
-    """
-    environ = os.environ if environ is None else environ
-    text = _get(environ, FAULT_INJECTION) or ""
-    return frozenset(name.strip() for name in text.split(",") if name.strip())
-
-
 def curve_keys(environ: Optional[Mapping] = None) -> Optional[str]:
     """The CurveZMQ key directory (``KVSPARSE_KEYS``, set by ``kvsparse launch --keys``), or None.
 
@@ -865,7 +847,6 @@ __all__ = [
     "ClusterConfig",
     "checkpoint_dir",
     "curve_keys",
-    "fault_injection",
     "monitor_config",
     "mxnet_role",
     "retry_window",

@@ -8,9 +8,9 @@ Disk full is simulated with RLIMIT_FSIZE set on the running server process
 from outside (``resource.prlimit``): its forked writer inherits the limit, and
 a write past it fails with EFBIG (CPython ignores SIGXFSZ), as a write to a
 full disk fails with ENOSPC; raising the limit again frees the "disk". The
-one test-only hook is ``KVSPARSE_FAULT_INJECTION=checkpoint-writer-stall``
-(`kvsparse.config.fault_injection`): the writer waits before it writes, so
-that a test can kill its server during a save.
+server killed during a save runs ``tests/test_checkpoint.py``'s hooked
+server, whose forked writer sleeps after its first block (a patch made in the
+test's server process, not a hook in kvsparse).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from kvsparse import errors
 from kvsparse.initializers import Zeros
 from kvsparse.optimizers import SGD
 from tests.conftest import ServerProcess
+from tests.test_checkpoint import _HookedServer
 
 WAIT_SECONDS = 30.0
 
@@ -74,9 +75,12 @@ def _sgd_table(dim: int = 2, **policy) -> kvsparse.SparseTable:
 
 
 def test_server_killed_during_a_save_is_replaced_on_its_port_at_once(tmp_path):
-    server = ServerProcess(env={"KVSPARSE_FAULT_INJECTION": "checkpoint-writer-stall"})
+    hook = tmp_path / "hook"
+    hook.write_text("sleep")  # the writer stops for a minute after its first block
+    ckpt = tmp_path / "ckpt"
+    server = _HookedServer(hook)
     replacement = None
-    writer = None
+    writers = []
     try:
         kv = kvsparse.create(
             "dist_async", servers=[server.address], rank=0, num_workers=1, timeout=2
@@ -87,21 +91,25 @@ def test_server_killed_during_a_save_is_replaced_on_its_port_at_once(tmp_path):
 
         def save():
             try:
-                kv.save(str(tmp_path / "ckpt"))
+                kv.save(str(ckpt))
             except errors.KVSparseError as exc:
                 outcome["error"] = exc
 
         saver = threading.Thread(target=save, daemon=True)
         saver.start()
-        writer = _wait_for(lambda: _children(server.process.pid), "the checkpoint writer")[0]
-        server.kill()  # the writer (stalled) lives on
+        _wait_for(
+            lambda: ckpt.exists() and any(".tmp-" in name for name in os.listdir(ckpt)),
+            "the checkpoint writer's file",
+        )
+        writers = _children(server.process.pid)
+        server.kill()  # its writer sleeps on
         replacement = ServerProcess(bind=server.address)
         saver.join(WAIT_SECONDS)
         assert not saver.is_alive()
         assert isinstance(outcome.get("error"), errors.ServerUnavailable), outcome
         kv.close()
     finally:
-        if writer is not None:
+        for writer in writers:  # the forked writer this test's server started
             try:
                 os.kill(writer, signal.SIGKILL)
             except ProcessLookupError:

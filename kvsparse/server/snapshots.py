@@ -18,13 +18,9 @@ from __future__ import annotations
 import gc
 import json
 import os
-import time
 from typing import Callable
 
-from kvsparse import config, errors
-
-# How long the test-only fault "checkpoint-writer-stall" holds a writer before it writes.
-_STALL_SECONDS = 60.0
+from kvsparse import errors
 
 
 def _close_inherited_fds(keep: int) -> None:
@@ -88,8 +84,6 @@ class ForkedWriter:
                 # server exits, not when a writer it left behind does.
                 devnull = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, 1)
-                if "checkpoint-writer-stall" in config.fault_injection():
-                    time.sleep(_STALL_SECONDS)
                 try:
                     result = {"ok": True, "reply": job()}
                 except BaseException as exc:  # noqa: BLE001 - reported to the parent
