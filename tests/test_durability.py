@@ -204,3 +204,75 @@ def test_load_of_a_corrupt_delta_changes_no_server_and_a_later_init_starts_fresh
     kv.init("t", _sgd_table())
     assert not kv.row_sparse_pull("t", row_ids=np.arange(100)).any()
     kv.close()
+
+
+# -- defect 12: admission counters are in the checkpoint ----------------------------------------
+
+
+def _restart_from(server: ServerProcess, ckpt: str, index: int = 0, count: int = 1):
+    """Kills server and starts its replacement on the same port from checkpoint ckpt."""
+    server.kill()
+    args = ("--restore", ckpt, "--shard-index", str(index), "--num-shards", str(count))
+    return ServerProcess(bind=server.address, extra_args=(*args, "--restarted"))
+
+
+def test_a_push_that_admits_an_id_after_a_restart_is_applied(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    server = ServerProcess()
+    replacement = None
+    try:
+        kv = kvsparse.create(
+            "dist_async", servers=[server.address], rank=0, num_workers=1, retry_window=30
+        )
+        kv.init("t", _sgd_table(min_count=2))
+        _push_ids(kv, [5, 6])  # seen once: candidates, not stored
+        kv.save(ckpt)
+        replacement = _restart_from(server, ckpt)
+        _push_ids(kv, [5])  # the second sighting: admitted, and this push applied
+        assert kv._backend.restarts == 1
+        rows = kv.row_sparse_pull("t", row_ids=np.array([5, 6]))
+        np.testing.assert_array_equal(rows, [[1.0, 1.0], [0.0, 0.0]])
+        kv.close()
+    finally:
+        _stop(server, replacement)
+
+
+def test_admission_counts_survive_a_delta_chain_loaded_onto_more_servers(server_factory, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    ids = np.arange(40)
+    kv = kvsparse.create("dist_async", servers=server_factory(2), rank=0, num_workers=1)
+    kv.init("t", _sgd_table(min_count=3))
+    _push_ids(kv, ids)  # every id seen once
+    kv.save(ckpt)
+    _push_ids(kv, ids[:20])  # the first half twice: still candidates
+    kv.save(ckpt, incremental=True)
+    kv.close()
+    kv = kvsparse.create("dist_async", servers=server_factory(3), rank=0, num_workers=1)
+    assert kv.load(ckpt) == 2
+    assert sum(s["tables"]["t"]["candidates"] for s in kv._backend.stats()) == 40
+    _push_ids(kv, ids)  # third sighting of the first half only
+    rows = kv.row_sparse_pull("t", row_ids=ids)
+    np.testing.assert_array_equal(rows[:20], np.ones((20, 2)))
+    np.testing.assert_array_equal(rows[20:], np.zeros((20, 2)))
+    kv.close()
+
+
+def test_a_format_2_checkpoint_still_loads_without_candidates(tmp_path):
+    from tests.test_checkpoint import _rewrite_as_format
+
+    kv = kvsparse.create("local")
+    kv.init("t", _sgd_table(min_count=2))
+    _push_ids(kv, [1, 2])
+    _push_ids(kv, [1])  # 1 stored, 2 a candidate
+    kv.save(tmp_path / "old")
+    _rewrite_as_format(tmp_path / "old", 2)
+    from kvsparse.shard import checkpoint
+
+    name = tmp_path / "old" / checkpoint.shard_file_name(1, 0, 1)
+    assert checkpoint.read_shard_file(str(name)).version == 2
+    loaded = kvsparse.create("local")
+    assert loaded.load(tmp_path / "old") == 1
+    np.testing.assert_array_equal(
+        loaded.row_sparse_pull("t", row_ids=np.array([1, 2])), [[1.0, 1.0], [0.0, 0.0]]
+    )
+    assert loaded._backend.stats()[0]["tables"]["t"]["candidates"] == 0  # format 2 kept none

@@ -83,6 +83,9 @@ def write_shard_file(state: ShardState, final_path: str, *, since: int | None, i
             section = _sparse_section(state, table_id, entry)
             if since is not None:
                 section["removed"] = writer.removed_block(entry.table.removed_since(since))
+            # Whole in every delta too (they are not stamped with epochs): a restarted
+            # server that lost them drops the push that admits an id (issue 11, defect 12).
+            section["candidates"] = writer.candidates_block(*entry.table.candidates())
             # Rows are stamped with epochs >= 1: since 0 is every row.
             # Buffers reused: each block is written out before the next is read.
             for keys, values, slots, steps in entry.table.iter_state(since or 0, BLOCK_ROWS, True):
@@ -125,6 +128,7 @@ def _sparse_section(state: ShardState, table_id: int, entry: SparseEntry) -> dic
         "table_step": int(table.table_step),
         "blocks": [],
         "removed": None,
+        "candidates": None,
     }
 
 
@@ -313,6 +317,8 @@ def read_shard_state(state: ShardState, path: str, shard_index: int, num_shards:
                 loaded.default_optimizer = f.index.get("default_optimizer")
                 for section in f.index["sparse"]:
                     _load_sparse_section(loaded, f, section, reshard, progress)
+                    if m is steps[-1]:  # each file holds all its candidates: the newest count
+                        _load_candidates(loaded, f, section, reshard)
                 # A delta holds every dense key in full: the newest copy wins.
                 for section in f.index["dense"]:
                     part = dense_parts.setdefault(section["table_id"], {})
@@ -399,6 +405,16 @@ def _load_sparse_section(
     if progress is not None and not reshard.same:
         progress.update(sum(int(b["rows"]) for b in section["blocks"]))
     table.table_step = int(section["table_step"])
+
+
+def _load_candidates(state: ShardState, f: ShardFile, section: dict, reshard: Resharding) -> None:
+    """Adds a file's admission candidates of this shard to the section's (loaded) table."""
+    keys, counts, last_steps = f.candidates(section)
+    if not reshard.same and keys.size:
+        mine = _core.shard_of(keys, reshard.count) == reshard.index
+        keys, counts, last_steps = keys[mine], counts[mine], last_steps[mine]
+    if keys.size:
+        state.sparse[int(section["table_id"])].table.write_candidates(keys, counts, last_steps)
 
 
 def _dense_entry(path: str, parts: dict, reshard: Resharding) -> DenseEntry:
