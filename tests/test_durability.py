@@ -276,3 +276,31 @@ def test_a_format_2_checkpoint_still_loads_without_candidates(tmp_path):
         loaded.row_sparse_pull("t", row_ids=np.array([1, 2])), [[1.0, 1.0], [0.0, 0.0]]
     )
     assert loaded._backend.stats()[0]["tables"]["t"]["candidates"] == 0  # format 2 kept none
+
+
+# -- defect 13: dense keys created after the last checkpoint are created again ---------------------
+
+
+def test_dense_key_created_after_the_checkpoint_is_there_after_a_restart(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    server = ServerProcess()
+    replacement = None
+    try:
+        kv = kvsparse.create(
+            "dist_async", servers=[server.address], rank=0, num_workers=1, retry_window=30
+        )
+        kv.init("t", _sgd_table())
+        kv.init("old", np.full(3, 5.0, np.float32))
+        kv.push("old", np.ones(3, np.float32))  # no optimizer: replaces the values
+        kv.save(ckpt)
+        kv.init("new", np.arange(4, dtype=np.float32))
+        replacement = _restart_from(server, ckpt)
+        # Created again with its initial values; the key in the checkpoint keeps its own.
+        np.testing.assert_array_equal(kv.pull("new"), np.arange(4))
+        np.testing.assert_array_equal(kv.pull("old"), np.ones(3))
+        kv.push("new", np.full(4, 2.0, np.float32))
+        np.testing.assert_array_equal(kv.pull("new"), np.full(4, 2.0))
+        assert kv._backend.restarts == 1
+        kv.close()
+    finally:
+        _stop(server, replacement)

@@ -172,6 +172,11 @@ class RemoteBackend:
             for server, (a, b) in enumerate(dense_ranges(values.size, self.num_shards))
         }
         self._exchange(ops.InitDense, requests)
+        # Dense keys created after a server's last checkpoint are created again when it
+        # restarts (issue 11, defect 13): rank 0's values; another rank's declaration
+        # waits for them, as it did here.
+        for server, request in requests.items():
+            self.session.remember(("dense", int(table_id), server), request, server=server)
 
     def set_optimizer(self, spec):
         """Rank 0 sets it; other ranks wait for rank 0's call and check they agree."""
