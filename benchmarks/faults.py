@@ -203,10 +203,13 @@ def _inject(job: Job, action: str, target: str, hold: float) -> dict:
         os.kill(pid, signal.SIGCONT)
     elif action == "disk-full":
         # The server's forked checkpoint writer inherits the limit: its shard file cannot
-        # grow past 64 bytes, as on a full disk. Lifted after hold seconds; later saves work.
+        # grow past 64 bytes, as on a full disk. Lifted once a save has failed (or after
+        # a minute); the saves after it must work again.
         limit = resource.prlimit(pid, resource.RLIMIT_FSIZE)
         resource.prlimit(pid, resource.RLIMIT_FSIZE, (64, limit[1]))
-        time.sleep(hold)
+        done["save_failed"] = job.wait_until(
+            lambda lines: any("save_failed" in r for _, r in worker_records(lines)), 60
+        )
         try:
             resource.prlimit(pid, resource.RLIMIT_FSIZE, limit)
         except ProcessLookupError:  # the server died of it: the run reports that
@@ -391,7 +394,7 @@ def main(argv=None) -> int:
     parser.add_argument("--every", type=int, default=5, help="rank 0 saves every N steps")
     parser.add_argument("--pace", type=float, default=0.05, help="seconds between steps")
     parser.add_argument("--at-step", type=int, default=23, help="fault when worker 0 is here")
-    parser.add_argument("--hold", type=float, default=2.0, help="seconds a STOP/limit lasts")
+    parser.add_argument("--hold", type=float, default=2.0, help="seconds a SIGSTOP lasts")
     parser.add_argument("--timeout", type=float, default=5.0, help="the job's --timeout")
     parser.add_argument("--output")
     args = parser.parse_args(argv)

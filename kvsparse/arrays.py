@@ -53,8 +53,8 @@ def as_numpy(obj, *, what: str, writable: bool = False) -> np.ndarray:
     """
     if writable and _immutable_tensor(obj):
         raise errors.InvalidArgument(
-            f"{what} is a TensorFlow or JAX tensor ({type(obj).__name__}), immutable; kvsparse must write "
-            "into it: pass a NumPy array (or a torch tensor) and convert after"
+            f"{what} is a TensorFlow or JAX tensor ({type(obj).__name__}), immutable; kvsparse "
+            "must write into it: pass a NumPy array (or a torch tensor) and convert after"
         )
     if isinstance(obj, np.ndarray):
         if writable and not obj.flags.writeable:
