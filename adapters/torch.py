@@ -49,6 +49,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -69,30 +70,52 @@ def _check_ids(ids) -> torch.Tensor:
     return ids
 
 
-class _Prefetch:
-    """One background pull; keeps its result or its error, never raises."""
+class _BackgroundPull:
+    """One background pull of one or more tables; keeps its rows or its error, never raises."""
 
-    def __init__(self, pull, ids: torch.Tensor):
-        # A copy: the caller may refill its ids buffer before the next forward.
-        self.ids = ids.detach().clone()
+    def __init__(self, pull, lookups: list, ids: list):
         self.rows = None
         self.error = None
+        self.error_reported = False
         self._pull = pull
+        self._args = (lookups, ids)
         self._thread = threading.Thread(target=self._run, name="kvsparse-prefetch", daemon=True)
         self._thread.start()
 
     def _run(self):
         try:
-            self.rows = self._pull(self.ids)
+            self.rows = self._pull(*self._args)
         except BaseException as exc:  # noqa: BLE001 - stored for the caller, see wait()
             self.error = exc
 
-    def wait(self):
-        """Waits for the pull; raises its error, if any, in the caller's thread."""
+    def wait(self) -> list | None:
+        """Waits for the pull; raises its error, if any, in the caller's thread.
+
+        The error is raised once, to the first table that waits; the other
+        tables of the pull then get None (no rows: they pull again).
+        """
         self._thread.join()
         if self.error is not None:
+            if self.error_reported:
+                return None
+            self.error_reported = True
             raise self.error
         return self.rows
+
+
+class _Prefetch:
+    """One table's share of a background pull: the ids it was for, and where its rows are."""
+
+    def __init__(self, pull: _BackgroundPull, index: int, ids: torch.Tensor):
+        self.ids = ids
+        self._pull = pull
+        self._index = index
+
+    def wait(self):
+        """The rows (None if the pull failed and another table reported it); raises the
+        pull's error, if not reported yet, in the caller's thread."""
+        rows = self._pull.wait()
+        return None if rows is None else rows[self._index]
 
     def matches(self, ids: torch.Tensor) -> bool:
         return (
@@ -100,6 +123,24 @@ class _Prefetch:
             and ids.device == self.ids.device
             and torch.equal(ids, self.ids)
         )
+
+
+def _pull_tables(lookups: list, ids: list) -> list:
+    """table[ids] for each (lookup, ids): one row_sparse_pull, one request per server for all."""
+    kv = lookups[0].kv
+    host_ids = [i if i.device.type == "cpu" else i.cpu() for i in ids]
+    outs = [
+        torch.empty(tuple(i.shape) + (lookup.dim,), dtype=torch.float32)
+        for lookup, i in zip(lookups, host_ids)
+    ]
+    with store_lock(kv):
+        kv.row_sparse_pull([lookup.key for lookup in lookups], out=outs, row_ids=host_ids)
+    rows = []
+    for lookup, i, host, out in zip(lookups, ids, host_ids, outs):
+        if lookup.padding_idx is not None:
+            out[host == lookup.padding_idx] = 0.0
+        rows.append(out if i.device.type == "cpu" else out.to(i.device, non_blocking=True))
+    return rows
 
 
 class _SparseRows(torch.autograd.Function):
@@ -143,30 +184,27 @@ class _Lookup:
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
         """table[ids] as a new float32 tensor of shape ids.shape + (dim,), on ids' device."""
-        host_ids = ids if ids.device.type == "cpu" else ids.cpu()
-        out = torch.empty(tuple(host_ids.shape) + (self.dim,), dtype=torch.float32)
-        with store_lock(self.kv):
-            self.kv.row_sparse_pull(self.key, out=out, row_ids=host_ids)
-        if self.padding_idx is not None:
-            out[host_ids == self.padding_idx] = 0.0
-        return out if ids.device.type == "cpu" else out.to(ids.device, non_blocking=True)
+        return _pull_tables([self], [ids])[0]
 
     def rows_for(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ids: the prefetched ones if they were for these ids, else a pull."""
         pending, self.prefetched = self.prefetched, None
         if pending is not None:
             rows = pending.wait()
-            if pending.matches(ids):
+            if rows is not None and pending.matches(ids):
                 self.prefetch_hits += 1
                 return rows
             self.prefetch_misses += 1
         return self.pull(ids)
 
-    def prefetch(self, ids: torch.Tensor) -> None:
+    def drop_prefetch(self) -> None:
+        """Forgets an unused prefetch; its error still reaches the caller."""
         pending, self.prefetched = self.prefetched, None
         if pending is not None:
-            pending.wait()  # an unused prefetch; its error still reaches the caller
-        self.prefetched = _Prefetch(self.pull, ids)
+            pending.wait()
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        _prefetch_together([self], [ids])
 
     def push(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
         grad = grad_rows.detach()
@@ -185,9 +223,129 @@ class _Lookup:
             keep = ids != self.padding_idx
             if not bool(keep.all()):
                 ids, grad = ids[keep], grad[keep]
+        batch = _PushBatch.active(self.kv)
+        if batch is not None:
+            batch.add(self.key, ids, grad)
+            return
         with store_lock(self.kv):
             check_trainable(self.kv, self.key)
             self.kv.push(self.key, (ids, grad))
+
+
+def _prefetch_together(lookups: list, ids: list) -> None:
+    """Starts one background pull for every lookup (ids copied: the caller may refill them)."""
+    for lookup in lookups:
+        lookup.drop_prefetch()
+    ids = [i.detach().clone() for i in ids]
+    pull = _BackgroundPull(_pull_tables, lookups, ids)
+    for index, (lookup, i) in enumerate(zip(lookups, ids)):
+        lookup.prefetched = _Prefetch(pull, index, i)
+
+
+class _PushBatch:
+    """The backward pushes of one `push_together` block, sent as one push at its end."""
+
+    _active: dict = {}  # id(kv) -> the store's open batch
+    _guard = threading.Lock()
+
+    def __init__(self, kv):
+        self.kv = kv
+        self.pushes: dict = {}  # key -> [(ids, grad)], in the order backward produced them
+
+    @classmethod
+    def active(cls, kv):
+        with cls._guard:
+            return cls._active.get(id(kv))
+
+    def open(self) -> None:
+        with self._guard:
+            if id(self.kv) in self._active:
+                raise errors.InvalidArgument(
+                    "push_together: a block for this store is already open (blocks do not nest, "
+                    "and one store's blocks do not run in two threads at once)"
+                )
+            self._active[id(self.kv)] = self
+
+    def close(self) -> None:
+        with self._guard:
+            self._active.pop(id(self.kv), None)
+
+    def add(self, key, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        with store_lock(self.kv):
+            check_trainable(self.kv, key)
+        self.pushes.setdefault(key, []).append((ids, grad))
+
+    def send(self) -> None:
+        """One push of every table's gradients (a table pushed twice: its parts summed)."""
+        if not self.pushes:
+            return
+        keys = list(self.pushes)
+        values = [parts[0] if len(parts) == 1 else parts for parts in self.pushes.values()]
+        with store_lock(self.kv):
+            self.kv.push(keys, values)
+
+
+@contextlib.contextmanager
+def push_together(kv):
+    """Within the block, the modules' backward pushes to kv go out as one push at its end.
+
+    A step's tables then cost one request per server instead of one per table
+    (issue 10: the DeepFM example's two tables, 4 exchanges a step -> 2 with
+    `prefetch_together`). A table pushed twice in the block (a module called
+    twice) gets one push of the summed gradients. If the block raises, nothing
+    is pushed. On a synchronous store every worker must use the same blocks.
+    Blocks do not nest; one store's block is open in one thread at a time.
+
+    Raises:
+        kvsparse.errors.InvalidArgument: a block for kv is already open, or a
+            table without optimizer (raised in the backward, as without the block).
+        what `kv.push` raises, at the end of the block.
+
+    Example:
+        >>> with push_together(kv):
+        ...     loss.backward()  # both tables' gradients: one request per server
+    """
+    batch = _PushBatch(kv)
+    batch.open()
+    try:
+        yield
+    except BaseException:
+        batch.close()
+        raise
+    batch.close()
+    batch.send()
+
+
+def prefetch_together(modules, ids) -> None:
+    """Starts one background pull of the next batch's rows for several modules at once.
+
+    As each module's `prefetch(ids)`, but their tables go out in one request
+    per server (issue 10). `ids` is one tensor for every module, or one per
+    module. The modules must share one store.
+
+    Raises:
+        kvsparse.errors.InvalidArgument: no modules, modules of different
+            stores, or a different number of ids tensors than modules.
+        kvsparse.errors.DTypeError: non-integer ids.
+
+    Example:
+        >>> loss.backward()
+        >>> prefetch_together([model.first_order, model.embedding], next_ids)
+    """
+    modules = list(modules)
+    if not modules:
+        raise errors.InvalidArgument("prefetch_together needs at least one module")
+    ids_list = list(ids) if isinstance(ids, (list, tuple)) else [ids] * len(modules)
+    if len(ids_list) != len(modules):
+        raise errors.InvalidArgument(
+            f"prefetch_together: {len(modules)} modules but {len(ids_list)} ids tensors"
+        )
+    kv = modules[0].kv
+    if any(m.kv is not kv for m in modules):
+        raise errors.InvalidArgument("prefetch_together: the modules use different stores")
+    lookups = [m._lookup for m in modules]
+    flat = [m._flat_ids(_check_ids(i)) for m, i in zip(modules, ids_list)]
+    _prefetch_together(lookups, flat)
 
 
 class _TableModule(nn.Module):
@@ -493,4 +651,12 @@ class DenseGradientSync:
         self._scatter(into_grads=True)
 
 
-__all__ = ["DenseGradientSync", "Embedding", "EmbeddingBag", "ensure_table", "store_lock"]
+__all__ = [
+    "DenseGradientSync",
+    "Embedding",
+    "EmbeddingBag",
+    "ensure_table",
+    "prefetch_together",
+    "push_together",
+    "store_lock",
+]

@@ -15,7 +15,11 @@ run, side by side:
 - local:        kvsparse.create('local') through kvsparse.adapters.torch, driven as the
                 example drives it (prefetch of the next batch, DenseGradientSync).
 - dist_sparse:  kvsparse.create('dist_sparse'), 1 worker (this process) + 2 real
-                `python -m kvsparse.server` processes on 127.0.0.1, driven the same way.
+                `python -m kvsparse.server` processes on 127.0.0.1, driven the same way:
+                both tables' pushes in one request per server (`push_together`), and
+                their prefetch too (`prefetch_together`).
+- dist_sparse_per_table: the same, one push and one prefetch per table (the loop
+                before `push_together` / `prefetch_together`: 4 exchanges a step, not 2).
 
 Every system trains from scratch in every round (fresh tables; fresh servers for
 dist_sparse), on the same batches in the same order, with the same dense initial weights;
@@ -65,18 +69,19 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 sys.path.insert(0, REPO)
 
 import movielens  # noqa: E402
-from kvsparse.adapters.torch import DenseGradientSync  # noqa: E402
+from kvsparse.adapters.torch import DenseGradientSync, push_together  # noqa: E402
 from movielens_torch import DeepFM, evaluate  # noqa: E402
 
 import kvsparse  # noqa: E402
 from kvsparse.server.listening import parse_listening_line, read_first_line  # noqa: E402
 
 NUM_SERVERS = 2
-SYSTEMS = ("plain_torch", "local", "dist_sparse")
+SYSTEMS = ("plain_torch", "local", "dist_sparse", "dist_sparse_per_table")
 DESCRIPTIONS = {
     "plain_torch": "nn.Embedding(sparse=True) + torch.optim.Adagrad, one process",
     "local": "kvsparse local store via kvsparse.adapters.torch",
     "dist_sparse": f"kvsparse dist_sparse, 1 worker + {NUM_SERVERS} servers on tcp loopback",
+    "dist_sparse_per_table": "the same, one push and one prefetch per table",
 }
 # The example's settings (examples/movielens_torch.py defaults).
 EMBEDDING_DIM = 16
@@ -226,9 +231,12 @@ def train_plain(model: DeepFM, batches: list) -> tuple[list, list]:
     return epoch_seconds, step_seconds
 
 
-def train_kvsparse(kv, model: DeepFM, batches: list, profiler=None) -> tuple[list, list]:
+def train_kvsparse(
+    kv, model: DeepFM, batches: list, profiler=None, per_table: bool = False
+) -> tuple[list, list]:
     """The example's loop for one worker: pull in forward, push in backward, prefetch the
-    next batch after the push, average dense gradients through the store, Adam."""
+    next batch after the push, average dense gradients through the store, Adam.
+    per_table: each table pushes and prefetches on its own (two requests, not one)."""
     dense_sync = DenseGradientSync(kv, model.parameters(), key="deepfm_dense")
     dense_optimizer = torch.optim.Adam(model.parameters(), lr=DENSE_LR)
     loss_function = nn.BCEWithLogitsLoss()
@@ -240,9 +248,15 @@ def train_kvsparse(kv, model: DeepFM, batches: list, profiler=None) -> tuple[lis
                 step_start = time.perf_counter()
                 loss = loss_function(model(batch_ids), batch_labels)
                 dense_optimizer.zero_grad()
-                loss.backward()  # pushes the embedding gradients
+                with contextlib.nullcontext() if per_table else push_together(kv):
+                    loss.backward()  # pushes the embedding gradients
                 if step + 1 < len(epoch_batches):
-                    model.prefetch(epoch_batches[step + 1][0])
+                    next_ids = epoch_batches[step + 1][0]
+                    if per_table:
+                        model.first_order.prefetch(next_ids)
+                        model.embedding.prefetch(next_ids)
+                    else:
+                        model.prefetch(next_ids)
                 dense_sync.synchronize()
                 dense_optimizer.step()
                 step_seconds.append(time.perf_counter() - step_start)
@@ -274,7 +288,9 @@ def run_once(system: str, work: Workload, seed: int, profile_dir: str | None = N
                 kv = kvsparse.create("dist_sparse", servers=servers, rank=0, num_workers=1)
             stack.callback(kv.close)
             model = kvsparse_model(kv, num_fields, seed)
-            epoch_seconds, step_seconds = train_kvsparse(kv, model, work.batches, profiler)
+            epoch_seconds, step_seconds = train_kvsparse(
+                kv, model, work.batches, profiler, per_table=system == "dist_sparse_per_table"
+            )
             auc = evaluate(model, work.data.test_ids, work.data.test_labels)
             result = {
                 "prefetch_hits": model.embedding.prefetch_hits,

@@ -812,4 +812,45 @@ int64_t EmbeddingTable::CandidateBytes() const {
                               candidates_.size() * 32);
 }
 
+int64_t EmbeddingTable::CandidateCount() const {
+  return static_cast<int64_t>(candidates_.size());
+}
+
+int64_t EmbeddingTable::ReadCandidates(int64_t* keys, int64_t* counts, int64_t* last_steps,
+                                       int64_t capacity) const {
+  int64_t copied = 0;
+  for (const auto& entry : candidates_) {
+    if (copied >= capacity) break;
+    keys[copied] = entry.first;
+    counts[copied] = entry.second.count;
+    last_steps[copied] = entry.second.last_step;
+    ++copied;
+  }
+  return copied;
+}
+
+Status EmbeddingTable::WriteCandidates(const int64_t* keys, const int64_t* counts,
+                                       const int64_t* last_steps, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (counts[i] < 1 || counts[i] > static_cast<int64_t>(UINT32_MAX) || last_steps[i] < 0 ||
+        last_steps[i] > static_cast<int64_t>(UINT32_MAX)) {
+      return Status(StatusCode::kInvalidArgument,
+                    "candidate count or step of id " + KeyText(keys[i]) + " is out of range");
+    }
+  }
+  try {
+    candidates_.reserve(candidates_.size() + static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      if (FindRow(keys[i]) >= 0) continue;
+      candidates_[keys[i]] = Candidate{static_cast<uint32_t>(counts[i]),
+                                       static_cast<uint32_t>(last_steps[i])};
+    }
+  } catch (const std::bad_alloc&) {
+    return Status(StatusCode::kOutOfMemory, "out of memory restoring admission candidates");
+  }
+  return Status::Ok();
+}
+
+void EmbeddingTable::ClearCandidates() { candidates_.clear(); }
+
 }  // namespace kvsparse

@@ -226,6 +226,24 @@ class EmbeddingTable {
   void AdvanceStep();
   PolicyStats policy_stats() const;
 
+  // Admission candidates for checkpoints (issue 11, defect 12): the ids seen
+  // fewer than min_count times, with their sighting count and last step. A
+  // restarted server that lost them would drop the push that admits an id.
+  //   std::vector<int64_t> keys(n), counts(n), steps(n);  // n = CandidateCount()
+  //   n = table->ReadCandidates(keys.data(), counts.data(), steps.data(), n);
+  //   other->ClearCandidates();
+  //   s = other->WriteCandidates(keys.data(), counts.data(), steps.data(), n);
+  int64_t CandidateCount() const;
+  // Copies up to capacity candidates (in map order); returns how many it copied.
+  int64_t ReadCandidates(int64_t* keys, int64_t* counts, int64_t* last_steps,
+                         int64_t capacity) const;
+  // Sets the count and last step of each id (overwriting one it holds); ids
+  // stored as rows are skipped. Counts must be in [1, 2^32), steps in
+  // [0, 2^32): else nothing is written.
+  Status WriteCandidates(const int64_t* keys, const int64_t* counts, const int64_t* last_steps,
+                         int64_t n);
+  void ClearCandidates();
+
  private:
   explicit EmbeddingTable(const TableConfig& config);
 

@@ -568,6 +568,57 @@ cdef class Table:
             "candidates": c_stats.candidates,
         }
 
+    def candidates(self):
+        """(keys, counts, last_steps), int64: the ids seen fewer than min_count times.
+
+        For checkpoints (issue 11, defect 12); in no particular order.
+
+        Example:
+            >>> t = Table(1, policy={"min_count": 3})
+            >>> t.apply_gradients(np.array([5], np.int64), np.ones((1, 1), np.float32))
+            0
+            >>> [a.tolist() for a in t.candidates()]
+            [[5], [1], [1]]
+        """
+        cdef EmbeddingTable* c_table = self._table()
+        cdef int64_t c_n = c_table.CandidateCount()
+        keys = np.empty(c_n, np.int64)
+        counts = np.empty(c_n, np.int64)
+        last_steps = np.empty(c_n, np.int64)
+        cdef int64_t[::1] c_keys = keys
+        cdef int64_t[::1] c_counts = counts
+        cdef int64_t[::1] c_steps = last_steps
+        if c_n:
+            with nogil:
+                c_n = c_table.ReadCandidates(&c_keys[0], &c_counts[0], &c_steps[0], c_n)
+        return keys[:c_n], counts[:c_n], last_steps[:c_n]
+
+    def write_candidates(self, keys_arg, counts_arg, last_steps_arg):
+        """Sets the sighting count and last step of ids (stored ids are skipped).
+
+        Raises InvalidArgument (nothing written) for a count outside [1, 2^32)
+        or a step outside [0, 2^32); ShapeError for arrays of other lengths.
+        """
+        cdef EmbeddingTable* c_table = self._table()
+        cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
+        cdef const int64_t[::1] counts = _arg(counts_arg, np.int64, 1, "counts")
+        cdef const int64_t[::1] steps = _arg(last_steps_arg, np.int64, 1, "last_steps")
+        cdef int64_t c_n = keys.shape[0]
+        if counts.shape[0] != c_n or steps.shape[0] != c_n:
+            raise errors.ShapeError(
+                f"counts and last_steps must have {c_n} entries, got {counts.shape[0]} "
+                f"and {steps.shape[0]}")
+        cdef Status c_status
+        if c_n:
+            with nogil:
+                c_status = c_table.WriteCandidates(&keys[0], &counts[0], &steps[0], c_n)
+            _check(c_status)
+
+    def clear_candidates(self):
+        """Forgets every admission candidate (before a checkpoint's are written)."""
+        cdef EmbeddingTable* c_table = self._table()
+        c_table.ClearCandidates()
+
 
 cdef class Optimizer:
     """The server optimizer applied to a flat span (a dense key's slice).

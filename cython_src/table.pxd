@@ -77,3 +77,10 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         int64_t EvictExpired() except +
         void AdvanceStep()
         PolicyStats policy_stats()
+        # Admission candidates for checkpoints (issue 11, defect 12).
+        int64_t CandidateCount()
+        int64_t ReadCandidates(int64_t* keys, int64_t* counts, int64_t* last_steps,
+                               int64_t capacity)
+        Status WriteCandidates(const int64_t* keys, const int64_t* counts,
+                               const int64_t* last_steps, int64_t n) except +
+        void ClearCandidates()

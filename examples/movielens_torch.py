@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 import torch
-from kvsparse.adapters.torch import DenseGradientSync, Embedding
+from kvsparse.adapters.torch import DenseGradientSync, Embedding, prefetch_together, push_together
 from torch import nn
 
 import kvsparse
@@ -74,9 +74,9 @@ class DeepFM(nn.Module):
         return first + pairwise + deep
 
     def prefetch(self, ids: torch.Tensor) -> None:
-        """Starts pulling the next batch's rows of both tables in the background."""
-        self.first_order.prefetch(ids)
-        self.embedding.prefetch(ids)
+        """Starts pulling the next batch's rows of both tables in the background (one
+        request per server for both)."""
+        prefetch_together([self.first_order, self.embedding], ids)
 
 
 def parse_args(argv=None):
@@ -140,7 +140,8 @@ def main(argv=None) -> int:
             logits = model(torch.from_numpy(batch_ids))
             loss = loss_function(logits, torch.from_numpy(batch_labels))
             dense_optimizer.zero_grad()
-            loss.backward()  # pushes the embedding gradients to the servers
+            with push_together(kv):  # both tables' gradients: one request per server
+                loss.backward()
             if args.prefetch and step + 1 < len(epoch_batches):
                 # After the push (BSP: every worker's gradients are applied by
                 # now), so the prefetched rows are exact; the pull runs while

@@ -34,8 +34,28 @@ def outputs_per_key(out, single: bool, count: int) -> list:
     return per_key(out, single) if single or out is not None else [None] * count
 
 
+# Tensor types that are immutable values although DLPack hands out their memory: writing a
+# pull into one would change a constant that TensorFlow or JAX may share or cache (tf.zeros
+# of one shape can return one tensor). DLPack before 1.0 has no read-only flag to say so.
+_IMMUTABLE_TENSOR_MODULES = ("tensorflow", "jax", "jaxlib")
+
+
+def _immutable_tensor(obj) -> bool:
+    return type(obj).__module__.split(".")[0] in _IMMUTABLE_TENSOR_MODULES
+
+
 def as_numpy(obj, *, what: str, writable: bool = False) -> np.ndarray:
-    """A NumPy view of obj (ndarray, __dlpack__ object or DLPack capsule)."""
+    """A NumPy view of obj (ndarray, __dlpack__ object or DLPack capsule).
+
+    Raises:
+        InvalidArgument: writable and obj is read-only, or a TensorFlow/JAX tensor
+            (immutable values: pull into a NumPy array or torch tensor instead).
+    """
+    if writable and _immutable_tensor(obj):
+        raise errors.InvalidArgument(
+            f"{what} is a TensorFlow or JAX tensor ({type(obj).__name__}), immutable; kvsparse "
+            "must write into it: pass a NumPy array (or a torch tensor) and convert after"
+        )
     if isinstance(obj, np.ndarray):
         if writable and not obj.flags.writeable:
             raise errors.InvalidArgument(f"{what} is read-only; kvsparse must write into it")

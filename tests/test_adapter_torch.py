@@ -21,7 +21,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import last_json, run_workers  # noqa: E402
-from kvsparse.adapters.torch import DenseGradientSync, Embedding, EmbeddingBag  # noqa: E402
+from kvsparse.adapters.torch import (  # noqa: E402
+    DenseGradientSync,
+    Embedding,
+    EmbeddingBag,
+    prefetch_together,
+    push_together,
+)
 
 import kvsparse  # noqa: E402
 import kvsparse.store.batching  # noqa: E402
@@ -511,6 +517,126 @@ def test_prefetch_error_is_raised_by_the_next_forward_not_in_the_thread(kv, monk
     with pytest.raises(errors.ServerUnavailable):
         emb.prefetch(torch.tensor([4]))
     assert len(failing_threads) == 2
+
+
+# -- one request per server for several tables (issue 10) ----------------------------------
+
+
+def _two_tables(kv, prefix=""):
+    """Two fresh tables ("first", "vectors"); prefix keeps them apart on shared servers."""
+    settings = {"initializer": initializers.Zeros(), "optimizer": optimizers.SGD(learning_rate=1.0)}
+    return Embedding(kv, prefix + "first", embedding_dim=1, **settings), Embedding(
+        kv, prefix + "vectors", embedding_dim=3, **settings
+    )
+
+
+def _count_calls(monkeypatch, target, name: str) -> list:
+    calls = []
+    real = getattr(target, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, counted)
+    return calls
+
+
+def _two_table_loss(first, vectors, ids):
+    return first(ids).sum() + (vectors(ids) * torch.tensor([1.0, 2.0, 3.0])).sum()
+
+
+@pytest.mark.parametrize("store", ["kv", "two_servers"])
+def test_push_together_sends_one_push_with_the_same_result(request, store, monkeypatch):
+    kv = request.getfixturevalue(store)
+    first, vectors = _two_tables(kv, "push_together_")
+    ids = torch.tensor([[1, 2], [2, 9]])
+    pushes = _count_calls(monkeypatch, kv._backend, "push_sparse")
+    with push_together(kv):
+        loss = _two_table_loss(first, vectors, ids)
+        loss = loss + first(torch.tensor([9])).sum()  # a table used twice: summed, one push
+        loss.backward()
+        assert pushes == []  # nothing sent before the block ends
+    assert len(pushes) == 1 and len(pushes[0][0]) == 2  # one call, both tables in it
+    np.testing.assert_array_equal(
+        kv.row_sparse_pull(first.key, row_ids=np.array([1, 2, 9]))[:, 0], [-1, -2, -2]
+    )
+    np.testing.assert_array_equal(
+        kv.row_sparse_pull(vectors.key, row_ids=np.array([1, 2, 9])),
+        -np.outer([1, 2, 1], [1.0, 2.0, 3.0]),
+    )
+
+
+def test_push_together_pushes_nothing_when_the_block_raises(kv):
+    first, vectors = _two_tables(kv)
+    with pytest.raises(RuntimeError, match="after backward"):
+        with push_together(kv):
+            _two_table_loss(first, vectors, torch.tensor([4])).backward()
+            raise RuntimeError("after backward")
+    assert kv.stats()["tables"]["first"]["rows"] == 0
+    assert kv.stats()["tables"]["vectors"]["rows"] == 0
+    with push_together(kv):  # the store's block was closed: a new one opens
+        with pytest.raises(errors.InvalidArgument, match="already open"):
+            with push_together(kv):
+                pass
+
+
+def test_push_together_refuses_a_table_without_optimizer_in_the_backward(kv):
+    emb = Embedding(kv, "bare", embedding_dim=2)
+    with pytest.raises(errors.InvalidArgument, match="no optimizer"):
+        with push_together(kv):
+            emb(torch.tensor([1])).sum().backward()
+    assert kv.stats()["tables"]["bare"]["rows"] == 0
+
+
+@pytest.mark.parametrize("store", ["kv", "two_servers"])
+def test_prefetch_together_pulls_both_tables_in_one_call(request, store, monkeypatch):
+    kv = request.getfixturevalue(store)
+    first, vectors = _two_tables(kv, "prefetch_together_")
+    ids = torch.tensor([[1, 2], [2, 9]])
+    with push_together(kv):
+        _two_table_loss(first, vectors, ids).backward()
+    pulls = _count_calls(monkeypatch, kv._backend, "pull_sparse")
+    prefetch_together([first, vectors], ids)
+    ids[0, 0] = 77  # the caller refills its buffer: the prefetch kept a copy
+    expected_ids = torch.tensor([[1, 2], [2, 9]])
+    out_first, out_vectors = first(expected_ids), vectors(expected_ids)
+    assert len(pulls) == 1 and len(pulls[0][0]) == 2
+    assert (first.prefetch_hits, vectors.prefetch_hits) == (1, 1)
+    np.testing.assert_array_equal(
+        out_vectors.detach().numpy(), kv.row_sparse_pull(vectors.key, row_ids=expected_ids.numpy())
+    )
+    np.testing.assert_array_equal(out_first.detach().numpy()[0, :, 0], [-1, -2])
+
+
+def test_prefetch_together_reports_a_failed_pull_once(kv, monkeypatch):
+    first, vectors = _two_tables(kv)
+
+    def failing(*args, **kwargs):
+        raise errors.ServerUnavailable("server gone", address="tcp://127.0.0.1:1")
+
+    monkeypatch.setattr(kv, "row_sparse_pull", failing)
+    prefetch_together([first, vectors], torch.tensor([3]))
+    with pytest.raises(errors.ServerUnavailable, match="server gone"):
+        first(torch.tensor([3]))
+    monkeypatch.undo()
+    vectors(torch.tensor([3]))  # the other table pulls again instead of raising twice
+    assert vectors.prefetch_misses == 1
+
+
+def test_prefetch_together_checks_its_arguments(kv):
+    first, vectors = _two_tables(kv)
+    other = kvsparse.create("local")
+    try:
+        stranger = Embedding(other, "first", embedding_dim=1)
+        with pytest.raises(errors.InvalidArgument, match="different stores"):
+            prefetch_together([first, stranger], torch.tensor([1]))
+    finally:
+        other.close()
+    with pytest.raises(errors.InvalidArgument, match="2 modules but 3"):
+        prefetch_together([first, vectors], [torch.tensor([1])] * 3)
+    with pytest.raises(errors.DTypeError):
+        prefetch_together([first, vectors], torch.tensor([1.5]))
 
 
 # -- several workers -------------------------------------------------------------------------

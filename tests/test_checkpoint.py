@@ -505,6 +505,9 @@ def test_checkpoint_actions_travel_as_plain_strings(tmp_path):
         "save",
         "commit",
         "load",
+        "activate",
+        "discard",
+        "abort",
         "describe",
         "export",
     }
@@ -520,6 +523,13 @@ def test_checkpoint_actions_travel_as_plain_strings(tmp_path):
 def _rewrite_as_format_1(path) -> None:
     """Turns a saved checkpoint into what kvsparse 0.1.0 wrote: format 1, specs without a
     stream version (the index is rewritten and its crc32 recomputed)."""
+    _rewrite_as_format(path, 1)
+
+
+def _rewrite_as_format(path, version: int) -> None:
+    """Turns a saved checkpoint into what an older kvsparse wrote (the index is rewritten
+    and its crc32 recomputed): format 2 has no admission candidates, and format 1 (kvsparse
+    0.1.0) no initializer stream version either. The candidates' bytes stay, unreferenced."""
     from kvsparse.shard.checkpoint.format import HEADER, TRAILER
 
     for name in os.listdir(path):
@@ -527,7 +537,7 @@ def _rewrite_as_format_1(path) -> None:
         if name.endswith(".manifest.json"):
             with open(full) as f:
                 manifest = json.load(f)
-            manifest["version"] = 1
+            manifest["version"] = version
             with open(full, "w") as f:
                 json.dump(manifest, f)
             continue
@@ -538,13 +548,15 @@ def _rewrite_as_format_1(path) -> None:
         index_len, _, end = TRAILER.unpack_from(data, len(data) - TRAILER.size)
         body_end = len(data) - TRAILER.size
         index = json.loads(data[body_end - index_len : body_end])
-        index["version"] = 1
+        index["version"] = version
         for section in index["sparse"]:
-            section["spec"]["initializer"].pop("version")
+            section.pop("candidates", None)
+            if version < 2:
+                section["spec"]["initializer"].pop("version")
         new_index = json.dumps(index).encode()
         magic, _, flags = HEADER.unpack_from(data, 0)
         rewritten = (
-            HEADER.pack(magic, 1, flags)
+            HEADER.pack(magic, version, flags)
             + data[HEADER.size : body_end - index_len]
             + new_index
             + TRAILER.pack(len(new_index), zlib.crc32(new_index), end)
@@ -590,7 +602,7 @@ def test_a_format_1_checkpoint_keeps_its_initializer_streams(tmp_path):
     v2 = _core.Table(spec["dim"], v2_spec, None, spec["seed"]).initial_values(unseen)
     assert not np.array_equal(v1, v2)  # the streams differ, so the check below means something
     np.testing.assert_array_equal(loaded.row_sparse_pull("emb", row_ids=unseen), v1)
-    # A new save records the version: format 2, read back with the same streams.
+    # A new save records the version (format 2 and later), read back with the same streams.
     assert loaded.save(tmp_path / "new") == 1
     again = kvsparse.create("local")
     again.load(tmp_path / "new")

@@ -173,6 +173,11 @@ class RemoteBackend:
             for server, (a, b) in enumerate(dense_ranges(values.size, self.num_shards))
         }
         self._exchange(ops.InitDense, requests)
+        # Dense keys created after a server's last checkpoint are created again when it
+        # restarts (issue 11, defect 13): rank 0's values; another rank's declaration
+        # waits for them, as it did here.
+        for server, request in requests.items():
+            self.session.remember(("dense", int(table_id), server), request, server=server)
 
     def set_optimizer(self, spec):
         """Rank 0 sets it; other ranks wait for rank 0's call and check they agree."""
@@ -292,14 +297,27 @@ class RemoteBackend:
         """TTL eviction now on every server: [{table name: rows evicted} per server]."""
         return self._everywhere(ops.Evict)
 
-    def checkpoint(self, requests):
+    def checkpoint(self, requests, gather=False):
         """{server: checkpoint request body} -> {server: decoded JSON reply}.
 
         The servers work in parallel (a save forks each one's writer); see
-        kvsparse.shard.checkpoint for the actions.
+        kvsparse.shard.checkpoint for the actions. gather: every server's
+        outcome, a failed one's error as its value (nothing raised).
         """
         encoded = {server: ops.Checkpoint.encode_request(body) for server, body in requests.items()}
-        return self._exchange(ops.Checkpoint, encoded)
+        if not gather:
+            return self._exchange(ops.Checkpoint, encoded)
+        outcomes = self.session.exchange(encoded, gather=True)
+        replies = {}
+        for server, outcome in outcomes.items():
+            if isinstance(outcome, errors.KVSparseError):
+                replies[server] = outcome
+                continue
+            try:
+                replies[server] = self._decode(server, ops.Checkpoint, outcome)
+            except errors.ProtocolError as exc:
+                replies[server] = exc
+        return replies
 
     def stats(self):
         """[per-server stats]: tables (rows, bytes), requests, keys, keys/s, address."""

@@ -24,7 +24,7 @@ random incarnation in its header. When it changes (the server was restarted,
 e.g. from a checkpoint by the launcher), or when a server stops answering,
 the session greets it again (the HELLO given to `Session.open`, retrying until
 ``retry_window`` seconds have passed, then ServerUnavailable), replays what
-`Session.remember` was given (the sparse tables this client created), and
+`Session.remember` was given (the tables and dense keys this client created), and
 resends the request in flight: under its own request id if the server has
 it (a server applies a request id at most once), else under a new one.
 What a restarted server holds is what it restored (its last checkpoint):
@@ -280,14 +280,15 @@ class Session:
                 self._incarnations[server] = answer.header.incarnation
             return answers
 
-    def remember(self, key, request: ops.Request) -> None:
-        """Replays request (after the greeting) to every server that restarts.
+    def remember(self, key, request: ops.Request, server: Optional[int] = None) -> None:
+        """Replays request (after the greeting) to every server that restarts (or to server).
 
         key: a later request under the same key replaces this one (e.g. a
-        table id: the table's INIT_SPARSE).
+        table id: the table's INIT_SPARSE). server: only that server gets
+        it (a dense key's INIT_DENSE carries its slice).
         """
         with self._lock:
-            self._replays[key] = request
+            self._replays[key] = (server, request)
 
     def exchange(self, requests: dict, *, push: bool = False, gather: bool = False) -> dict:
         """Sends {server: `ops.Request`} to every server, then collects every reply.
@@ -567,9 +568,11 @@ class Session:
                 self._links.reset(server)
             incarnation = answer.header.incarnation
         self._adopt(server, incarnation)
-        # Tables created after the server's last checkpoint are declared again, so that
-        # the resent request finds them.
-        for replay in self._replays.values():
+        # Tables and dense keys created after the server's last checkpoint are declared
+        # again, so that the resent request finds them.
+        for replay_server, replay in self._replays.values():
+            if replay_server is not None and replay_server != server:
+                continue
             replay_id = self._send(server, replay)
             if self._await_reply(server, replay_id, deadline) is None:
                 self._unavailable(server)

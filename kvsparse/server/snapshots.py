@@ -5,15 +5,33 @@ the shard at that moment; the child writes, sends its JSON result through a
 pipe and leaves with ``os._exit``, never touching ZeroMQ. The server's event
 loop watches the pipe with its sockets (`kvsparse.server.loop.EventLoop.watch`)
 and answers the request when the child is done.
+
+The child closes every file descriptor it inherited (issue 11, defect 14):
+the server's listening socket and client connections, whose copies kept a
+replacement server from binding the port ("Address already in use") and
+clients from seeing the dead server's connections close until the writer
+exited.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from typing import Callable
 
 from kvsparse import errors
+
+
+def _close_inherited_fds(keep: int) -> None:
+    """Closes every fd above stderr but keep (the forked child's own pipe end)."""
+    try:
+        limit = os.sysconf("SC_OPEN_MAX")
+    except (OSError, ValueError):
+        limit = 65536
+    # One close_range(2) call each where the kernel has it (CPython uses it).
+    os.closerange(3, keep)
+    os.closerange(keep + 1, max(limit, keep + 1))
 
 
 class ForkedWriter:
@@ -58,7 +76,10 @@ class ForkedWriter:
         if pid == 0:  # the child: no zmq, no return into the event loop
             status = 1
             try:
-                os.close(read_fd)
+                # Objects that own the closed fds must never be finalized here: a collected
+                # zmq socket or file would close an fd number the job has reused meanwhile.
+                gc.freeze()
+                _close_inherited_fds(keep=write_fd)
                 # Let go of stdout: whoever reads the server's stdout sees its end when the
                 # server exits, not when a writer it left behind does.
                 devnull = os.open(os.devnull, os.O_WRONLY)

@@ -123,16 +123,42 @@ class ShardState:
         self.default_optimizer: dict | None = None
         self.counters = ShardCounters()
         # Checkpoints (kvsparse.shard.checkpoint): rows written now are stamped with
-        # change_epoch; saved_epoch is the epoch the last save or load covered.
+        # change_epoch; saved_epoch is the epoch the checkpoint_base covered.
         self.change_epoch = 1
         self.saved_epoch = 0
-        self.checkpoint_base: tuple | None = None  # (realpath, seq) last saved or loaded
+        # (realpath, seq) of the last checkpoint this shard saved (with a manifest) or loaded.
+        self.checkpoint_base: tuple | None = None
+        # (realpath, seq, epoch) of this shard's saves not known to be committed yet: one
+        # becomes the base once its manifest exists, never before (a save that failed on
+        # another shard must not become the next delta's parent: issue 11, defect 15).
+        self.uncommitted_saves: list[tuple] = []
+        # A store-wide load in two steps: every shard loads into a new ShardState (kept
+        # here), and only once all of them succeeded does each take it over.
+        self.staged_load: ShardState | None = None
 
     def clear(self) -> None:
         """Drops every table and dense key and the store-wide optimizer (before a load)."""
         self.sparse.clear()
         self.dense.clear()
         self.default_optimizer = None
+
+    def replace_tables(self, loaded: ShardState) -> None:
+        """Takes over loaded's tables, dense keys, optimizer and checkpoint bookkeeping.
+
+        A load builds a new ShardState and hands it over here only once it is
+        complete, so a failed load changes nothing (issue 11, defect 6).
+        Counters stay. Not thread-safe (ShardState's rule); loaded is not used after.
+        """
+        self.sparse.clear()
+        self.sparse.update(loaded.sparse)
+        self.dense.clear()
+        self.dense.update(loaded.dense)
+        self.default_optimizer = loaded.default_optimizer
+        self.change_epoch = loaded.change_epoch
+        self.saved_epoch = loaded.saved_epoch
+        self.checkpoint_base = loaded.checkpoint_base
+        self.uncommitted_saves = list(loaded.uncommitted_saves)
+        self.staged_load = None
 
     def set_change_epoch(self, epoch: int) -> None:
         """Stamps later writes of every sparse table with epoch (see kvsparse.shard.checkpoint)."""

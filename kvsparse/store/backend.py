@@ -72,10 +72,13 @@ class Backend(Protocol):
     def load_optimizer_states(self, loads: list) -> None:
         """loads: [(shard, table_id, state)]; restores optimizer slots and step counters."""
 
-    def checkpoint(self, requests: dict) -> dict:
+    def checkpoint(self, requests: dict, gather: bool = False) -> dict:
         """{shard: CHECKPOINT request body} -> {shard: reply}.
 
         The bodies' actions are `kvsparse.shard.checkpoint.CheckpointAction` members.
+        gather: wait for every shard, and give a failed shard's error as its
+        value instead of raising the first one (a save or load that failed
+        somewhere is then undone everywhere).
         """
 
     def barrier(self) -> None:

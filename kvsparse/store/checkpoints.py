@@ -90,7 +90,8 @@ class Checkpoints:
             "incremental": bool(incremental),
             "parent": parent,
         }
-        replies = self._backend.checkpoint({s: body for s in range(n)})
+        # A save that failed on any shard leaves no shard file behind (issue 11, defect 15).
+        replies = self._everywhere(body, undo={"action": CheckpointAction.ABORT, "seq": seq})
         manifest = {
             "seq": seq,
             "kind": "delta" if incremental else "full",
@@ -102,8 +103,39 @@ class Checkpoints:
             "optimizer": None if optimizer is None else optimizer.to_dict(),
         }
         commit = {"action": CheckpointAction.COMMIT, "path": path, "manifest": manifest}
-        self._backend.checkpoint({0: commit})
+        try:
+            self._backend.checkpoint({0: commit})
+        except (errors.KVSparseError, OSError):
+            # No manifest: no checkpoint; its shard files go (issue 11, defect 15).
+            self._undo({"action": CheckpointAction.ABORT, "path": path, "seq": seq})
+            raise
         return seq
+
+    def _everywhere(self, body: dict, undo: dict) -> dict:
+        """Sends body to every shard; if one fails, sends undo to every shard, then raises.
+
+        Returns {shard: reply}. Raises the failure of the lowest shard that failed.
+        """
+        n = self._backend.num_shards
+        replies = self._backend.checkpoint(dict.fromkeys(range(n), body), gather=True)
+        failed = [replies[s] for s in range(n) if isinstance(replies[s], BaseException)]
+        if failed:
+            # A shard that did not answer is not asked again (another timeout).
+            gone = {s for s in range(n) if isinstance(replies[s], errors.ServerUnavailable)}
+            self._undo({**undo, "path": body["path"]}, skip=gone)
+            raise failed[0]
+        return replies
+
+    def _undo(self, body: dict, skip=()) -> None:
+        """Sends body (ABORT of a save, DISCARD of a staged load) to every shard not in skip.
+
+        Best effort: a shard that fails it (or is gone) is left as it is: a
+        failed save's stray file is never taken for a checkpoint, a staged
+        load is dropped by the next one.
+        """
+        shards = [s for s in range(self._backend.num_shards) if s not in skip]
+        if shards:
+            self._backend.checkpoint(dict.fromkeys(shards, body), gather=True)
 
     def load(self, path) -> tuple:
         """Restores the latest complete checkpoint in path: (its number, its optimizer or None).
@@ -115,8 +147,12 @@ class Checkpoints:
         path = self.resolve(path)
         backend = self._backend
         if backend.rank == 0:
-            load = {"action": CheckpointAction.LOAD, "path": path}
-            manifest = backend.checkpoint({s: load for s in range(backend.num_shards)})[0]
+            # All or nothing (issue 11, defect 6): every server reads its part aside first;
+            # only when all of them could does each take it over.
+            load = {"action": CheckpointAction.LOAD, "path": path, "stage": True}
+            manifest = self._everywhere(load, undo={"action": CheckpointAction.DISCARD})[0]
+            activate = {"action": CheckpointAction.ACTIVATE, "path": path}
+            backend.checkpoint(dict.fromkeys(range(backend.num_shards), activate))
         if backend.num_workers > 1:
             backend.barrier()
         if backend.rank != 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 
-from kvsparse import _core
+from kvsparse import _core, errors
 from kvsparse.shard.state import ShardState
 
 FLOAT32 = "float32"
@@ -125,11 +125,22 @@ class LocalBackend:
             self.state.load_optimizer_state(table_id, state)
 
     @_serialized
-    def checkpoint(self, requests):
-        """{shard: request body} -> {shard: reply}, run in this process (`checkpoint.handle`)."""
+    def checkpoint(self, requests, gather=False):
+        """{shard: request body} -> {shard: reply}, run in this process (`checkpoint.handle`).
+
+        gather: a failed shard's error (a KVSparseError or OSError) is its value.
+        """
         from kvsparse.shard import checkpoint
 
-        return {s: checkpoint.handle(self.state, body, 0, 1) for s, body in requests.items()}
+        replies = {}
+        for s, body in requests.items():
+            try:
+                replies[s] = checkpoint.handle(self.state, body, 0, 1)
+            except (errors.KVSparseError, OSError) as exc:
+                if not gather:
+                    raise
+                replies[s] = exc
+        return replies
 
     def barrier(self):
         """One worker: nothing to wait for."""

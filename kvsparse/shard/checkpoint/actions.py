@@ -14,7 +14,17 @@ import os
 from kvsparse import errors
 from kvsparse.shard.checkpoint import manifest as manifests
 from kvsparse.shard.checkpoint.export import export_shard
-from kvsparse.shard.checkpoint.shard_io import begin_save, end_save, load_shard_state, save_shard
+from kvsparse.shard.checkpoint.shard_io import (
+    abort_save,
+    activate_load,
+    begin_save,
+    discard_load,
+    end_save,
+    load_shard_state,
+    save_shard,
+    settle_saves,
+    stage_load,
+)
 from kvsparse.shard.state import ShardState
 
 
@@ -29,7 +39,10 @@ class CheckpointAction(str, enum.Enum):
     PREPARE = "prepare"  # server 0: next sequence number and the latest manifest
     SAVE = "save"  # every server: write its shard file (full or incremental)
     COMMIT = "commit"  # server 0: check the shard files, write the manifest
-    LOAD = "load"  # every server: replace its tables with the checkpoint's
+    LOAD = "load"  # every server: replace its tables with the checkpoint's ("stage": aside)
+    ACTIVATE = "activate"  # every server: take the staged load over (all staged fine)
+    DISCARD = "discard"  # every server: drop the staged load (one of them failed)
+    ABORT = "abort"  # every server: remove its file of a failed save ("seq")
     DESCRIBE = "describe"  # server 0: the manifest a load used (or the latest)
     EXPORT = "export"  # every server: keys and values as .npz for serving
 
@@ -43,7 +56,7 @@ def handle(state: ShardState, body: dict, shard_index: int, num_shards: int) -> 
         state: this shard.
         body: {"action": a `CheckpointAction` value, "path": the checkpoint
             directory, and the action's fields ("seq", "incremental",
-            "parent", "manifest", "table_ids", "export_id")}.
+            "parent", "manifest", "stage", "table_ids", "export_id")}.
         shard_index, num_shards: this shard's place in the store.
 
     Returns:
@@ -70,8 +83,19 @@ def handle(state: ShardState, body: dict, shard_index: int, num_shards: int) -> 
         manifests.commit(path, body["manifest"])
         return {}
     if action is CheckpointAction.LOAD:
+        if body.get("stage"):
+            return stage_load(state, path, shard_index, num_shards)
         return load_shard_state(state, path, shard_index, num_shards)
+    if action is CheckpointAction.ACTIVATE:
+        activate_load(state)
+        return {}
+    if action is CheckpointAction.DISCARD:
+        discard_load(state)
+        return {}
+    if action is CheckpointAction.ABORT:
+        return abort_save(state, path, body["seq"], shard_index, num_shards)
     if action is CheckpointAction.DESCRIBE:
+        settle_saves(state, path)
         base = state.checkpoint_base
         if base is not None and base[0] == os.path.realpath(path):
             return manifests.read_manifest(path, base[1])

@@ -30,8 +30,10 @@ from kvsparse.shard.checkpoint.files import AtomicFile
 FORMAT = "kvsparse-checkpoint"
 # 2: tables record their initializer's stream version (kvsparse.initializers: the v2
 # streams give unseen ids other rows than v1). Version 1 files are read as stream v1.
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: sparse tables carry their admission candidates (issue 11, defect 12); files of
+# versions 1 and 2 have none, and load with none.
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MAGIC = b"KVSPCKPT"
 END_MAGIC = b"KVSPEND1"
 # magic (8) + version (u32) + flags (u32)
@@ -104,6 +106,16 @@ class BlockWriter:
     def removed_block(self, ids: np.ndarray) -> dict:
         """Writes the ids removed from a table; the entry `ShardFile.removed` reads."""
         return {"rows": int(ids.size), **self.block([ids])}
+
+    def candidates_block(self, keys, counts, last_steps) -> dict | None:
+        """Writes a table's admission candidates; the entry `ShardFile.candidates` reads.
+
+        None when there are none. Counts and steps are stored as uint32, as the table holds them.
+        """
+        if not keys.size:
+            return None
+        arrays = [keys, counts.astype(np.uint32), last_steps.astype(np.uint32)]
+        return {"rows": int(keys.size), **self.block(arrays)}
 
     def finish(self, index: dict) -> int:
         """Writes the index and trailer, then renames the file into place; returns its size."""
@@ -179,6 +191,21 @@ class ShardFile:
         if len(raw) != 8 * int(entry["rows"]):
             raise CheckpointError(f"{self.path}: removed-ids section has the wrong length")
         return np.frombuffer(raw, np.int64)
+
+    def candidates(self, section: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(keys, counts, last_steps), int64, of a sparse table section (empty before version 3)."""
+        entry = section.get("candidates")
+        if not entry:
+            empty = np.empty(0, np.int64)
+            return empty, empty, empty
+        n = int(entry["rows"])
+        if int(entry["length"]) != 16 * n:
+            raise CheckpointError(f"{self.path}: candidates section has the wrong length")
+        raw = self.section(entry)
+        keys = np.frombuffer(raw[: 8 * n], np.int64)
+        counts = np.frombuffer(raw[8 * n : 12 * n], np.uint32).astype(np.int64)
+        last_steps = np.frombuffer(raw[12 * n :], np.uint32).astype(np.int64)
+        return keys, counts, last_steps
 
     def dense(self, section: dict) -> tuple[np.ndarray, np.ndarray]:
         """(values, slots) of a dense key's section: (size,) and (num_slots, size) float32."""

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvsparse import _core, errors
 from kvsparse.placement import dense_ranges
+from kvsparse.shard.checkpoint.files import fsync_dir
 from kvsparse.shard.checkpoint.format import (
     BLOCK_ROWS,
     FORMAT,
@@ -33,7 +34,12 @@ from kvsparse.shard.checkpoint.format import (
     progress_bar,
     read_shard_file,
 )
-from kvsparse.shard.checkpoint.manifest import chain, require_manifest, shard_file_name
+from kvsparse.shard.checkpoint.manifest import (
+    chain,
+    manifest_name,
+    require_manifest,
+    shard_file_name,
+)
 from kvsparse.shard.state import DenseEntry, ShardState, SparseEntry, with_stream_version
 
 # -- saving -----------------------------------------------------------------------------------
@@ -77,6 +83,9 @@ def write_shard_file(state: ShardState, final_path: str, *, since: int | None, i
             section = _sparse_section(state, table_id, entry)
             if since is not None:
                 section["removed"] = writer.removed_block(entry.table.removed_since(since))
+            # Whole in every delta too (they are not stamped with epochs): a restarted
+            # server that lost them drops the push that admits an id (issue 11, defect 12).
+            section["candidates"] = writer.candidates_block(*entry.table.candidates())
             # Rows are stamped with epochs >= 1: since 0 is every row.
             # Buffers reused: each block is written out before the next is read.
             for keys, values, slots, steps in entry.table.iter_state(since or 0, BLOCK_ROWS, True):
@@ -119,6 +128,7 @@ def _sparse_section(state: ShardState, table_id: int, entry: SparseEntry) -> dic
         "table_step": int(table.table_step),
         "blocks": [],
         "removed": None,
+        "candidates": None,
     }
 
 
@@ -130,10 +140,11 @@ def begin_save(state: ShardState, incremental: bool, path: str, parent: int | No
 
     Raises:
         InvalidArgument: an incremental save whose parent is not the
-            checkpoint this shard last saved or loaded.
+            checkpoint this shard last saved (and saw committed) or loaded.
     """
     since = None
     if incremental:
+        settle_saves(state, path)
         base = state.checkpoint_base
         if base is None or base != (os.path.realpath(path), parent):
             raise errors.InvalidArgument(
@@ -146,15 +157,58 @@ def begin_save(state: ShardState, incremental: bool, path: str, parent: int | No
     return since, snapshot_epoch
 
 
-def end_save(state: ShardState, path: str, seq: int, snapshot_epoch: int) -> None:
-    """Runs in the serving process once its shard file is written: the next delta's base.
+# Uncommitted saves a shard remembers (the newest): more would mean saves failing in a row.
+_UNCOMMITTED_KEPT = 16
 
-    Not thread-safe: the state's own thread calls it.
+
+def end_save(state: ShardState, path: str, seq: int, snapshot_epoch: int) -> None:
+    """Runs in the serving process once its shard file is written.
+
+    The save becomes the next delta's base only once its manifest exists
+    (`settle_saves`): until then it may still fail on another shard or at
+    the commit. Not thread-safe: the state's own thread calls it.
     """
-    state.saved_epoch = snapshot_epoch
-    state.checkpoint_base = (os.path.realpath(path), seq)
-    for entry in state.sparse.values():
-        entry.table.prune_removed(snapshot_epoch)
+    entry = (os.path.realpath(path), int(seq), int(snapshot_epoch))
+    state.uncommitted_saves = [*state.uncommitted_saves[1 - _UNCOMMITTED_KEPT :], entry]
+
+
+def settle_saves(state: ShardState, path: str) -> None:
+    """Makes the newest of this shard's saves in path that has a manifest its checkpoint base.
+
+    Older saves are forgotten (a delta on them would miss the removals that
+    the new base lets go). Not thread-safe: the state's own thread calls it.
+    """
+    real = os.path.realpath(path)
+    saves = state.uncommitted_saves
+    for i in range(len(saves) - 1, -1, -1):
+        saved_path, seq, epoch = saves[i]
+        if saved_path == real and os.path.exists(os.path.join(path, manifest_name(seq))):
+            state.saved_epoch = epoch
+            state.checkpoint_base = (saved_path, seq)
+            for entry in state.sparse.values():
+                entry.table.prune_removed(epoch)
+            state.uncommitted_saves = saves[i + 1 :]
+            return
+
+
+def abort_save(state: ShardState, path: str, seq: int, shard_index: int, num_shards: int) -> dict:
+    """Removes this shard's file of a save that failed (unless its manifest exists).
+
+    The store sends it to every shard when a save failed on one of them or
+    at the commit, so no unmanifested shard file stays behind. Returns
+    {"removed": True/False}. Not thread-safe: the state's own thread calls it.
+    """
+    seq = int(seq)
+    if os.path.exists(os.path.join(path, manifest_name(seq))):
+        return {"removed": False}  # committed after all: it exists
+    real = os.path.realpath(path)
+    state.uncommitted_saves = [s for s in state.uncommitted_saves if s[:2] != (real, seq)]
+    try:
+        os.unlink(os.path.join(path, shard_file_name(seq, shard_index, num_shards)))
+    except FileNotFoundError:
+        return {"removed": False}
+    fsync_dir(path)
+    return {"removed": True}
 
 
 def save_shard(state: ShardState, path, seq, shard_index, num_shards, since, parent) -> dict:
@@ -214,7 +268,10 @@ def load_shard_state(state: ShardState, path: str, shard_index: int, num_shards:
     `_core.shard_of(keys, num_shards)` is shard_index are kept (dense keys are
     re-split by `kvsparse.placement.dense_ranges`).
 
-    Not thread-safe: it replaces every table of state.
+    All or nothing: the checkpoint is read into a new ShardState (`read_shard_state`)
+    that replaces state's tables only once complete; a missing or corrupt file
+    leaves state as it was (issue 11, defect 6). Not thread-safe: it replaces
+    every table of state.
 
     Returns:
         The manifest loaded.
@@ -223,6 +280,18 @@ def load_shard_state(state: ShardState, path: str, shard_index: int, num_shards:
         CheckpointError: no checkpoint, or a missing/corrupt/truncated file.
         InvalidArgument: a range-partitioned table onto another shard count.
     """
+    loaded, manifest = read_shard_state(state, path, shard_index, num_shards, seq)
+    state.replace_tables(loaded)
+    return manifest
+
+
+def read_shard_state(state: ShardState, path: str, shard_index: int, num_shards: int, seq=None):
+    """(a new ShardState holding shard shard_index of a checkpoint, the manifest read).
+
+    state is only read (its change epoch, which the new state continues), so
+    it can go on serving meanwhile; load_shard_state's arguments and errors.
+    Not thread-safe with writers of state's change epoch.
+    """
     manifest = require_manifest(path, seq)
     steps = chain(path, manifest)
     for m in steps:
@@ -230,7 +299,9 @@ def load_shard_state(state: ShardState, path: str, shard_index: int, num_shards:
             raise CheckpointError(f"{path}: checkpoint chain mixes shard counts")
     reshard = Resharding(shard_index, num_shards, int(steps[0]["num_shards"]))
     files = reshard.files()
-    state.clear()
+    loaded = ShardState()
+    # Epochs only grow: stamps of the old tables never meet the new ones' anyway.
+    loaded.change_epoch = state.change_epoch
     dense_parts: dict[int, dict] = {}
     total_rows = sum(int(m["shards"][i].get("rows", 0)) for m in steps for i in files)
     progress = progress_bar(total_rows, f"load shard {shard_index}")
@@ -243,9 +314,11 @@ def load_shard_state(state: ShardState, path: str, shard_index: int, num_shards:
                 # The store-wide optimizer is in each shard file (the manifest has none
                 # under this name): read from the manifest, a loaded store saved tables of
                 # the store-wide optimizer without it, and could not load that save again.
-                state.default_optimizer = f.index.get("default_optimizer")
+                loaded.default_optimizer = f.index.get("default_optimizer")
                 for section in f.index["sparse"]:
-                    _load_sparse_section(state, f, section, reshard, progress)
+                    _load_sparse_section(loaded, f, section, reshard, progress)
+                    if m is steps[-1]:  # each file holds all its candidates: the newest count
+                        _load_candidates(loaded, f, section, reshard)
                 # A delta holds every dense key in full: the newest copy wins.
                 for section in f.index["dense"]:
                     part = dense_parts.setdefault(section["table_id"], {})
@@ -255,11 +328,45 @@ def load_shard_state(state: ShardState, path: str, shard_index: int, num_shards:
         if progress is not None:
             progress.close()
     for table_id, parts in dense_parts.items():
-        state.dense[table_id] = _dense_entry(path, parts, reshard)
-    state.set_change_epoch(state.change_epoch + 1)
-    state.saved_epoch = state.change_epoch - 1
-    state.checkpoint_base = (os.path.realpath(path), int(manifest["seq"]))
+        loaded.dense[table_id] = _dense_entry(path, parts, reshard)
+    loaded.set_change_epoch(loaded.change_epoch + 1)
+    loaded.saved_epoch = loaded.change_epoch - 1
+    loaded.checkpoint_base = (os.path.realpath(path), int(manifest["seq"]))
+    return loaded, manifest
+
+
+def stage_load(state: ShardState, path: str, shard_index: int, num_shards: int) -> dict:
+    """First step of a store-wide load: reads the checkpoint aside; state keeps serving.
+
+    `activate_load` then makes every shard take its staged tables over, once
+    every shard staged its part; `discard_load` drops them when one failed
+    (a load is all or nothing per store). Holds the old and the new tables
+    until then. Returns the manifest. Not thread-safe (ShardState's rule).
+
+    Raises:
+        what load_shard_state raises; state is unchanged.
+    """
+    state.staged_load = None  # a load staged before and never activated
+    loaded, manifest = read_shard_state(state, path, shard_index, num_shards)
+    state.staged_load = loaded
     return manifest
+
+
+def activate_load(state: ShardState) -> None:
+    """Second step of a store-wide load: state takes its staged tables over.
+
+    Raises:
+        InvalidArgument: no load is staged (it was discarded, or never made).
+    """
+    loaded = state.staged_load
+    if loaded is None:
+        raise errors.InvalidArgument("no staged checkpoint load to activate on this shard")
+    state.replace_tables(loaded)
+
+
+def discard_load(state: ShardState) -> None:
+    """Drops a staged load (another shard failed to stage its part); no error if none."""
+    state.staged_load = None
 
 
 def _load_sparse_section(
@@ -298,6 +405,16 @@ def _load_sparse_section(
     if progress is not None and not reshard.same:
         progress.update(sum(int(b["rows"]) for b in section["blocks"]))
     table.table_step = int(section["table_step"])
+
+
+def _load_candidates(state: ShardState, f: ShardFile, section: dict, reshard: Resharding) -> None:
+    """Adds a file's admission candidates of this shard to the section's (loaded) table."""
+    keys, counts, last_steps = f.candidates(section)
+    if not reshard.same and keys.size:
+        mine = _core.shard_of(keys, reshard.count) == reshard.index
+        keys, counts, last_steps = keys[mine], counts[mine], last_steps[mine]
+    if keys.size:
+        state.sparse[int(section["table_id"])].table.write_candidates(keys, counts, last_steps)
 
 
 def _dense_entry(path: str, parts: dict, reshard: Resharding) -> DenseEntry:
