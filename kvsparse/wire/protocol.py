@@ -184,6 +184,8 @@ ERROR_CODES = {
     errors.ProtocolError: 1,
     errors.NonFiniteGradient: 8,
     errors.ShapeError: 3,
+    errors.CheckpointError: 11,
+    errors.LimitExceeded: 12,
     errors.InvalidArgument: 2,
     errors.DTypeError: 4,
     errors.KeyTypeError: 5,
