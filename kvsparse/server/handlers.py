@@ -90,7 +90,7 @@ class Handlers:
             Op.LOAD_OPTIMIZER_STATES: self._load_optimizer_states,
             Op.STATS: self._stats,
             Op.EVICT: self._evict,
-            Op.CHECKPOINT: self._checkpoint,
+            Op.CHECKPOINT: self._checkpoint_request,
         }
 
     def run(self, header: protocol.Header, payload: list, pending):
@@ -329,6 +329,14 @@ class Handlers:
         return ops.Stats.encode_reply(stats)
 
     # -- checkpoints (kvsparse.shard.checkpoint) -------------------------------------------
+
+    def _checkpoint_request(self, header, payload, pending):
+        """CHECKPOINT; a file system error (a path under a file, no permission, a full disk)
+        is the request's problem: CheckpointError, not a ServerError with a traceback."""
+        try:
+            return self._checkpoint(header, payload, pending)
+        except OSError as exc:
+            raise errors.CheckpointError(f"checkpoint: {exc}") from None
 
     def _checkpoint(self, header, payload, pending):
         from kvsparse.shard import checkpoint
