@@ -15,6 +15,8 @@ Usage::
 Exit codes: ``launch`` returns the job's code (see `kvsparse.cluster.launch.launch`);
 1 for an error of the launcher itself; 2 for a usage error; ``stats`` returns 1
 when a server does not answer; ``keys DIR`` returns 1 if the keys cannot be written.
+Errors are one line on stderr, without a traceback; output into a pipe that
+closes early (``kvsparse stats --json | head``) ends the command quietly with 1.
 """
 
 from __future__ import annotations

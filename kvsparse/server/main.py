@@ -11,6 +11,12 @@ over the file of a server that still runs and take its workers: so the
 server first checks that nothing answers at PATH (exit 1, "cannot bind",
 otherwise). ZeroMQ does not remove the file when the socket closes; the
 server does, when it stops, unless another server has replaced it since.
+
+``--max-reply-bytes``, ``--max-unread-reply-bytes``, ``--max-tables``,
+``--max-dim``, ``--max-rows-per-request`` and ``--checkpoint-root`` bound
+what one peer may make the server do (`kvsparse.config.ServerLimits`; each
+defaults to its ``KVSPARSE_*`` variable, else the documented default; see
+docs/operations.md "Server limits").
 """
 
 from __future__ import annotations
