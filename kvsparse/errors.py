@@ -50,6 +50,16 @@ class NonFiniteGradient(InvalidArgument):
     """A pushed gradient holding NaN or inf (rejected unless skipping is asked for)."""
 
 
+class CheckpointError(InvalidArgument):
+    """A checkpoint that cannot be read or written: missing, truncated, corrupt, of an
+    unknown version, or a path the server may not use (outside its --checkpoint-root)."""
+
+
+class LimitExceeded(InvalidArgument):
+    """A request beyond a server's limits (`kvsparse.config.ServerLimits`); the message
+    names the limit and the ``kvsparse server`` flag that sets it."""
+
+
 class CapacityError(KVSparseError, MemoryError):
     """A shard reached the most rows it can hold."""
 

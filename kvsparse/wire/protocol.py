@@ -95,7 +95,8 @@ message; the client re-raises it as the matching `kvsparse.errors` class
 (`raise_remote_error`). Codes (`ERROR_CODES`): 1 ProtocolError, 2
 InvalidArgument, 3 ShapeError, 4 DTypeError, 5 KeyTypeError, 6 UnknownKey, 7
 DuplicateKey, 8 NonFiniteGradient, 9 CapacityError, 10 ServerError (anything
-else). The reply to a message whose header cannot be read echoes its
+else), 11 CheckpointError, 12 LimitExceeded (a client that predates a code
+raises ServerError with the message). The reply to a message whose header cannot be read echoes its
 request id when the size and magic are right, else 0, with op 0 if the op is
 unknown.
 
@@ -204,6 +205,8 @@ ERROR_CODES = {
     errors.ProtocolError: 1,
     errors.NonFiniteGradient: 8,
     errors.ShapeError: 3,
+    errors.CheckpointError: 11,
+    errors.LimitExceeded: 12,
     errors.InvalidArgument: 2,
     errors.DTypeError: 4,
     errors.KeyTypeError: 5,
