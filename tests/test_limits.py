@@ -214,6 +214,20 @@ def test_limits_on_tables_dim_and_ids_per_request(server_with):
         kv.close()
 
 
+def test_the_reply_cap_counts_the_bytes_a_half_precision_pull_really_sends(server_with):
+    # 1,000 ids x dim 64: 256,000 bytes as float32, 128,000 as float16 on the wire.
+    server = server_with("--max-reply-bytes", 200_000)
+    kv = kvsparse.create("dist_sparse", servers=[server.address], timeout=30)
+    try:
+        kv.init("f32", kvsparse.SparseTable(dim=64))
+        kv.init("f16", kvsparse.SparseTable(dim=64, wire_dtype="float16"))
+        with pytest.raises(errors.LimitExceeded, match="--max-reply-bytes"):
+            kv.row_sparse_pull("f32", row_ids=np.arange(1000))
+        assert kv.row_sparse_pull("f16", row_ids=np.arange(1000)).shape == (1000, 64)
+    finally:
+        kv.close()
+
+
 def test_limit_settings_come_from_flags_then_environment_then_defaults():
     defaults = config.ServerLimits()
     assert defaults.max_dim == MAX_DIM

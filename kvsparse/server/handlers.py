@@ -204,11 +204,15 @@ class Handlers:
         self._count_items("pull_sparse", items)
         table_ids = items["table_id"].tolist()
         entries = [self._state.sparse_entry(t) for t in table_ids]  # all exist before any work
-        # The reply's size is known before any row is made (issue 11, defect 16).
-        row_bytes = np.dtype(np.float32).itemsize
+        # The reply's size is known before any row is made (issue 11, defect 16), in the
+        # dtype each item's rows travel in (2 bytes an element with a 16-bit wire_dtype).
+        element_bytes = [
+            np.dtype(protocol.WIRE_FRAME_DTYPES[d]).itemsize
+            for d in protocol.item_wire_dtypes(items)
+        ]
         self._limits.check_pull(
             pending.routing,
-            [(k.size, e.table.dim * row_bytes) for e, k in zip(entries, keys)],
+            [(k.size, e.table.dim * b) for e, k, b in zip(entries, keys, element_bytes)],
         )
         # Fresh arrays: safe to hand to ZeroMQ uncopied.
         rows = [self._state.pull_sparse(table_id, k) for table_id, k in zip(table_ids, keys)]
