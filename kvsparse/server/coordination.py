@@ -7,6 +7,13 @@
 - `OptimizerEpochs`: another rank's n-th SET_OPTIMIZER waits for rank 0's n-th.
 - `DenseInitWaiters`: a FLAG_DECLARE INIT_DENSE waits for rank 0's values.
 
+Workers that left (issue 11, defect 9): `Coordination.rank_left` records a
+rank whose connections all closed (`kvsparse.server.liveness`); each class
+then fails, with `kvsparse.errors.WorkerLeft` naming the rank, every held
+request that waits for it (``fail_waiting_for``), and `Coordination.fail_stuck`
+does the same for a request held later, so nothing waits for a worker that
+is gone. A rank that says anything again is back (`Coordination.rank_back`).
+
 A held request is any object with ``finish(frames)`` and ``fail(exc)``
 (`kvsparse.server.dispatch.Pending`); these classes call one of them exactly
 once, when the request's turn comes. None of them touches a socket.
@@ -22,6 +29,15 @@ import enum
 import numpy as np
 
 from kvsparse import errors
+
+
+def worker_left(left: dict, ranks: list, what: str) -> errors.WorkerLeft:
+    """The error for a request that waits for ranks (which left: left[rank] says why)."""
+    gone = "; ".join(f"rank {rank} ({left[rank]})" for rank in ranks)
+    return errors.WorkerLeft(
+        f"worker {gone} left the job: {what}, so it can never complete",
+        ranks=list(ranks),
+    )
 
 
 class Round:
@@ -61,6 +77,12 @@ class Round:
                 return completed
             completed.append([self.current[r] for r in sorted(self.current)])
             self.current = {}
+
+    def missing(self, ranks) -> list:
+        """The ranks among ranks that this (non-empty) round still waits for."""
+        if not self:
+            return []
+        return sorted(rank for rank in ranks if rank not in self.current)
 
     def values(self) -> list:
         """Every value not in a completed round yet."""
@@ -171,6 +193,19 @@ class SspGate:
             else:
                 released.append(request)
         return released
+
+    def fail_waiting_for(self, left: dict) -> int:
+        """Fails the held pulls that wait for a rank in left (rank -> why); returns how many."""
+        if self._staleness is None or not self._held:
+            return 0
+        held, self._held = self._held, []
+        for clock, request in held:
+            behind = [r for r in sorted(left) if self._clocks[r] < clock - self._staleness]
+            if behind:
+                request.fail(worker_left(left, behind, "this SSP pull waits for its clock"))
+            else:
+                self._held.append((clock, request))
+        return len(held) - len(self._held)
 
     def __len__(self) -> int:
         """The number of pulls held."""
@@ -306,6 +341,24 @@ class BspRounds:
         for push, _ in contributions:
             push.table_done(error)
 
+    def fail_waiting_for(self, left: dict) -> int:
+        """Fails every round that waits for a rank in left (rank -> why); returns pushes failed.
+
+        The pushes of such a round (and of its backlog) get WorkerLeft: a round
+        completes only with every worker's push, and that worker is gone.
+        """
+        failed = 0
+        for key, round_ in list(self._rounds.items()):
+            missing = round_.missing(left)
+            if not missing:
+                continue
+            del self._rounds[key]
+            error = worker_left(left, missing, "this BSP push waits for every worker's push")
+            for push, _ in round_.values():
+                push.table_done(error)
+                failed += 1
+        return failed
+
     def waiting(self) -> int:
         """The number of push requests held."""
         return len({id(v[0]) for r in self._rounds.values() for v in r.values()})
@@ -322,6 +375,17 @@ class Barrier:
         for completed in self._round.add(rank, request, num_workers):
             for other in completed:
                 other.finish([])
+
+    def fail_waiting_for(self, left: dict) -> int:
+        """Fails the barrier if it waits for a rank in left (rank -> why); returns how many."""
+        missing = self._round.missing(left)
+        if not missing:
+            return 0
+        held, self._round = self._round.values(), Round()
+        error = worker_left(left, missing, "this barrier waits for every worker")
+        for request in held:
+            request.fail(error)
+        return len(held)
 
     def __len__(self) -> int:
         """The number of requests held."""
@@ -373,6 +437,16 @@ class OptimizerEpochs:
                 "every worker must set the same optimizer"
             )
 
+    def fail_waiting_for(self, left: dict) -> int:
+        """Fails the held follower calls if rank 0 is in left (rank -> why); returns how many."""
+        if 0 not in left or not self._waiting:
+            return 0
+        waiting, self._waiting = self._waiting, []
+        error = worker_left(left, [0], "set_optimizer waits for rank 0's call")
+        for request, _, _ in waiting:
+            request.fail(error)
+        return len(waiting)
+
     def __len__(self) -> int:
         """The number of follower calls held."""
         return len(self._waiting)
@@ -407,6 +481,17 @@ class DenseInitWaiters:
             else:
                 request.finish([])
 
+    def fail_waiting_for(self, left: dict) -> int:
+        """Fails every held declaration if rank 0 is in left (rank -> why); returns how many."""
+        if 0 not in left or not self._waiting:
+            return 0
+        waiting, self._waiting = self._waiting, {}
+        error = worker_left(left, [0], "this init waits for rank 0's values")
+        held = [request for requests in waiting.values() for request, _, _ in requests]
+        for request in held:
+            request.fail(error)
+        return len(held)
+
     def __len__(self) -> int:
         """The number of requests held."""
         return sum(len(w) for w in self._waiting.values())
@@ -426,6 +511,36 @@ class Coordination:
         self.barrier = Barrier()
         self.optimizer = OptimizerEpochs()
         self.dense_init = DenseInitWaiters()
+        self.left: dict[int, str] = {}  # rank -> why it is gone
+
+    def rank_left(self, rank: int, why: str) -> int:
+        """Records that rank left (why: how it was noticed); fails what waits for it.
+
+        Returns:
+            The number of held requests failed with WorkerLeft.
+        """
+        self.left[rank] = why
+        return self.fail_stuck()
+
+    def rank_back(self, rank: int) -> None:
+        """A rank that left is connected again: later requests may wait for it."""
+        self.left.pop(rank, None)
+
+    def fail_stuck(self) -> int:
+        """Fails every held request that waits for a rank that left; returns how many.
+
+        Cheap when no rank left (the usual case): the server calls it after
+        every request it holds.
+        """
+        if not self.left:
+            return 0
+        return (
+            self.bsp.fail_waiting_for(self.left)
+            + self.barrier.fail_waiting_for(self.left)
+            + self.ssp.fail_waiting_for(self.left)
+            + self.optimizer.fail_waiting_for(self.left)
+            + self.dense_init.fail_waiting_for(self.left)
+        )
 
     def waiting(self) -> dict:
         """The number of requests each object holds (STATS ``waiting``)."""

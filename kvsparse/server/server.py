@@ -47,9 +47,11 @@ import secrets
 
 import zmq
 
+from kvsparse import config
 from kvsparse.server.coordination import Coordination
 from kvsparse.server.dispatch import Dispatcher
 from kvsparse.server.handlers import Handlers
+from kvsparse.server.liveness import Liveness
 from kvsparse.server.loop import DEFAULT_MAX_MESSAGE_SIZE, EventLoop
 from kvsparse.server.metrics import ServerMetrics, SnapshotChannel, table_names
 from kvsparse.server.resend import DEFAULT_MAX_CLIENTS, ResendCache
@@ -74,6 +76,11 @@ class Server:
         max_clients: resend records kept (see DEFAULT_MAX_CLIENTS).
         restarted: this server replaces one that died (``--restarted``): pushes
             of a BSP step the dead server completed are applied alone.
+        heartbeat_timeout: seconds a peer may stay silent after a ZeroMQ
+            heartbeat before its connection is closed (and, for a worker,
+            before it counts as gone: `kvsparse.server.liveness`); None:
+            `kvsparse.config.heartbeat_timeout` (``KVSPARSE_HEARTBEAT_TIMEOUT``,
+            default 30); 0: no heartbeats.
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
@@ -99,8 +106,17 @@ class Server:
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         max_clients: int = DEFAULT_MAX_CLIENTS,
         restarted: bool = False,
+        heartbeat_timeout: float | None = None,
     ):
-        self._loop = EventLoop(bind, context, keys=keys, max_message_size=max_message_size)
+        if heartbeat_timeout is None:
+            heartbeat_timeout = config.heartbeat_timeout()
+        self._loop = EventLoop(
+            bind,
+            context,
+            keys=keys,
+            max_message_size=max_message_size,
+            heartbeat_timeout=heartbeat_timeout,
+        )
         self.address = self._loop.address
         # Random per start: a client that sees it change knows this shard restarted.
         self.incarnation = secrets.randbits(32) or 1
@@ -109,9 +125,13 @@ class Server:
         self.metrics = ServerMetrics()
         self.metrics_channel = SnapshotChannel(self._loop.wake)
         resend = ResendCache(max_clients)
+        coordination = Coordination(self.state, restarted=restarted)
+        self._liveness = Liveness(
+            coordination, self._loop.routable, self._loop.call_later, self.incarnation
+        )
         handlers = Handlers(
             self.state,
-            Coordination(self.state, restarted=restarted),
+            coordination,
             ForkedWriter(self._loop.watch),
             resend,
             self.metrics,
@@ -119,7 +139,13 @@ class Server:
             incarnation=self.incarnation,
         )
         self._dispatcher = Dispatcher(
-            self._loop.send, handlers, resend, self.metrics, self.state.counters, self.incarnation
+            self._loop.send,
+            handlers,
+            resend,
+            self.metrics,
+            self.state.counters,
+            self.incarnation,
+            liveness=self._liveness,
         )
 
     @property
@@ -134,7 +160,7 @@ class Server:
 
     def serve(self) -> None:
         """Serves requests until stop() (or a signal handler calling it)."""
-        self._loop.serve(self._dispatcher.handle, self._answer_metrics)
+        self._loop.serve(self._dispatcher.handle, self._answer_metrics, self._liveness.disconnected)
 
     def handle(self, frames: list) -> None:
         """Handles one received message (routing id frame first); never raises."""

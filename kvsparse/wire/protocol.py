@@ -82,7 +82,7 @@ message; the client re-raises it as the matching `kvsparse.errors` class
 (`raise_remote_error`). Codes (`ERROR_CODES`): 1 ProtocolError, 2
 InvalidArgument, 3 ShapeError, 4 DTypeError, 5 KeyTypeError, 6 UnknownKey, 7
 DuplicateKey, 8 NonFiniteGradient, 9 CapacityError, 10 ServerError (anything
-else). The reply to a message whose header cannot be read echoes its
+else), 11 WorkerLeft. The reply to a message whose header cannot be read echoes its
 request id when the size and magic are right, else 0, with op 0 if the op is
 unknown.
 
@@ -191,6 +191,7 @@ ERROR_CODES = {
     errors.DuplicateKey: 7,
     errors.CapacityError: 9,
     errors.ServerError: 10,
+    errors.WorkerLeft: 11,
 }
 ERROR_CLASSES = {code: cls for cls, code in ERROR_CODES.items()}
 
