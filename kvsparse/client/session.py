@@ -72,14 +72,16 @@ from kvsparse.wire.protocol import Header
 
 DEFAULT_TIMEOUT = 60.0
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-# What the socket monitor reports: refused handshakes, connection attempts that failed
-# (CONNECT_RETRIED after each; CONNECT_DELAYED or CLOSED when a connect was tried at all,
-# none when the host name did not resolve), and a connection made (HANDSHAKE_SUCCEEDED).
+# What the socket monitor reports: refused handshakes, and each connection attempt:
+# CONNECT_DELAYED or CLOSED when a connect was tried (none when the host name did not
+# resolve), CONNECTED when it got through (a refused handshake comes after), and
+# CONNECT_RETRIED when it is over; HANDSHAKE_SUCCEEDED when a connection works.
 _MONITORED = (
     _HANDSHAKE_FAILED
     | zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_CONNECT_DELAYED
     | zmq.EVENT_CLOSED
+    | zmq.EVENT_CONNECTED
     | zmq.EVENT_HANDSHAKE_SUCCEEDED
 )
 _RECOVERY_PROBE_SECONDS = 1.0  # wait per PING or HELLO to a restarting server
@@ -155,7 +157,9 @@ class ServerSockets:
         self._monitors: list = [None] * len(servers)
         # server -> why the last connection attempt failed (None: connected, or trying)
         self._failures: list = [None] * len(servers)
-        self._attempted: list = [False] * len(servers)  # a connect was tried since the last
+        # Since the last CONNECT_RETRIED: a connect was tried / got through.
+        self._attempted: list = [False] * len(servers)
+        self._reached: list = [False] * len(servers)
         try:
             for server in range(len(servers)):
                 self._open(server)
@@ -206,12 +210,14 @@ class ServerSockets:
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._failures[server] = None
-                self._attempted[server] = False
             elif kind in (zmq.EVENT_CONNECT_DELAYED, zmq.EVENT_CLOSED):
                 self._attempted[server] = True
+            elif kind == zmq.EVENT_CONNECTED:
+                self._reached[server] = True
             elif kind == zmq.EVENT_CONNECT_RETRIED:
-                self._failures[server] = _connect_failure(address, self._attempted[server])
-                self._attempted[server] = False
+                if not self._reached[server]:  # else a connection closed: not a refusal
+                    self._failures[server] = _connect_failure(address, self._attempted[server])
+                self._attempted[server] = self._reached[server] = False
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 return errors.ServerUnavailable(
                     f"server {address} refused this client's CurveZMQ key (authentication "
@@ -241,7 +247,7 @@ class ServerSockets:
         sock.setsockopt(zmq.ROUTING_ID, b"kv" + self._client_id + generation)
         self._sockets[server] = sock
         self._failures[server] = None
-        self._attempted[server] = False
+        self._attempted[server] = self._reached[server] = False
         if self.keys is not None:
             from kvsparse.wire import security
 

@@ -396,15 +396,33 @@ class OptimizerEpochs:
     """SET_OPTIMIZER: rank 0's n-th call sets it; another rank's n-th call waits for that one.
 
     A follower whose spec differs from rank 0's n-th fails with InvalidArgument.
+    A restarted server learns rank 0's last call from its replay (issue 11,
+    defect 10); the calls before it are unknown there, and a follower's call
+    of one of them is not checked.
     """
+
+    _UNKNOWN = object()  # a call of rank 0 made before this server started
 
     def __init__(self):
         self._history: list = []  # rank 0's specs, one per call
         self._waiting: list[tuple] = []
 
-    def lead(self, spec) -> None:
-        """Records rank 0's next spec (already applied) and answers the followers it was for."""
-        self._history.append(spec)
+    def recorded(self, epoch: int) -> bool:
+        """True if rank 0's call epoch is known here."""
+        return epoch <= len(self._history) and self._history[epoch - 1] is not self._UNKNOWN
+
+    def lead(self, spec, epoch: int | None = None, *, replay: bool = False) -> None:
+        """Records rank 0's call (already applied) and answers the followers it was for.
+
+        epoch: the call's number (None: the next one); replay: rank 0's call
+        sent again after a restart, which does not replace a known one.
+        """
+        epoch = len(self._history) + 1 if epoch is None else epoch
+        if epoch > len(self._history):
+            self._history.extend([self._UNKNOWN] * (epoch - 1 - len(self._history)))
+            self._history.append(spec)
+        elif not (replay and self.recorded(epoch)):
+            self._history[epoch - 1] = spec
         waiting, self._waiting = self._waiting, []
         for request, epoch, follower_spec in waiting:
             if epoch > len(self._history):
@@ -431,7 +449,7 @@ class OptimizerEpochs:
 
     def _check(self, epoch: int, spec) -> None:
         leader = self._history[epoch - 1]
-        if leader != spec:
+        if leader is not self._UNKNOWN and leader != spec:
             raise errors.InvalidArgument(
                 f"set_optimizer call {epoch}: rank 0 set {leader!r}, this worker {spec!r}; "
                 "every worker must set the same optimizer"
