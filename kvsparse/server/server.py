@@ -37,6 +37,8 @@ blocks in zmq_poll without the GIL.
   - SET_OPTIMIZER: rank 0's call sets it; the n-th call of another rank is
     answered once rank 0's n-th call arrived (and fails if the specs differ).
 
+- `kvsparse.server.liveness.Liveness`: which workers are still connected; a rank that
+  left (connection closed, or silent past the heartbeats) fails what waits for it.
 - `kvsparse.server.snapshots.ForkedWriter`: checkpoint saves and exports in a forked child.
 - `kvsparse.server.metrics`: counters, and the Prometheus endpoint.
 """
