@@ -46,7 +46,7 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   to fail, in time order (a worker killed by signal N counts as 128 + N);
   1 if a server died first; 128 + N if the launcher got signal N.
 - A worker that exits with code 0 while others still run is logged (``worker
-  1 (pid N) exited with code 0 while worker 0 still run; ...``): in a BSP job
+  1 exited with code 0 while worker 0 still run: ...``): in a BSP job
   the others then fail at their next round or barrier with
   `kvsparse.errors.WorkerLeft` naming its rank (the servers notice it left),
   and the launcher's message for the first of them to fail says which ranks
@@ -339,7 +339,7 @@ class _Cluster:
                 left.append(index)
                 others = ", ".join(map(str, sorted(running)))
                 self.log(
-                    f"worker {index} (pid {child.pid}) exited with code 0 while worker "
+                    f"worker {index} exited with code 0 while worker "
                     f"{others} still run: in a BSP job their next round or barrier fails "
                     f"with WorkerLeft naming rank {index}"
                 )
