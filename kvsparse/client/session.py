@@ -15,9 +15,11 @@ naming it. A worker's session pings a server that stays silent for half the
 timeout: waiting for other workers (a BSP push, an SSP pull, a barrier) is
 not a timeout, the server keeps answering pings meanwhile, and a ping reply
 that shows the request never arrived (dropped for its size, or lost with a
-broken connection) gets it resent. A monitor's session (``monitor=True``)
-does not ping: the server keeps no record of a monitor, and its requests are
-answered at once, so the timeout is a plain deadline.
+broken connection) gets it resent. What a server holds for a worker that
+left the job fails there with `kvsparse.errors.WorkerLeft`
+(`kvsparse.server.liveness`), so such a wait ends too. A monitor's session
+(``monitor=True``) does not ping: the server keeps no record of a monitor,
+and its requests are answered at once, so the timeout is a plain deadline.
 
 Server restarts (``retry_window`` > 0): every reply carries the server's
 random incarnation in its header. When it changes (the server was restarted,
