@@ -208,9 +208,36 @@ def test_a_rank_that_left_fails_the_round_and_is_waited_for_again_once_back(serv
         pusher.join(WORKER_TIMEOUT)
         # No optimizer: the round's sum of both workers' pushes replaces the row.
         assert stores[0].row_sparse_pull("t", row_ids=np.array([3])).tolist() == [[2.0]]
-    finally:
+        # Every worker leaves: the job is over. The next one's workers arrive one by one,
+        # and rank 0's barrier waits for rank 1 instead of failing at once.
         for store in stores:
             store.close()
+        time.sleep(2)  # past the server's 1 s wait for a reconnection: both have left
+        stores = [create(0)]
+        barriers = {}
+
+        def wait_at_barrier(rank):
+            try:
+                stores[rank].barrier()
+                barriers[rank] = "returned"
+            except errors.KVSparseError as exc:
+                barriers[rank] = exc
+
+        waiters = [threading.Thread(target=wait_at_barrier, args=(0,), daemon=True)]
+        waiters[0].start()
+        time.sleep(0.5)  # rank 0's barrier reaches the server before rank 1 exists
+        stores.append(create(1))
+        waiters.append(threading.Thread(target=wait_at_barrier, args=(1,), daemon=True))
+        waiters[1].start()
+        for waiter in waiters:
+            waiter.join(WORKER_TIMEOUT)
+        assert barriers == {0: "returned", 1: "returned"}, barriers
+    finally:
+        for store in stores:
+            # Bounded: a store whose call still blocks holds its session's lock.
+            closer = threading.Thread(target=store.close, daemon=True)
+            closer.start()
+            closer.join(10)
 
 
 # -- kvsparse launch: a worker's clean early exit --------------------------------------------

@@ -17,7 +17,9 @@ the others blocked for ever, answering their liveness pings all along. Now:
    held request that waits for it with `kvsparse.errors.WorkerLeft`, naming
    the rank, and so does every later request that would wait for it, until
    the rank says anything again (a new store with that rank, or the same
-   client after a stop). The server logs both on stderr.
+   client after a stop). The server logs both on stderr. Once no worker is
+   connected at all the job is over: the next job's workers, which may
+   connect one by one, wait for each other again.
 
 Only workers are tracked (clients that said HELLO): a monitor (``kvsparse
 stats``) or a bare ping never holds anyone up.
@@ -126,6 +128,11 @@ class Liveness:
                 f"worker rank {rank} left ({why})"
                 + (f"; failed {failed} request(s) waiting for it" if failed else "")
             )
+        if not present:
+            # Every worker left: the job is over (what they left held was failed above).
+            # The next job's workers may connect one by one; none of them is gone.
+            for rank in list(left):
+                self._coordination.rank_back(rank)
 
     def _back(self, rank: int) -> None:
         if rank in self._coordination.left:
