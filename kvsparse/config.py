@@ -1023,3 +1023,40 @@ __all__ = [
     "server_bind_address",
     "server_limits",
 ]
+
+
+HEARTBEAT_TIMEOUT = "KVSPARSE_HEARTBEAT_TIMEOUT"
+# 30 s, not less: a server's heartbeat queued behind a big reply (1 GiB at ~1 Gbit/s is
+# ~10 s) is answered only once the reply arrived (any traffic from the peer counts).
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0
+
+
+def heartbeat_timeout(environ: Optional[Mapping] = None) -> float:
+    """Seconds a server lets a silent peer live (``KVSPARSE_HEARTBEAT_TIMEOUT``, default 30).
+
+    A server sends ZeroMQ heartbeats to its peers and closes the connection
+    of one that answers nothing for this long; a worker whose connections
+    all closed has left the job (issue 11, defect 9). 0: no heartbeats (a
+    worker then counts as gone only when its connection closes). Raises
+    InvalidArgument for a value that is not a number >= 0. Thread-safe.
+
+    Example:
+        >>> heartbeat_timeout({"KVSPARSE_HEARTBEAT_TIMEOUT": "5"})
+        5.0
+    """
+    environ = os.environ if environ is None else environ
+    text = _get(environ, HEARTBEAT_TIMEOUT)
+    if text is None:
+        return DEFAULT_HEARTBEAT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidArgument(
+            f"{HEARTBEAT_TIMEOUT} must be a number of seconds, got {text!r}"
+        ) from None
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidArgument(f"{HEARTBEAT_TIMEOUT} must be >= 0, got {text!r}")
+    return value
+
+
+__all__ += ["DEFAULT_HEARTBEAT_TIMEOUT", "HEARTBEAT_TIMEOUT", "heartbeat_timeout"]

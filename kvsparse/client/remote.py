@@ -185,6 +185,11 @@ class RemoteBackend:
         self._everywhere(
             ops.SetOptimizer, ops.SetOptimizer.encode_request(spec, self._optimizer_calls)
         )
+        if self.rank == 0:
+            # A restarted server gets rank 0's last call again, so that the other ranks'
+            # calls, which wait for rank 0's, can complete there (issue 11, defect 10).
+            replay = ops.SetOptimizer.encode_request(spec, self._optimizer_calls, replay=True)
+            self.session.remember("set_optimizer", replay)
 
     def pull_sparse(self, items):
         """items: [(table_id, keys, offsets[, wire_dtype])] -> [[rows of each shard] per item].

@@ -170,16 +170,20 @@ class Handlers:
         return DEFERRED
 
     def _set_optimizer(self, header, payload, pending):
-        spec, epoch = ops.SetOptimizer.decode_request(header, payload)
+        spec, epoch, replay = ops.SetOptimizer.decode_request(header, payload)
         epochs = self._coordination.optimizer
         if header.rank == 0:
+            if replay and (epochs.recorded(epoch) or self._state.default_optimizer == spec):
+                # Sent again to a restarted server: what it restored stays (its slots).
+                epochs.lead(spec, epoch, replay=True)
+                return ops.SetOptimizer.encode_reply()
             try:
                 self._state.set_optimizer(spec)
             except errors.KVSparseError:
                 raise
             except (KeyError, TypeError, ValueError) as exc:
                 raise errors.InvalidArgument(f"bad optimizer spec ({exc!r})") from None
-            epochs.lead(spec)
+            epochs.lead(spec, epoch)
             return ops.SetOptimizer.encode_reply()
         return ops.SetOptimizer.encode_reply() if epochs.follow(pending, epoch, spec) else DEFERRED
 

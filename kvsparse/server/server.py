@@ -40,6 +40,8 @@ blocks in zmq_poll without the GIL.
 - `kvsparse.server.limits`: what one peer may make the server do (reply sizes, unread
   replies per connection, tables, dim, ids per request: `kvsparse.config.ServerLimits`),
   and `kvsparse.server.paths`: where CHECKPOINT requests may read and write.
+- `kvsparse.server.liveness.Liveness`: which workers are still connected; a rank that
+  left (connection closed, or silent past the heartbeats) fails what waits for it.
 - `kvsparse.server.snapshots.ForkedWriter`: checkpoint saves and exports in a forked child.
 - `kvsparse.server.metrics`: counters, and the Prometheus endpoint.
 """
@@ -56,6 +58,7 @@ from kvsparse.server.coordination import Coordination
 from kvsparse.server.dispatch import Dispatcher
 from kvsparse.server.handlers import Handlers
 from kvsparse.server.limits import ReplyBudget, RequestLimits
+from kvsparse.server.liveness import Liveness
 from kvsparse.server.loop import DEFAULT_MAX_MESSAGE_SIZE, EventLoop
 from kvsparse.server.metrics import ServerMetrics, SnapshotChannel, table_names
 from kvsparse.server.paths import CheckpointPaths
@@ -84,6 +87,11 @@ class Server:
             of a BSP step the dead server completed are applied alone.
         limits: what one peer may make the server do, and the checkpoint root
             (`kvsparse.config.ServerLimits`; default: its defaults).
+        heartbeat_timeout: seconds a peer may stay silent after a ZeroMQ
+            heartbeat before its connection is closed (and, for a worker,
+            before it counts as gone: `kvsparse.server.liveness`); None:
+            `kvsparse.config.heartbeat_timeout` (``KVSPARSE_HEARTBEAT_TIMEOUT``,
+            default 30); 0: no heartbeats.
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
@@ -111,11 +119,20 @@ class Server:
         max_clients: int = DEFAULT_MAX_CLIENTS,
         restarted: bool = False,
         limits: ServerLimits | None = None,
+        heartbeat_timeout: float | None = None,
     ):
         limits = limits if limits is not None else ServerLimits()
         if "://" not in bind:  # 'host:port', as clients accept it (inproc:// etc. pass as is)
             bind = config.parse_bind_address(bind, "bind")
-        self._loop = EventLoop(bind, context, keys=keys, max_message_size=max_message_size)
+        if heartbeat_timeout is None:
+            heartbeat_timeout = config.heartbeat_timeout()
+        self._loop = EventLoop(
+            bind,
+            context,
+            keys=keys,
+            max_message_size=max_message_size,
+            heartbeat_timeout=heartbeat_timeout,
+        )
         self.address = self._loop.address
         try:
             paths = CheckpointPaths(
@@ -133,9 +150,13 @@ class Server:
         self.metrics = ServerMetrics()
         self.metrics_channel = SnapshotChannel(self._loop.wake)
         resend = ResendCache(max_clients)
+        coordination = Coordination(self.state, restarted=restarted)
+        self._liveness = Liveness(
+            coordination, self._loop.routable, self._loop.call_later, self.incarnation
+        )
         handlers = Handlers(
             self.state,
-            Coordination(self.state, restarted=restarted),
+            coordination,
             ForkedWriter(self._loop.watch),
             resend,
             self.metrics,
@@ -145,7 +166,13 @@ class Server:
             checkpoint_paths=paths,
         )
         self._dispatcher = Dispatcher(
-            budget.send, handlers, resend, self.metrics, self.state.counters, self.incarnation
+            budget.send,
+            handlers,
+            resend,
+            self.metrics,
+            self.state.counters,
+            self.incarnation,
+            liveness=self._liveness,
         )
 
     @property
@@ -160,7 +187,7 @@ class Server:
 
     def serve(self) -> None:
         """Serves requests until stop() (or a signal handler calling it)."""
-        self._loop.serve(self._dispatcher.handle, self._answer_metrics)
+        self._loop.serve(self._dispatcher.handle, self._answer_metrics, self._liveness.disconnected)
 
     def handle(self, frames: list) -> None:
         """Handles one received message (routing id frame first); never raises."""

@@ -436,10 +436,16 @@ class InitDense(_Codec):
 
 
 class SetOptimizerRequest(NamedTuple):
-    """SET_OPTIMIZER: an `Optimizer.to_dict()` spec (None: none) and the call's number."""
+    """SET_OPTIMIZER: an `Optimizer.to_dict()` spec (None: none) and the call's number.
+
+    replay: rank 0 sends its last call again to a restarted server (issue 11,
+    defect 10): recorded as call ``epoch``, applied only if the server's
+    optimizer differs (a restored one keeps its slots).
+    """
 
     spec: Optional[dict]
     epoch: int
+    replay: bool = False
 
 
 class SetOptimizer(_Codec):
@@ -448,9 +454,10 @@ class SetOptimizer(_Codec):
     op = Op.SET_OPTIMIZER
 
     @classmethod
-    def encode_request(cls, spec: Optional[dict], epoch: int) -> Request:
-        """The request of this worker's epoch-th set_optimizer call."""
-        return Request(cls.op, [protocol.encode_json({"spec": spec, "epoch": epoch})])
+    def encode_request(cls, spec: Optional[dict], epoch: int, replay: bool = False) -> Request:
+        """The request of this worker's epoch-th set_optimizer call (replay: sent again)."""
+        body = {"spec": spec, "epoch": epoch, **({"replay": True} if replay else {})}
+        return Request(cls.op, [protocol.encode_json(body)])
 
     @classmethod
     def decode_request(cls, header: Header, payload) -> SetOptimizerRequest:
@@ -460,7 +467,10 @@ class SetOptimizer(_Codec):
         epoch = check_int(body.get("epoch"), "epoch", 1)
         if spec is not None and not isinstance(spec, dict):
             raise errors.ProtocolError("SET_OPTIMIZER spec must be an object or null")
-        return SetOptimizerRequest(spec, epoch)
+        replay = body.get("replay", False)
+        if not isinstance(replay, bool):
+            raise errors.ProtocolError("SET_OPTIMIZER replay must be true or false")
+        return SetOptimizerRequest(spec, epoch, replay)
 
 
 class PullSparseRequest(NamedTuple):
