@@ -50,6 +50,14 @@ class NonFiniteGradient(InvalidArgument):
     """A pushed gradient holding NaN or inf (rejected unless skipping is asked for)."""
 
 
+class UpdateOverflow(InvalidArgument, FloatingPointError):
+    """A push of finite gradients whose optimizer update would make a row inf or NaN.
+
+    Nothing of the push is applied (with ``nonfinite='skip'`` only the rows
+    that would overflow are left untouched). Also a ``FloatingPointError``.
+    """
+
+
 class CapacityError(KVSparseError, MemoryError):
     """A shard reached the most rows it can hold."""
 

@@ -82,7 +82,7 @@ message; the client re-raises it as the matching `kvsparse.errors` class
 (`raise_remote_error`). Codes (`ERROR_CODES`): 1 ProtocolError, 2
 InvalidArgument, 3 ShapeError, 4 DTypeError, 5 KeyTypeError, 6 UnknownKey, 7
 DuplicateKey, 8 NonFiniteGradient, 9 CapacityError, 10 ServerError (anything
-else). The reply to a message whose header cannot be read echoes its
+else), 11 UpdateOverflow. The reply to a message whose header cannot be read echoes its
 request id when the size and magic are right, else 0, with op 0 if the op is
 unknown.
 
@@ -183,6 +183,7 @@ MUTATING_OPS = frozenset(
 ERROR_CODES = {
     errors.ProtocolError: 1,
     errors.NonFiniteGradient: 8,
+    errors.UpdateOverflow: 11,
     errors.ShapeError: 3,
     errors.InvalidArgument: 2,
     errors.DTypeError: 4,
