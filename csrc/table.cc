@@ -593,7 +593,8 @@ void EmbeddingTable::SelectVictims(int64_t count, const std::vector<uint8_t>& ke
     if (bucket.row == kEmpty || keep_row[bucket.row]) continue;
     const int64_t score = lfu ? static_cast<int64_t>(*touches_.Row(bucket.row))
                               : -AgeOf(*last_step_.Row(bucket.row));
-    scored.emplace_back(score, bucket.key);
+    const int64_t key = bucket.key;  // a copy: Bucket is packed, a reference would be misaligned
+    scored.emplace_back(score, key);
   }
   count = std::min<int64_t>(count, static_cast<int64_t>(scored.size()));
   if (count <= 0) return;
@@ -963,7 +964,8 @@ int64_t EmbeddingTable::EvictExpired() {
   std::vector<int64_t> expired;
   for (const Bucket& bucket : buckets_) {
     if (bucket.row != kEmpty && AgeOf(*last_step_.Row(bucket.row)) >= ttl) {
-      expired.push_back(bucket.key);
+      const int64_t key = bucket.key;  // a copy: Bucket is packed (UBSan: misaligned reference)
+      expired.push_back(key);
     }
   }
   // Rows first (Remove may throw std::bad_alloc, then changing nothing);
