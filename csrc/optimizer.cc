@@ -79,7 +79,11 @@ void Optimizer::InitSlots(float* slots, int64_t n) const {
 // An AVX2 clone (no FMA: same rounding as SSE2) is chosen at load time where the CPU has it (GCC ifunc);
 // the default clone keeps the module runnable on any x86-64. The math is
 // sqrt/div bound: 8 lanes instead of SSE2's 4.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under ThreadSanitizer: it instruments the ifunc resolver, which runs
+// while the module is being relocated, before the runtime can serve it (a
+// jump to an unrelocated address at import).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_THREAD__)
 __attribute__((target_clones("avx2", "default")))
 #endif
 void Optimizer::Update(float* __restrict w, float* __restrict slots,

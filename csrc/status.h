@@ -21,6 +21,7 @@ enum class StatusCode : int {
   kOutOfMemory = 3,      // -> MemoryError
   kCapacity = 4,         // -> kvsparse.errors.CapacityError
   kInternal = 5,
+  kOverflow = 6,         // -> kvsparse.errors.UpdateOverflow (InvalidArgument, FloatingPointError)
 };
 
 class Status {

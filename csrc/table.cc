@@ -36,6 +36,20 @@ int64_t RowsPerChunkLog2(int64_t row_floats) {
 
 std::string KeyText(int64_t key) { return std::to_string(key); }
 
+// Whether x[0..n) holds no inf or NaN. Integer operations, so that the loop
+// vectorizes (a float reduction may not be reordered without -ffast-math):
+// the exponent field plus one overflows into the sign bit only when it is
+// all ones.
+bool AllFinite(const float* x, int64_t n) {
+  uint32_t any = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    any |= (bits & 0x7F800000u) + 0x00800000u;
+  }
+  return (any & 0x80000000u) == 0;
+}
+
 }  // namespace
 
 EmbeddingTable::EmbeddingTable(const TableConfig& config)
@@ -186,31 +200,42 @@ Status EmbeddingTable::FindOrInsertRow(int64_t key, int64_t* row_out, bool* inse
     b = NextBucket(b);
   }
   // Callers Reserve() first, so the load factor holds after this insert.
+  if (free_rows_.empty()) {
+    try {
+      EnsureRowsUpTo(next_row_);
+    } catch (const std::bad_alloc&) {
+      return Status(StatusCode::kOutOfMemory, "out of memory adding rows");
+    }
+  }
+  *row_out = InsertReservedRow(key);
+  *inserted = true;
+  return Status::Ok();
+}
+
+void EmbeddingTable::EnsureRowsUpTo(int64_t row) {
+  values_.EnsureRow(row);
+  slots_.EnsureRow(row);
+  steps_.EnsureRow(row);
+  stamps_.EnsureRow(row);
+  if (TracksTouches()) touches_.EnsureRow(row);
+  if (TracksLastStep()) last_step_.EnsureRow(row);
+}
+
+int64_t EmbeddingTable::InsertReservedRow(int64_t key) {
+  size_t b = HomeBucket(key);
+  while (buckets_[b].row != kEmpty) b = NextBucket(b);
   int64_t row;
   if (!free_rows_.empty()) {
     row = free_rows_.back();
     free_rows_.pop_back();
   } else {
-    row = next_row_;
-    try {
-      values_.EnsureRow(row);
-      slots_.EnsureRow(row);
-      steps_.EnsureRow(row);
-      stamps_.EnsureRow(row);
-      if (TracksTouches()) touches_.EnsureRow(row);
-      if (TracksLastStep()) last_step_.EnsureRow(row);
-    } catch (const std::bad_alloc&) {
-      return Status(StatusCode::kOutOfMemory, "out of memory adding rows");
-    }
-    ++next_row_;
+    row = next_row_++;
   }
   buckets_[b] = Bucket{key, static_cast<uint32_t>(row)};
   ++size_;
   InitRowSlots(row);
   InitRowMeta(row);
-  *row_out = row;
-  *inserted = true;
-  return Status::Ok();
+  return row;
 }
 
 Status EmbeddingTable::SetOptimizer(const OptimizerConfig& optimizer) {
@@ -381,123 +406,348 @@ Status EmbeddingTable::LookupOrInsert(const int64_t* keys, int64_t n, float* out
 Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const float* grads,
                                       NonFinitePolicy policy, int64_t* applied) {
   *applied = 0;
-  const int64_t dim = config_.dim;
-  std::vector<int64_t> unique;
-  std::vector<int64_t> inverse(static_cast<size_t>(n));
-  std::vector<float> summed;
+  // Three steps, so that a push that fails changes nothing (issue 11, defects
+  // 4 and 8): (1) plan and compute what can be computed aside, and allocate
+  // everything the commit needs; (2) update the stored rows in place, each
+  // saved first, checking every result; (3) commit, which cannot fail but
+  // for the candidates' map, which it puts back on failure.
+  PushPlan plan;
   try {
-    UniqueWithInverse(keys, n, &unique, inverse.data());
-    summed.resize(unique.size() * static_cast<size_t>(dim));
-  } catch (const std::bad_alloc&) {
-    return Status(StatusCode::kOutOfMemory, "out of memory summing gradients");
-  }
-  const int64_t u = static_cast<int64_t>(unique.size());
-  const float* g = grads;
-  if (u != n) {
-    SumRowsByIndex(grads, inverse.data(), n, dim, u, summed.data());
-    g = summed.data();
-  }
-  // Validate everything before the first write: a rejected batch changes nothing.
-  const int64_t bad = FirstNonFiniteRow(g, u, dim);
-  if (bad >= 0 && policy == NonFinitePolicy::kReject) {
-    return Status(StatusCode::kNonFinite,
-                  "gradient for id " + KeyText(unique[bad]) + " has a NaN or inf value");
-  }
-  // Pass 1 (serial: it may insert): the row of every distinct key.
-  std::vector<int64_t> rows, new_keys, new_rows;
-  int64_t new_count = 0;
-  try {
-    rows.resize(static_cast<size_t>(u));
-    new_keys.resize(static_cast<size_t>(u));
-    new_rows.resize(static_cast<size_t>(u));
-  } catch (const std::bad_alloc&) {
-    return Status(StatusCode::kOutOfMemory, "out of memory inserting rows");
-  }
-  FindRows(unique.data(), u, rows.data());
-  // Grow for the missing ids only (rows are indices: a rehash keeps them).
-  int64_t missing = 0;
-  for (int64_t j = 0; j < u; ++j) missing += rows[j] < 0;
-  Status s = Reserve(size_ + missing);
-  if (!s.ok()) return s;
-  if (config_.policy.min_count > 1 || config_.policy.max_rows > 0) {
-    // Admission and capacity eviction (issue 5): ids left out keep rows[j] < 0.
-    std::vector<uint8_t> skip;
-    std::vector<int64_t> to_insert;
-    try {
-      if (bad >= 0) {
-        skip.resize(static_cast<size_t>(u));
-        for (int64_t j = 0; j < u; ++j) skip[j] = FirstNonFiniteRow(g + j * dim, 1, dim) >= 0;
-      }
-      s = AdmitForPush(unique.data(), u, rows.data(), bad >= 0 ? skip.data() : nullptr,
-                       &to_insert);
-    } catch (const std::bad_alloc&) {
-      return Status(StatusCode::kOutOfMemory, "out of memory admitting ids");
-    }
+    Status s = PreparePush(keys, n, grads, policy, &plan);
     if (!s.ok()) return s;
-    for (const int64_t j : to_insert) {
-      bool inserted;
-      s = FindOrInsertRow(unique[j], &rows[j], &inserted);
-      if (!s.ok()) break;
-      new_keys[new_count] = unique[j];
-      new_rows[new_count++] = rows[j];
-      ++policy_stats_.admissions;
+  } catch (const std::bad_alloc&) {
+    return Status(StatusCode::kOutOfMemory, "out of memory preparing a push (nothing applied)");
+  }
+  const int64_t saved_table_step = table_step_;
+  ++table_step_;  // the step of this push: Adam's per-table step, rows' last step
+  if (UpdateExistingRows(&plan)) {
+    int64_t first = 0;
+    while (!plan.overflows[first]) ++first;
+    if (policy == NonFinitePolicy::kReject) {
+      RestoreExistingRows(plan);
+      table_step_ = saved_table_step;
+      return OverflowStatus(plan.unique[plan.existing[first]]);
     }
-  } else {
-    for (int64_t j = 0; j < u; ++j) {
-      if (rows[j] >= 0) continue;
-      if (bad >= 0 && FirstNonFiniteRow(g + j * dim, 1, dim) >= 0) continue;  // never inserted
-      bool inserted;
-      s = FindOrInsertRow(unique[j], &rows[j], &inserted);
-      if (!s.ok()) break;
-      new_keys[new_count] = unique[j];
-      new_rows[new_count++] = rows[j];
-      ++policy_stats_.admissions;
+    // kSkip: the rows that overflowed are back as they were; the rest stays.
+  }
+  try {
+    CommitCandidates(plan, static_cast<uint32_t>(table_step_));
+  } catch (const std::bad_alloc&) {
+    RestoreExistingRows(plan);
+    table_step_ = saved_table_step;
+    return Status(StatusCode::kOutOfMemory, "out of memory counting candidates (nothing applied)");
+  }
+  // Nothing below allocates: PreparePush sized the map, the row arrays, the
+  // free list and the removal log.
+  if (!plan.victims.empty()) {
+    policy_stats_.evicted_capacity +=
+        Remove(plan.victims.data(), static_cast<int64_t>(plan.victims.size()));
+  }
+  const int64_t dim = config_.dim;
+  const int64_t slot_floats = dim * optimizer_.num_slots();
+  const int64_t stride = dim + slot_floats;
+  const int64_t fresh = static_cast<int64_t>(plan.fresh.size());
+  for (int64_t k = 0; k < fresh; ++k) {
+    const int64_t row = InsertReservedRow(plan.fresh_keys[k]);
+    const float* state = plan.fresh_state.get() + k * stride;
+    std::memcpy(values_.Row(row), state, sizeof(float) * dim);
+    if (slot_floats > 0) std::memcpy(slots_.Row(row), state + dim, sizeof(float) * slot_floats);
+    TouchRow(row);
+    *steps_.Row(row) = 1;
+  }
+  int64_t updated = 0;
+  for (const uint8_t overflowed : plan.overflows) updated += !overflowed;
+  policy_stats_.admissions += fresh;
+  policy_stats_.rejected += static_cast<int64_t>(plan.rejected.size());
+  *applied = updated + fresh;
+  MaybeEvictAutomatically();
+  return Status::Ok();
+}
+
+Status EmbeddingTable::OverflowStatus(int64_t key) const {
+  return Status(StatusCode::kOverflow,
+                "the update of id " + KeyText(key) +
+                    " overflows float32 (its gradient and row are finite; the result is inf "
+                    "or NaN): nothing of this push was applied; lower the learning rate or "
+                    "clip the gradients");
+}
+
+Status EmbeddingTable::PreparePush(const int64_t* keys, int64_t n, const float* grads,
+                                   NonFinitePolicy policy, PushPlan* plan) {
+  PushPlan& p = *plan;
+  const int64_t dim = config_.dim;
+  const bool skipping = policy == NonFinitePolicy::kSkip;
+  {
+    std::vector<int64_t> inverse(static_cast<size_t>(n));
+    UniqueWithInverse(keys, n, &p.unique, inverse.data());
+    p.grads = grads;
+    if (static_cast<int64_t>(p.unique.size()) != n) {
+      p.summed.resize(p.unique.size() * static_cast<size_t>(dim));
+      SumRowsByIndex(grads, inverse.data(), n, dim, static_cast<int64_t>(p.unique.size()),
+                     p.summed.data());
+      p.grads = p.summed.data();
     }
   }
-  // One vectorized (and, for many rows, parallel) pass for every new row;
-  // rows inserted before a failure still get their values.
-  FillNewRows(new_keys.data(), new_rows.data(), new_count);
+  const int64_t u = static_cast<int64_t>(p.unique.size());
+  const int64_t bad = FirstNonFiniteRow(p.grads, u, dim);
+  if (bad >= 0 && !skipping) {
+    return Status(StatusCode::kNonFinite,
+                  "gradient for id " + KeyText(p.unique[bad]) + " has a NaN or inf value");
+  }
+  p.skip.assign(static_cast<size_t>(u), 0);
+  if (bad >= 0) {
+    for (int64_t j = bad; j < u; ++j) p.skip[j] = FirstNonFiniteRow(p.grads + j * dim, 1, dim) >= 0;
+  }
+  p.rows.resize(static_cast<size_t>(u));
+  FindRows(p.unique.data(), u, p.rows.data());
+  // With kSkip, an id whose new row overflows is dropped like a non-finite
+  // gradient (not seen, not inserted), and admission is decided again: the
+  // room it leaves may go to another id. Each round drops at least one id.
+  while (true) {
+    PlanAdmission(&p);
+    const int64_t first = ComputeFreshRows(&p, skipping);
+    if (first < 0) break;
+    if (!skipping) return OverflowStatus(p.fresh_keys[first]);
+  }
+  // Room for the commit, so that it cannot fail halfway.
+  const int64_t fresh = static_cast<int64_t>(p.fresh.size());
+  const int64_t victims = static_cast<int64_t>(p.victims.size());
+  Status s = Reserve(size_ + fresh);
   if (!s.ok()) return s;
-  // Pass 2 (parallel: distinct rows never overlap): the optimizer.
-  ++table_step_;
+  const int64_t from_new_rows = fresh - static_cast<int64_t>(free_rows_.size()) - victims;
+  if (from_new_rows > 0) EnsureRowsUpTo(next_row_ + from_new_rows - 1);
+  free_rows_.reserve(free_rows_.size() + static_cast<size_t>(victims));
+  if (change_epoch_ > 1) removed_.reserve(removed_.size() + static_cast<size_t>(victims));
+  // The stored rows to update, and room to save them.
+  p.existing.reserve(static_cast<size_t>(u));
+  for (int64_t j = 0; j < u; ++j) {
+    if (p.rows[j] >= 0 && !p.skip[j]) p.existing.push_back(j);
+  }
+  const size_t existing = p.existing.size();
+  const size_t stride = static_cast<size_t>(dim + dim * optimizer_.num_slots());
+  p.saved_state.reset(AllocateArray<float>(existing * stride));
+  p.saved_meta.reset(AllocateArray<uint32_t>(existing * 4));
+  p.overflows.assign(existing, 0);
+  return Status::Ok();
+}
+
+void EmbeddingTable::PlanAdmission(PushPlan* plan) const {
+  PushPlan& p = *plan;
+  const PolicyConfig& policy = config_.policy;
+  const int64_t u = static_cast<int64_t>(p.unique.size());
+  p.fresh.clear();
+  p.counted.clear();
+  p.counted_before.clear();
+  p.rejected.clear();
+  p.victims.clear();
+  for (int64_t j = 0; j < u; ++j) {
+    if (p.rows[j] >= 0 || p.skip[j]) continue;
+    if (policy.min_count > 1) {
+      const auto it = candidates_.find(p.unique[j]);
+      const Candidate before = it == candidates_.end() ? Candidate{0, 0} : it->second;
+      const uint32_t count = before.count < UINT32_MAX ? before.count + 1 : before.count;
+      if (static_cast<int64_t>(count) < policy.min_count) {
+        p.counted.push_back(j);
+        p.counted_before.push_back(before);
+        continue;
+      }
+    }
+    p.fresh.push_back(j);
+  }
+  const int64_t new_rows = static_cast<int64_t>(p.fresh.size());
+  if (policy.max_rows > 0 && size_ + new_rows > policy.max_rows) {
+    // Rows of this push's ids are never evicted by it.
+    std::vector<uint8_t> keep_row(static_cast<size_t>(next_row_), 0);
+    int64_t kept = 0;
+    for (int64_t j = 0; j < u; ++j) {
+      if (p.rows[j] >= 0) {
+        keep_row[p.rows[j]] = 1;
+        ++kept;
+      }
+    }
+    const int64_t need = size_ + new_rows - policy.max_rows;
+    SelectVictims(std::min(need, size_ - kept), keep_row, &p.victims);
+    const int64_t room =
+        std::max<int64_t>(0, policy.max_rows - size_ + static_cast<int64_t>(p.victims.size()));
+    if (new_rows > room) {
+      // Deterministic: the lowest keys get the room that is left.
+      const int64_t* unique = p.unique.data();
+      std::sort(p.fresh.begin(), p.fresh.end(),
+                [unique](int64_t a, int64_t b) { return unique[a] < unique[b]; });
+      p.rejected.assign(p.fresh.begin() + room, p.fresh.end());
+      p.fresh.resize(static_cast<size_t>(room));
+    }
+  }
+}
+
+void EmbeddingTable::SelectVictims(int64_t count, const std::vector<uint8_t>& keep_row,
+                                   std::vector<int64_t>* victims) const {
+  victims->clear();
+  if (count <= 0) return;
+  const bool lfu = config_.policy.eviction == EvictionKind::kLfu;
+  // (score, key): the `count` smallest pairs go. LFU: fewest touches; LRU:
+  // largest age first, so the score is minus the age.
+  std::vector<std::pair<int64_t, int64_t>> scored;
+  scored.reserve(static_cast<size_t>(size_));
+  for (const Bucket& bucket : buckets_) {
+    if (bucket.row == kEmpty || keep_row[bucket.row]) continue;
+    const int64_t score = lfu ? static_cast<int64_t>(*touches_.Row(bucket.row))
+                              : -AgeOf(*last_step_.Row(bucket.row));
+    const int64_t key = bucket.key;  // a copy: Bucket is packed, a reference would be misaligned
+    scored.emplace_back(score, key);
+  }
+  count = std::min<int64_t>(count, static_cast<int64_t>(scored.size()));
+  if (count <= 0) return;
+  if (count < static_cast<int64_t>(scored.size())) {
+    std::nth_element(scored.begin(), scored.begin() + count, scored.end());
+  }
+  victims->resize(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) (*victims)[i] = scored[i].second;
+}
+
+int64_t EmbeddingTable::ComputeFreshRows(PushPlan* plan, bool skipping) {
+  PushPlan& p = *plan;
+  const int64_t dim = config_.dim;
+  const int64_t stride = dim + dim * optimizer_.num_slots();
+  const int64_t count = static_cast<int64_t>(p.fresh.size());
+  p.fresh_keys.resize(static_cast<size_t>(count));
+  for (int64_t k = 0; k < count; ++k) p.fresh_keys[k] = p.unique[p.fresh[k]];
+  p.fresh_state.reset(AllocateArray<float>(static_cast<size_t>(count * stride)));
+  p.fresh_overflows.assign(static_cast<size_t>(count), 0);
+  // The step of a row's first update: 1, or this push's table step.
+  const int64_t step =
+      config_.optimizer.step_mode == StepMode::kPerTable ? table_step_ + 1 : int64_t{1};
+  float* state = p.fresh_state.get();
+  ParallelFor(count, std::max<int64_t>(1, kMinInitFloatsPerThread / dim),
+              [&](int64_t begin, int64_t end) {
+                float scratch[kMaxDim];
+                constexpr int64_t kRowsPerCall = 128;
+                float* targets[kRowsPerCall];
+                for (int64_t i = begin; i < end; i += kRowsPerCall) {
+                  const int64_t rows = std::min(kRowsPerCall, end - i);
+                  for (int64_t k = 0; k < rows; ++k) targets[k] = state + (i + k) * stride;
+                  FillInitialRows(config_.initializer, p.fresh_keys.data() + i, rows, dim,
+                                  targets);
+                  for (int64_t k = 0; k < rows; ++k) {
+                    float* w = targets[k];
+                    optimizer_.InitSlots(w + dim, dim);
+                    optimizer_.Update(w, w + dim, p.grads + p.fresh[i + k] * dim, dim, step,
+                                      scratch);
+                    p.fresh_overflows[i + k] = !AllFinite(w, stride);
+                  }
+                }
+              });
+  int64_t first = -1;
+  for (int64_t k = 0; k < count; ++k) {
+    if (!p.fresh_overflows[k]) continue;
+    if (first < 0) first = k;
+    if (skipping) p.skip[p.fresh[k]] = 1;
+  }
+  return first;
+}
+
+bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
+  PushPlan& p = *plan;
+  const int64_t dim = config_.dim;
+  const int64_t slot_floats = dim * optimizer_.num_slots();
+  const int64_t stride = dim + slot_floats;
+  const int64_t count = static_cast<int64_t>(p.existing.size());
   const bool per_table = config_.optimizer.step_mode == StepMode::kPerTable;
   const int64_t table_step = table_step_;
-  std::atomic<int64_t> applied_total{0};
+  std::atomic<bool> any_overflow{false};
   // Rows are scattered: fetch the value and slot lines of a few rows ahead
-  // so the optimizer's arithmetic overlaps the misses (840 -> see benchmark).
+  // so the optimizer's arithmetic overlaps the misses.
   constexpr int64_t kRowsAhead = 4;
   const int64_t value_bytes = dim * static_cast<int64_t>(sizeof(float));
-  const int64_t slot_bytes = value_bytes * optimizer_.num_slots();
+  const int64_t slot_bytes = slot_floats * static_cast<int64_t>(sizeof(float));
   auto prefetch_row = [&](int64_t row) {
-    if (row < 0) return;
     const char* v = reinterpret_cast<const char*>(values_.Row(row));
     for (int64_t b = 0; b < value_bytes; b += 64) __builtin_prefetch(v + b, 1);
     const char* sl = reinterpret_cast<const char*>(slots_.Row(row));
     for (int64_t b = 0; b < slot_bytes; b += 64) __builtin_prefetch(sl + b, 1);
   };
-  ParallelFor(u, kMinKeysPerThread / 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(static_cast<size_t>(dim));
-    int64_t count = 0;
-    for (int64_t j = begin; j < std::min(end, begin + kRowsAhead); ++j) prefetch_row(rows[j]);
-    for (int64_t j = begin; j < end; ++j) {
-      if (j + kRowsAhead < end) prefetch_row(rows[j + kRowsAhead]);
-      const float* gj = g + j * dim;
-      if (bad >= 0 && FirstNonFiniteRow(gj, 1, dim) >= 0) continue;
-      const int64_t row = rows[j];
-      if (row < 0) continue;  // not admitted (min_count) or no room (max_rows)
-      TouchRow(row);
+  // Distinct rows: ranges never overlap.
+  ParallelFor(count, kMinKeysPerThread / 4, [&](int64_t begin, int64_t end) {
+    float scratch[kMaxDim];
+    bool overflowed = false;
+    for (int64_t e = begin; e < std::min(end, begin + kRowsAhead); ++e) {
+      prefetch_row(p.rows[p.existing[e]]);
+    }
+    for (int64_t e = begin; e < end; ++e) {
+      if (e + kRowsAhead < end) prefetch_row(p.rows[p.existing[e + kRowsAhead]]);
+      const int64_t j = p.existing[e];
+      const int64_t row = p.rows[j];
+      float* w = values_.Row(row);
+      float* slots = slots_.Row(row);
+      float* saved = p.saved_state.get() + e * stride;
+      // Plain loops: a libc memmove call per small row cost 15% of a dim-8 push.
+      for (int64_t i = 0; i < dim; ++i) saved[i] = w[i];
+      for (int64_t i = 0; i < slot_floats; ++i) saved[dim + i] = slots[i];
       uint32_t* step = steps_.Row(row);
+      uint32_t* meta = p.saved_meta.get() + e * 4;
+      meta[0] = *step;
+      meta[1] = *stamps_.Row(row);
+      meta[2] = TracksTouches() ? *touches_.Row(row) : 0;
+      meta[3] = TracksLastStep() ? *last_step_.Row(row) : 0;
+      TouchRow(row);
       if (*step < UINT32_MAX) *step += 1;  // saturate: a wrap to 0 would break Adam
       *stamps_.Row(row) = change_epoch_;
-      optimizer_.Update(values_.Row(row), slots_.Row(row), gj, dim,
-                        per_table ? table_step : static_cast<int64_t>(*step), scratch.data());
-      ++count;
+      optimizer_.Update(w, slots, p.grads + j * dim, dim,
+                        per_table ? table_step : static_cast<int64_t>(*step), scratch);
+      if (!AllFinite(w, dim) || !AllFinite(slots, slot_floats)) {
+        RestoreRow(row, saved, meta);
+        p.overflows[e] = 1;
+        overflowed = true;
+      }
     }
-    applied_total += count;
+    if (overflowed) any_overflow.store(true, std::memory_order_relaxed);
   });
-  *applied = applied_total.load();
-  MaybeEvictAutomatically();
-  return Status::Ok();
+  return any_overflow.load();
+}
+
+void EmbeddingTable::RestoreRow(int64_t row, const float* saved, const uint32_t* meta) {
+  const int64_t dim = config_.dim;
+  const int64_t slot_floats = dim * optimizer_.num_slots();
+  std::memcpy(values_.Row(row), saved, sizeof(float) * dim);
+  if (slot_floats > 0) std::memcpy(slots_.Row(row), saved + dim, sizeof(float) * slot_floats);
+  *steps_.Row(row) = meta[0];
+  *stamps_.Row(row) = meta[1];
+  if (TracksTouches()) *touches_.Row(row) = meta[2];
+  if (TracksLastStep()) *last_step_.Row(row) = meta[3];
+}
+
+void EmbeddingTable::RestoreExistingRows(const PushPlan& p) {
+  const int64_t stride = config_.dim * (1 + optimizer_.num_slots());
+  for (size_t e = 0; e < p.existing.size(); ++e) {
+    if (p.overflows[e]) continue;  // put back already
+    RestoreRow(p.rows[p.existing[e]], p.saved_state.get() + e * stride, p.saved_meta.get() + e * 4);
+  }
+}
+
+void EmbeddingTable::CommitCandidates(const PushPlan& p, uint32_t push_step) {
+  if (config_.policy.min_count <= 1) return;  // no candidates are kept
+  size_t done = 0;
+  try {
+    // The only step of a commit that allocates (a node per new candidate).
+    for (; done < p.counted.size(); ++done) {
+      const Candidate& before = p.counted_before[done];
+      candidates_[p.unique[p.counted[done]]] =
+          Candidate{before.count < UINT32_MAX ? before.count + 1 : before.count, push_step};
+    }
+  } catch (...) {
+    for (size_t i = 0; i < done; ++i) {
+      const auto it = candidates_.find(p.unique[p.counted[i]]);
+      if (p.counted_before[i].count == 0) {
+        candidates_.erase(it);
+      } else {
+        it->second = p.counted_before[i];
+      }
+    }
+    throw;
+  }
+  // Admitted ids stop being candidates; rejected ones keep no count.
+  for (const int64_t j : p.fresh) candidates_.erase(p.unique[j]);
+  for (const int64_t j : p.rejected) candidates_.erase(p.unique[j]);
 }
 
 Status EmbeddingTable::Assign(const int64_t* keys, int64_t n, const float* values) {
@@ -518,6 +768,13 @@ Status EmbeddingTable::Assign(const int64_t* keys, int64_t n, const float* value
 }
 
 int64_t EmbeddingTable::Remove(const int64_t* keys, int64_t n) {
+  // Room for the free list and the removal log first: std::bad_alloc then
+  // leaves the table as it was, never a row both free and stored.
+  int64_t present = 0;
+  for (int64_t i = 0; i < n; ++i) present += FindRow(keys[i]) >= 0;
+  if (present == 0) return 0;
+  free_rows_.reserve(free_rows_.size() + static_cast<size_t>(present));
+  if (change_epoch_ > 1) removed_.reserve(removed_.size() + static_cast<size_t>(present));
   int64_t removed = 0;
   for (int64_t i = 0; i < n; ++i) {
     size_t b = HomeBucket(keys[i]);
@@ -701,88 +958,22 @@ void EmbeddingTable::TouchRow(int64_t row) {
   if (TracksLastStep()) *last_step_.Row(row) = static_cast<uint32_t>(table_step_);
 }
 
-Status EmbeddingTable::AdmitForPush(const int64_t* unique, int64_t u, const int64_t* rows,
-                                    const uint8_t* skip, std::vector<int64_t>* to_insert) {
-  const PolicyConfig& policy = config_.policy;
-  // Called before the push bumps table_step_: stamp candidates with its step.
-  const uint32_t push_step = static_cast<uint32_t>(table_step_ + 1);
-  std::vector<int64_t>& fresh = *to_insert;
-  fresh.clear();
-  for (int64_t j = 0; j < u; ++j) {
-    if (rows[j] >= 0 || (skip != nullptr && skip[j])) continue;
-    if (policy.min_count > 1) {
-      Candidate& c = candidates_.emplace(unique[j], Candidate{0, push_step}).first->second;
-      if (c.count < UINT32_MAX) ++c.count;
-      c.last_step = push_step;
-      if (static_cast<int64_t>(c.count) < policy.min_count) continue;
-    }
-    fresh.push_back(j);
-  }
-  const int64_t new_rows = static_cast<int64_t>(fresh.size());
-  if (policy.max_rows > 0 && size_ + new_rows > policy.max_rows) {
-    // Rows of this push's ids are never evicted by it.
-    std::vector<uint8_t> keep_row(static_cast<size_t>(next_row_), 0);
-    int64_t kept = 0;
-    for (int64_t j = 0; j < u; ++j) {
-      if (rows[j] >= 0) {
-        keep_row[rows[j]] = 1;
-        ++kept;
-      }
-    }
-    const int64_t need = size_ + new_rows - policy.max_rows;
-    EvictForCapacity(std::min(need, size_ - kept), keep_row);
-    const int64_t room = std::max<int64_t>(0, policy.max_rows - size_);
-    if (new_rows > room) {
-      // Deterministic: the lowest keys get the room that is left.
-      std::sort(fresh.begin(), fresh.end(),
-                [unique](int64_t a, int64_t b) { return unique[a] < unique[b]; });
-      for (int64_t i = room; i < new_rows; ++i) candidates_.erase(unique[fresh[i]]);
-      policy_stats_.rejected += new_rows - room;
-      fresh.resize(static_cast<size_t>(room));
-    }
-  }
-  if (policy.min_count > 1) {
-    for (const int64_t j : fresh) candidates_.erase(unique[j]);
-  }
-  return Status::Ok();
-}
-
-void EmbeddingTable::EvictForCapacity(int64_t count, const std::vector<uint8_t>& keep_row) {
-  if (count <= 0) return;
-  const bool lfu = config_.policy.eviction == EvictionKind::kLfu;
-  // (score, key): the `count` smallest pairs go. LFU: fewest touches; LRU:
-  // largest age first, so the score is minus the age.
-  std::vector<std::pair<int64_t, int64_t>> scored;
-  scored.reserve(static_cast<size_t>(size_));
-  for (const Bucket& bucket : buckets_) {
-    if (bucket.row == kEmpty || keep_row[bucket.row]) continue;
-    const int64_t score = lfu ? static_cast<int64_t>(*touches_.Row(bucket.row))
-                              : -AgeOf(*last_step_.Row(bucket.row));
-    scored.emplace_back(score, bucket.key);
-  }
-  count = std::min<int64_t>(count, static_cast<int64_t>(scored.size()));
-  if (count <= 0) return;
-  if (count < static_cast<int64_t>(scored.size())) {
-    std::nth_element(scored.begin(), scored.begin() + count, scored.end());
-  }
-  std::vector<int64_t> victims(static_cast<size_t>(count));
-  for (int64_t i = 0; i < count; ++i) victims[i] = scored[i].second;
-  policy_stats_.evicted_capacity += Remove(victims.data(), count);
-}
-
 int64_t EmbeddingTable::EvictExpired() {
   const int64_t ttl = config_.policy.ttl_steps;
   if (ttl <= 0) return 0;
   std::vector<int64_t> expired;
   for (const Bucket& bucket : buckets_) {
     if (bucket.row != kEmpty && AgeOf(*last_step_.Row(bucket.row)) >= ttl) {
-      expired.push_back(bucket.key);
+      const int64_t key = bucket.key;  // a copy: Bucket is packed (UBSan: misaligned reference)
+      expired.push_back(key);
     }
   }
+  // Rows first (Remove may throw std::bad_alloc, then changing nothing);
+  // erasing candidates allocates nothing.
+  const int64_t removed = Remove(expired.data(), static_cast<int64_t>(expired.size()));
   for (auto it = candidates_.begin(); it != candidates_.end();) {
     it = AgeOf(it->second.last_step) >= ttl ? candidates_.erase(it) : std::next(it);
   }
-  const int64_t removed = Remove(expired.data(), static_cast<int64_t>(expired.size()));
   policy_stats_.evicted_ttl += removed;
   return removed;
 }
@@ -790,7 +981,13 @@ int64_t EmbeddingTable::EvictExpired() {
 void EmbeddingTable::MaybeEvictAutomatically() {
   const PolicyConfig& policy = config_.policy;
   if (policy.ttl_steps > 0 && policy.evict_every > 0 && table_step_ % policy.evict_every == 0) {
-    EvictExpired();
+    // Runs after a push or step that already happened: out of memory here
+    // must not fail it. The expired rows stay until the next automatic or
+    // requested eviction.
+    try {
+      EvictExpired();
+    } catch (const std::bad_alloc&) {
+    }
   }
 }
 

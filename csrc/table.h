@@ -1,8 +1,8 @@
 // EmbeddingTable: a growing hash map from any int64 key to a row of `dim`
 // float32 values, the optimizer's per-row slots and a per-row step counter.
 //
-// Rows live in fixed-size chunks, so growing never moves an existing row:
-// only the bucket array is rehashed. All batch operations take plain arrays
+// Rows live in chunks, so growing moves no row past the first chunk (which
+// starts small, see ChunkedRows): only the bucket array is rehashed. All batch operations take plain arrays
 // and return a Status; none touches Python, so the bridge calls them with the
 // GIL released. A table is not thread-safe: one caller at a time (a server
 // shard serves its requests in order).
@@ -19,7 +19,9 @@
 #ifndef KVSPARSE_TABLE_H_
 #define KVSPARSE_TABLE_H_
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <unordered_map>
 #include <utility>
@@ -107,14 +109,23 @@ enum class NonFinitePolicy : int {
   kSkip = 1,    // rows whose gradient has a NaN/inf are left untouched
 };
 
-// Chunked array of fixed-width rows of T. Row i never moves once allocated.
+// Chunked array of fixed-width rows of T. Rows of chunk 1 and later never
+// move once allocated. Chunk 0 starts at kFirstChunkRows rows and doubles up
+// to the full chunk size, moving its rows as it grows: a table of a few rows
+// then costs a few hundred bytes instead of one full chunk per array (issue
+// 11, defect 17: 200 one-row tables cost 805 MiB). Row() is the same for
+// every row, so big tables pay nothing for it. Callers hold row indices, not
+// pointers, across EnsureRow.
 template <typename T>
 class ChunkedRows {
  public:
+  static constexpr int64_t kFirstChunkRows = 16;
+
   void Reset(int64_t width, int64_t rows_per_chunk_log2) {
     width_ = width;
     log2_ = rows_per_chunk_log2;
     chunks_.clear();
+    first_rows_ = 0;
   }
   T* Row(int64_t row) {
     return chunks_[row >> log2_].get() + (row & ((int64_t{1} << log2_) - 1)) * width_;
@@ -122,21 +133,47 @@ class ChunkedRows {
   const T* Row(int64_t row) const {
     return chunks_[row >> log2_].get() + (row & ((int64_t{1} << log2_) - 1)) * width_;
   }
-  // Makes sure row `row` is backed by memory.
+  // Makes sure rows [0, row] are backed by memory. Throws std::bad_alloc and
+  // then leaves the rows as they were.
   void EnsureRow(int64_t row) {
+    const int64_t full = int64_t{1} << log2_;
+    if (row < first_rows_) return;
+    if (row < full) {
+      int64_t rows = std::max<int64_t>(first_rows_ * 2, kFirstChunkRows);
+      while (rows <= row) rows *= 2;
+      GrowFirstChunk(std::min(rows, full));
+      return;
+    }
+    if (first_rows_ < full) GrowFirstChunk(full);
     while ((row >> log2_) >= static_cast<int64_t>(chunks_.size())) {
       chunks_.emplace_back(AllocateArray<T>(static_cast<size_t>(ChunkElements())));
     }
   }
   int64_t ChunkElements() const { return (int64_t{1} << log2_) * width_; }
   int64_t Bytes() const {
-    return static_cast<int64_t>(chunks_.size()) * ChunkElements() * static_cast<int64_t>(sizeof(T));
+    if (chunks_.empty()) return 0;
+    const int64_t elements =
+        first_rows_ * width_ + static_cast<int64_t>(chunks_.size() - 1) * ChunkElements();
+    return elements * static_cast<int64_t>(sizeof(T));
   }
   int64_t width() const { return width_; }
 
  private:
+  void GrowFirstChunk(int64_t rows) {
+    std::unique_ptr<T[], FreeArray> grown(AllocateArray<T>(static_cast<size_t>(rows * width_)));
+    if (chunks_.empty()) {
+      chunks_.emplace_back(std::move(grown));
+    } else {
+      std::memcpy(grown.get(), chunks_[0].get(),
+                  static_cast<size_t>(first_rows_ * width_) * sizeof(T));
+      chunks_[0] = std::move(grown);
+    }
+    first_rows_ = rows;
+  }
+
   int64_t width_ = 0;
   int64_t log2_ = 10;
+  int64_t first_rows_ = 0;  // rows chunk 0 holds (0 when there is no chunk)
   std::vector<std::unique_ptr<T[], FreeArray>> chunks_;
 };
 
@@ -322,12 +359,58 @@ class EmbeddingTable {
   }
   void InitRowMeta(int64_t row);
   void TouchRow(int64_t row);
-  // Decides which distinct ids of a push get a row: counts candidates,
-  // evicts for capacity, rejects what does not fit. rows[j] < 0 on return
-  // means "not stored, skip"; *to_insert lists the j to insert.
-  Status AdmitForPush(const int64_t* unique, int64_t u, const int64_t* rows,
-                      const uint8_t* skip, std::vector<int64_t>* to_insert);
-  void EvictForCapacity(int64_t count, const std::vector<uint8_t>& keep_row);
+  // Everything a push decided and computed before it changes the table
+  // (issue 11, defects 4 and 8: a push that fails changes nothing). j indexes
+  // the push's distinct ids.
+  struct PushPlan {
+    std::vector<int64_t> unique;    // distinct ids, in order of first appearance
+    std::vector<float> summed;      // their summed gradients when ids repeat
+    const float* grads = nullptr;   // u * dim: the gradient of unique[j]
+    std::vector<int64_t> rows;      // row of unique[j], -1 when not stored
+    std::vector<uint8_t> skip;      // 1: unique[j] is left alone (kSkip)
+    // Admission: ids to insert, candidates counted (with their count before)
+    // or forgotten, rows evicted for room.
+    std::vector<int64_t> fresh;
+    std::vector<int64_t> counted;
+    std::vector<Candidate> counted_before;
+    std::vector<int64_t> rejected;
+    std::vector<int64_t> victims;   // keys
+    // Per fresh id: its updated row, dim values then the slot floats.
+    std::unique_ptr<float[], FreeArray> fresh_state;
+    std::vector<uint8_t> fresh_overflows;
+    std::vector<int64_t> fresh_keys;
+    // j of the stored rows updated in place, and what they held before.
+    std::vector<int64_t> existing;
+    std::unique_ptr<float[], FreeArray> saved_state;
+    std::unique_ptr<uint32_t[], FreeArray> saved_meta;  // step, stamp, touches, last step
+    std::vector<uint8_t> overflows;    // per existing row
+  };
+  // Builds the plan: sums, checks, admission, the fresh rows' new state; sizes
+  // every array the commit writes. Changes nothing the table holds (it may
+  // grow the map and row arrays); may throw std::bad_alloc.
+  Status PreparePush(const int64_t* keys, int64_t n, const float* grads, NonFinitePolicy policy,
+                     PushPlan* plan);
+  // Decides which ids get a row: candidate counts, capacity victims, rejects.
+  void PlanAdmission(PushPlan* plan) const;
+  void SelectVictims(int64_t count, const std::vector<uint8_t>& keep_row,
+                     std::vector<int64_t>* victims) const;
+  // Computes the fresh rows' new state; returns the index (in plan->fresh)
+  // of the first one that overflows, or -1; with skipping, marks them skipped.
+  int64_t ComputeFreshRows(PushPlan* plan, bool skipping);
+  // Updates the plan's stored rows in place; a row whose result is not
+  // finite is put back at once and flagged. Returns whether any was.
+  bool UpdateExistingRows(PushPlan* plan);
+  void RestoreExistingRows(const PushPlan& plan);
+  // Puts back a row's values, slots and metadata (step, stamp, touches, last step).
+  void RestoreRow(int64_t row, const float* saved, const uint32_t* meta);
+  Status OverflowStatus(int64_t key) const;
+  // Counts and forgets the plan's candidates. On std::bad_alloc, puts back
+  // what it changed and rethrows.
+  void CommitCandidates(const PushPlan& plan, uint32_t push_step);
+  // Inserts key into a free bucket on an already reserved row: allocates nothing.
+  int64_t InsertReservedRow(int64_t key);
+  // Backs rows [0, row] in every per-row array.
+  void EnsureRowsUpTo(int64_t row);
   void MaybeEvictAutomatically();
   int64_t CandidateBytes() const;
   ChunkedRows<uint32_t> touches_;

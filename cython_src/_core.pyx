@@ -69,6 +69,8 @@ cdef int _check(const Status& c_status) except -1:
         raise MemoryError(message)
     if code == StatusCode.kCapacity:
         raise errors.CapacityError(message)
+    if code == StatusCode.kOverflow:
+        raise errors.UpdateOverflow(message)
     raise errors.KVSparseError(message)
 
 
@@ -214,15 +216,17 @@ cdef class Table:
     cdef int64_t c_dim
 
     cdef EmbeddingTable* _table(self) except NULL:
-        # Table.__new__(Table) skips __init__: no C++ table behind it (issue 11, defect 8).
+        # __cinit__ builds the C++ table or raises, so every Table has one: Table.__new__
+        # runs __cinit__ too (issue 11, defect 8: built in __init__, a Table.__new__(Table)
+        # had none and len() segfaulted). Kept as a cheap guard.
         if self.c_table.get() == NULL:
             raise errors.InvalidArgument(
                 "this Table was not initialized: create it as Table(dim, ...)"
             )
         return self.c_table.get()
 
-    def __init__(self, int64_t dim, dict initializer=None, optimizer=None, uint64_t seed=0,
-                 dict policy=None):
+    def __cinit__(self, int64_t dim, dict initializer=None, optimizer=None, uint64_t seed=0,
+                  dict policy=None):
         cdef TableConfig c_config
         if dim < 1 or dim > kMaxDim:
             raise errors.InvalidArgument(f"dim must be in [1, {kMaxDim}], got {dim}")

@@ -10,6 +10,7 @@ cdef extern from "status.h" namespace "kvsparse" nogil:
         kOutOfMemory
         kCapacity
         kInternal
+        kOverflow
 
     cdef cppclass Status:
         Status()

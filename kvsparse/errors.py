@@ -60,6 +60,14 @@ class LimitExceeded(InvalidArgument):
     names the limit and the ``kvsparse server`` flag that sets it."""
 
 
+class UpdateOverflow(InvalidArgument, FloatingPointError):
+    """A push of finite gradients whose optimizer update would make a row inf or NaN.
+
+    Nothing of the push is applied (with ``nonfinite='skip'`` only the rows
+    that would overflow are left untouched). Also a ``FloatingPointError``.
+    """
+
+
 class CapacityError(KVSparseError, MemoryError):
     """A shard reached the most rows it can hold."""
 

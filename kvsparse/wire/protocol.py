@@ -95,10 +95,11 @@ message; the client re-raises it as the matching `kvsparse.errors` class
 (`raise_remote_error`). Codes (`ERROR_CODES`): 1 ProtocolError, 2
 InvalidArgument, 3 ShapeError, 4 DTypeError, 5 KeyTypeError, 6 UnknownKey, 7
 DuplicateKey, 8 NonFiniteGradient, 9 CapacityError, 10 ServerError (anything
-else), 11 CheckpointError, 12 LimitExceeded, 13 WorkerLeft (a client that
-predates a code raises ServerError with the message). The reply to a message
-whose header cannot be read echoes its request id when the size and magic are
-right, else 0, with op 0 if the op is unknown.
+else), 11 CheckpointError, 12 LimitExceeded, 13 WorkerLeft, 14
+UpdateOverflow (a client that predates a code raises ServerError with the
+message). The reply to a message whose header cannot be read echoes its
+request id when the size and magic are right, else 0, with op 0 if the op is
+unknown.
 
 Resends: the server remembers each client's last request id. The same id
 again is answered from the cached reply (state-changing ops) or run again
@@ -204,6 +205,7 @@ MUTATING_OPS = frozenset(
 ERROR_CODES = {
     errors.ProtocolError: 1,
     errors.NonFiniteGradient: 8,
+    errors.UpdateOverflow: 14,
     errors.ShapeError: 3,
     errors.CheckpointError: 11,
     errors.LimitExceeded: 12,
