@@ -179,12 +179,28 @@ class RemoteBackend:
         for server, request in requests.items():
             self.session.remember(("dense", int(table_id), server), request, server=server)
 
-    def set_optimizer(self, spec):
-        """Rank 0 sets it; other ranks wait for rank 0's call and check they agree."""
+    def set_optimizer(self, spec, table_ids=None):
+        """Rank 0 sets it (store-wide, or table_ids' own); other ranks wait for rank 0's
+        call and check they agree."""
         self._optimizer_calls += 1
-        self._everywhere(
-            ops.SetOptimizer, ops.SetOptimizer.encode_request(spec, self._optimizer_calls)
-        )
+        request = ops.SetOptimizer.encode_request(spec, self._optimizer_calls, table_ids)
+        self._everywhere(ops.SetOptimizer, request)
+
+    def assign_sparse(self, items):
+        """items: [(table_id, keys, offsets, float32 rows)]; each server gets its keys' rows."""
+        per_server: dict[int, list] = {}
+        for table_id, keys, offsets, rows in items:
+            bounds = offsets.tolist()
+            for server in range(self.num_shards):
+                a, b = bounds[server], bounds[server + 1]
+                if b > a:
+                    per_server.setdefault(server, []).append((table_id, keys[a:b], rows[a:b]))
+        requests = {
+            server: ops.AssignSparse.encode_request(entries)
+            for server, entries in per_server.items()
+        }
+        if requests:
+            self._exchange(ops.AssignSparse, requests)
 
     def pull_sparse(self, items):
         """items: [(table_id, keys, offsets[, wire_dtype])] -> [[rows of each shard] per item].

@@ -152,13 +152,13 @@ def _array_per_item_request(op: Op, entries: Sequence) -> Request:
 
 
 def _float32_items(items: np.ndarray, what: str) -> np.ndarray:
-    """items, if none names a row dtype: dense values always travel as float32.
+    """items, if none names a row dtype: dense values and assigned rows travel as float32.
 
     Raises:
         ProtocolError: an item with a row dtype code.
     """
     if (items["flags"] & np.uint32(ITEM_DTYPE_MASK)).any():
-        raise errors.ProtocolError(f"{what}: dense values travel as float32 (no row dtype code)")
+        raise errors.ProtocolError(f"{what}: values travel as float32 (no row dtype code)")
     return items
 
 
@@ -436,10 +436,12 @@ class InitDense(_Codec):
 
 
 class SetOptimizerRequest(NamedTuple):
-    """SET_OPTIMIZER: an `Optimizer.to_dict()` spec (None: none) and the call's number."""
+    """SET_OPTIMIZER: an `Optimizer.to_dict()` spec (None: none), the call's number, and
+    the tables it is for (None: the store-wide optimizer; else those tables' own, issue 12)."""
 
     spec: Optional[dict]
     epoch: int
+    table_ids: Optional[list] = None
 
 
 class SetOptimizer(_Codec):
@@ -448,19 +450,38 @@ class SetOptimizer(_Codec):
     op = Op.SET_OPTIMIZER
 
     @classmethod
-    def encode_request(cls, spec: Optional[dict], epoch: int) -> Request:
-        """The request of this worker's epoch-th set_optimizer call."""
-        return Request(cls.op, [protocol.encode_json({"spec": spec, "epoch": epoch})])
+    def encode_request(
+        cls, spec: Optional[dict], epoch: int, table_ids: Optional[Sequence] = None
+    ) -> Request:
+        """The request of this worker's epoch-th set_optimizer call.
+
+        table_ids: the tables whose own optimizer spec becomes (spec None: they
+        go back to the store-wide one); None: the store-wide optimizer.
+        """
+        body = {"spec": spec, "epoch": epoch}
+        if table_ids is not None:
+            body["table_ids"] = [int(table_id) for table_id in table_ids]
+        return Request(cls.op, [protocol.encode_json(body)])
 
     @classmethod
     def decode_request(cls, header: Header, payload) -> SetOptimizerRequest:
-        """The spec and epoch (the spec itself is checked by the server's state)."""
+        """The spec, epoch and table ids (the spec itself is checked by the server's state).
+
+        Raises:
+            ProtocolError: a spec that is not an object or null, table_ids that are
+                not a non-empty list of table ids.
+        """
         body = _json_object(payload, "SET_OPTIMIZER")
         spec = body.get("spec")
         epoch = check_int(body.get("epoch"), "epoch", 1)
         if spec is not None and not isinstance(spec, dict):
             raise errors.ProtocolError("SET_OPTIMIZER spec must be an object or null")
-        return SetOptimizerRequest(spec, epoch)
+        table_ids = body.get("table_ids")
+        if table_ids is not None:
+            if not isinstance(table_ids, list) or not table_ids:
+                raise errors.ProtocolError("SET_OPTIMIZER table_ids must be a non-empty list")
+            table_ids = [check_int(t, "table_id", 0, _MAX_TABLE_ID) for t in table_ids]
+        return SetOptimizerRequest(spec, epoch, table_ids)
 
 
 class PullSparseRequest(NamedTuple):
@@ -623,17 +644,63 @@ class PushSparse(_Codec):
         entries = []
         dtypes = protocol.item_wire_dtypes(items)
         for i, (table_id, count, dim, item_flags) in enumerate(items.tolist()):
-            if dim < 1:
-                raise errors.ProtocolError(f"PUSH_SPARSE item {i}: dim must be >= 1")
-            keys = protocol.frame_array(
-                payload[1 + 2 * i], np.int64, count, what=f"PUSH_SPARSE keys {i}"
-            )
-            rows = _wire_rows(payload[2 + 2 * i], dtypes[i], count, dim, f"PUSH_SPARSE rows {i}")
+            keys, rows = _keys_and_rows(payload, i, count, dim, dtypes[i], "PUSH_SPARSE")
             if dtypes[i] != "float32":
                 rows = _core.widen(rows, dtypes[i])
             step = bool(item_flags & ITEM_FLAG_STEP)
             entries.append(SparsePush(table_id, keys, rows, step, dtypes[i]))
         return PushSparseRequest(items, entries)
+
+
+def _keys_and_rows(payload, i: int, count: int, dim: int, wire_dtype: str, what: str) -> tuple:
+    """(keys, rows) of item i of a request laid out as items, then keys + rows per item."""
+    if dim < 1:
+        raise errors.ProtocolError(f"{what} item {i}: dim must be >= 1")
+    keys = protocol.frame_array(payload[1 + 2 * i], np.int64, count, what=f"{what} keys {i}")
+    rows = _wire_rows(payload[2 + 2 * i], wire_dtype, count, dim, f"{what} rows {i}")
+    return keys, rows
+
+
+class AssignSparseRequest(NamedTuple):
+    """ASSIGN_SPARSE: the items frame as received and [(table_id, keys, float32 rows)]."""
+
+    items: np.ndarray
+    entries: list
+
+
+class AssignSparse(_Codec):
+    """ASSIGN_SPARSE: rows of some keys of sparse tables, written verbatim (issue 12).
+
+    No optimizer runs and admission does not count them (`_core.Table.assign`):
+    what MXNet's ``init`` of a key does, at any time. Rows travel as float32.
+    """
+
+    op = Op.ASSIGN_SPARSE
+
+    @classmethod
+    def encode_request(cls, entries: Sequence) -> Request:
+        """entries: [(table_id, unique int64 keys, float32 (count, dim) rows)]."""
+        items = protocol.make_items(
+            [(table_id, keys.size, rows.shape[1]) for table_id, keys, rows in entries]
+        )
+        frames = [items]
+        for _, keys, rows in entries:
+            frames += [keys, rows]
+        return Request(cls.op, frames, num_items=len(entries))
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> AssignSparseRequest:
+        """The items and each one's keys and float32 rows (views of the frames).
+
+        Raises:
+            ProtocolError: a malformed frame, or an item with a row dtype code.
+        """
+        items = _float32_items(_request_items(header, payload, 2, "ASSIGN_SPARSE"), "ASSIGN_SPARSE")
+        entries = []
+        for i, (table_id, count, dim, _) in enumerate(items.tolist()):
+            keys, rows = _keys_and_rows(payload, i, count, dim, "float32", "ASSIGN_SPARSE")
+            entries.append((table_id, keys, rows))
+        return AssignSparseRequest(items, entries)
 
 
 class PullDense(_Codec):
@@ -835,6 +902,7 @@ CODECS = {
         PushSparse,
         PullDense,
         PushDense,
+        AssignSparse,
         Barrier,
         GetOptimizerStates,
         LoadOptimizerStates,
@@ -849,6 +917,8 @@ CODECS = {
 __all__ = [
     "CODECS",
     "MODES",
+    "AssignSparse",
+    "AssignSparseRequest",
     "Barrier",
     "Checkpoint",
     "Evict",
