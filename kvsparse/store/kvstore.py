@@ -163,8 +163,19 @@ class KVStore(StoreFront):
     @property
     def wire_dtype(self) -> str:
         """How sparse tables' rows travel unless a table sets its own: 'float32' (default),
-        'float16' or 'bfloat16' (``kvsparse.create(..., wire_dtype=...)``)."""
+        'float16' or 'bfloat16' (``kvsparse.create(..., wire_dtype=...)``).
+
+        Settable: later requests travel in the new dtype (the MXNet adapter's
+        ``set_gradient_compression({'type': 'fp16'})``).
+
+        Raises:
+            InvalidArgument: set to a dtype that is not one of those.
+        """
         return self._wire_dtype
+
+    @wire_dtype.setter
+    def wire_dtype(self, dtype: str) -> None:
+        self._wire_dtype = check_wire_dtype(dtype)
 
     def wire_dtype_of(self, key) -> str:
         """How key's values travel: a sparse table's wire_dtype, else the store's;
