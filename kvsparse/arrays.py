@@ -108,7 +108,8 @@ def as_ids(obj, *, key) -> np.ndarray:
         return array.astype(np.int64)
     if array.dtype.kind == "i":
         return array.astype(np.int64)
-    if array.dtype.kind == "O" and array.size == 0:
+    if array.size == 0 and (array.dtype.kind == "O" or isinstance(obj, (list, tuple))):
+        # NumPy makes [] float64; a Python sequence with no ids holds no float to truncate.
         return np.empty(array.shape, np.int64)
     raise errors.DTypeError(f"row ids of key {key!r} must be integers, got dtype {array.dtype}")
 

@@ -54,6 +54,7 @@ import json
 import math
 import operator
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -75,6 +76,13 @@ KEYS = "KVSPARSE_KEYS"  # CurveZMQ key directory (`kvsparse keys DIR`)
 RETRY_WINDOW = "KVSPARSE_RETRY_WINDOW"  # seconds a worker keeps retrying a restarted server
 CHECKPOINT_DIR = "KVSPARSE_CHECKPOINT_DIR"
 NUM_THREADS = "KVSPARSE_NUM_THREADS"  # threads a batch of the C++ core may use
+# What one peer may make a server do (`ServerLimits`, `kvsparse server --max-*`).
+MAX_REPLY_BYTES = "KVSPARSE_MAX_REPLY_BYTES"
+MAX_UNREAD_REPLY_BYTES = "KVSPARSE_MAX_UNREAD_REPLY_BYTES"
+MAX_TABLES = "KVSPARSE_MAX_TABLES"
+MAX_DIM = "KVSPARSE_MAX_DIM"
+MAX_ROWS_PER_REQUEST = "KVSPARSE_MAX_ROWS_PER_REQUEST"
+CHECKPOINT_ROOT = "KVSPARSE_CHECKPOINT_ROOT"
 # Seconds workers retry a restarted server when `kvsparse launch --restart-servers`
 # or `kvsparse.ray` start them and the user gives no --retry-window.
 DEFAULT_RETRY_WINDOW = 120.0
@@ -767,6 +775,157 @@ def checkpoint_dir(environ: Optional[Mapping] = None) -> Optional[str]:
     return _get(environ, CHECKPOINT_DIR)
 
 
+# -- server limits ----------------------------------------------------------------------------
+
+_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_BYTES_PATTERN = re.compile(r"(\d+)\s*([kmgt]?)(?:i?b)?")
+
+
+def parse_bytes(text: str, what: str = "size") -> int:
+    """A byte count written as ``1073741824``, ``512MiB``, ``1G`` or ``64k`` (powers of 1024).
+
+    Raises:
+        InvalidArgument: not a whole number of bytes >= 1, naming `what`.
+
+    Thread-safe.
+
+    Example:
+        >>> parse_bytes('1GiB'), parse_bytes('64k'), parse_bytes('100')
+        (1073741824, 65536, 100)
+    """
+    if not isinstance(text, str):
+        raise InvalidArgument(f"{what} must be a number of bytes, got {text!r}")
+    match = _BYTES_PATTERN.fullmatch(text.strip().lower())
+    if match is None or int(match.group(1)) < 1:
+        raise InvalidArgument(
+            f"{what}={text!r} is not a number of bytes >= 1 (e.g. 1073741824, 512MiB, 1GiB)"
+        )
+    return int(match.group(1)) * _BYTE_UNITS[match.group(2)]
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one peer may make a server do: bounds on memory per request and per connection.
+
+    A server checks each request against them before doing any work, and
+    refuses one that exceeds a limit with `kvsparse.errors.LimitExceeded`
+    naming the limit and the ``kvsparse server`` flag that raises it; the
+    server goes on serving. The defaults fit training jobs (a step's pull is
+    far below them) while keeping a careless or hostile peer from making a
+    server allocate gigabytes (issue 11, defect 16: two pulls of 200,000 ids
+    of a 4096-wide table once grew a server from 44 MiB to 6.3 GiB).
+
+    Attributes:
+        max_reply_bytes: the largest reply one request may ask for (a pull of
+            n ids of a table of dim d is n * d * 4 bytes; known, and refused,
+            before any row is made). Default 1 GiB, the default
+            ``--max-message-size``: a bigger reply could not be received anyway.
+        max_unread_reply_bytes: replies one connection may leave unread in the
+            server (sent but not yet taken by the peer's socket); a pull that
+            would go past it is refused until the peer reads. At least
+            max_reply_bytes. Default 2 GiB: a worker that reads each reply
+            before its next request never comes near it.
+        max_tables: sparse tables and dense keys one server holds (each costs
+            memory even when empty). Default 1024.
+        max_dim: the widest sparse table a peer may create, <= 4096. Default 4096.
+        max_rows_per_request: ids in one pull or push, summed over its tables.
+            Default 16,777,216.
+        checkpoint_root: the directory every CHECKPOINT path (save, load,
+            export) must lie in, after following symlinks; a relative path is
+            taken inside it. None: no root (see `kvsparse.server.paths`).
+
+    Raises:
+        InvalidArgument: a limit that is not an int >= 1, max_dim above 4096,
+            max_unread_reply_bytes below max_reply_bytes, or a relative or
+            empty checkpoint_root.
+
+    Immutable (frozen): safe to share between threads.
+
+    Example:
+        >>> ServerLimits(max_reply_bytes=1 << 20, max_unread_reply_bytes=4 << 20).max_tables
+        1024
+    """
+
+    max_reply_bytes: int = 1 << 30
+    max_unread_reply_bytes: int = 2 << 30
+    max_tables: int = 1024
+    max_dim: int = 4096  # kvsparse.table.MAX_DIM (tests/test_limits.py checks they agree)
+    max_rows_per_request: int = 1 << 24
+    checkpoint_root: Optional[str] = None
+
+    def __post_init__(self):
+        for name in (
+            "max_reply_bytes",
+            "max_unread_reply_bytes",
+            "max_tables",
+            "max_dim",
+            "max_rows_per_request",
+        ):
+            value = _check_int(getattr(self, name), name)
+            if value < 1:
+                raise InvalidArgument(f"{name} must be >= 1, got {value}")
+            object.__setattr__(self, name, value)
+        if self.max_dim > 4096:
+            raise InvalidArgument(f"max_dim must be <= 4096 (the widest table), got {self.max_dim}")
+        if self.max_unread_reply_bytes < self.max_reply_bytes:
+            raise InvalidArgument(
+                f"max_unread_reply_bytes ({self.max_unread_reply_bytes}) must be >= "
+                f"max_reply_bytes ({self.max_reply_bytes}): a reply allowed alone must fit"
+            )
+        root = self.checkpoint_root
+        if root is not None:
+            if not isinstance(root, str) or not root.strip() or not os.path.isabs(root):
+                raise InvalidArgument(f"checkpoint_root must be an absolute path, got {root!r}")
+            object.__setattr__(self, "checkpoint_root", os.path.normpath(root))
+
+
+def server_limits(environ: Optional[Mapping] = None, **given) -> ServerLimits:
+    """A server's `ServerLimits`: each from `given` (the command line), else the environment.
+
+    Variables: ``KVSPARSE_MAX_REPLY_BYTES``, ``KVSPARSE_MAX_UNREAD_REPLY_BYTES``
+    (byte counts such as ``512MiB``), ``KVSPARSE_MAX_TABLES``, ``KVSPARSE_MAX_DIM``,
+    ``KVSPARSE_MAX_ROWS_PER_REQUEST``, ``KVSPARSE_CHECKPOINT_ROOT``; unset ones
+    keep the defaults. A relative root is taken from the current directory.
+
+    Args:
+        environ: the variables to read (default: ``os.environ``).
+        given: `ServerLimits` fields; None counts as not given.
+
+    Raises:
+        InvalidArgument: a malformed value (the message names the variable).
+
+    Thread-safe: it only reads the variables.
+
+    Example:
+        >>> server_limits({"KVSPARSE_MAX_REPLY_BYTES": "256MiB"}).max_reply_bytes
+        268435456
+    """
+    env = os.environ if environ is None else environ
+
+    def count(text: str, variable: str) -> int:
+        return _parse_int(text, variable, 1)
+
+    values = {}
+    for name, variable, parse in (
+        ("max_reply_bytes", MAX_REPLY_BYTES, parse_bytes),
+        ("max_unread_reply_bytes", MAX_UNREAD_REPLY_BYTES, parse_bytes),
+        ("max_tables", MAX_TABLES, count),
+        ("max_dim", MAX_DIM, count),
+        ("max_rows_per_request", MAX_ROWS_PER_REQUEST, count),
+        ("checkpoint_root", CHECKPOINT_ROOT, lambda text, variable: text.strip()),
+    ):
+        if given.get(name) is not None:
+            values[name] = given[name]
+        elif _get(env, variable) is not None:
+            values[name] = parse(env[variable], variable)
+    unknown = set(given) - set(ServerLimits.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"server_limits() got unknown fields {sorted(unknown)}")
+    if values.get("checkpoint_root") is not None:
+        values["checkpoint_root"] = os.path.abspath(values["checkpoint_root"])
+    return ServerLimits(**values)
+
+
 def curve_keys(environ: Optional[Mapping] = None) -> Optional[str]:
     """The CurveZMQ key directory (``KVSPARSE_KEYS``, set by ``kvsparse launch --keys``), or None.
 
@@ -845,6 +1004,7 @@ def mxnet_role(environ: Optional[Mapping] = None) -> Optional[str]:
 
 __all__ = [
     "ClusterConfig",
+    "ServerLimits",
     "checkpoint_dir",
     "curve_keys",
     "monitor_config",
@@ -858,6 +1018,45 @@ __all__ = [
     "from_environment",
     "ipc_path",
     "parse_bind_address",
+    "parse_bytes",
     "parse_server_address",
     "server_bind_address",
+    "server_limits",
 ]
+
+
+HEARTBEAT_TIMEOUT = "KVSPARSE_HEARTBEAT_TIMEOUT"
+# 30 s, not less: a server's heartbeat queued behind a big reply (1 GiB at ~1 Gbit/s is
+# ~10 s) is answered only once the reply arrived (any traffic from the peer counts).
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0
+
+
+def heartbeat_timeout(environ: Optional[Mapping] = None) -> float:
+    """Seconds a server lets a silent peer live (``KVSPARSE_HEARTBEAT_TIMEOUT``, default 30).
+
+    A server sends ZeroMQ heartbeats to its peers and closes the connection
+    of one that answers nothing for this long; a worker whose connections
+    all closed has left the job (issue 11, defect 9). 0: no heartbeats (a
+    worker then counts as gone only when its connection closes). Raises
+    InvalidArgument for a value that is not a number >= 0. Thread-safe.
+
+    Example:
+        >>> heartbeat_timeout({"KVSPARSE_HEARTBEAT_TIMEOUT": "5"})
+        5.0
+    """
+    environ = os.environ if environ is None else environ
+    text = _get(environ, HEARTBEAT_TIMEOUT)
+    if text is None:
+        return DEFAULT_HEARTBEAT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidArgument(
+            f"{HEARTBEAT_TIMEOUT} must be a number of seconds, got {text!r}"
+        ) from None
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidArgument(f"{HEARTBEAT_TIMEOUT} must be >= 0, got {text!r}")
+    return value
+
+
+__all__ += ["DEFAULT_HEARTBEAT_TIMEOUT", "HEARTBEAT_TIMEOUT", "heartbeat_timeout"]

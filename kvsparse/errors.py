@@ -50,6 +50,16 @@ class NonFiniteGradient(InvalidArgument):
     """A pushed gradient holding NaN or inf (rejected unless skipping is asked for)."""
 
 
+class CheckpointError(InvalidArgument):
+    """A checkpoint that cannot be read or written: missing, truncated, corrupt, of an
+    unknown version, or a path the server may not use (outside its --checkpoint-root)."""
+
+
+class LimitExceeded(InvalidArgument):
+    """A request beyond a server's limits (`kvsparse.config.ServerLimits`); the message
+    names the limit and the ``kvsparse server`` flag that sets it."""
+
+
 class CapacityError(KVSparseError, MemoryError):
     """A shard reached the most rows it can hold."""
 
@@ -68,3 +78,22 @@ class ServerUnavailable(KVSparseError, ConnectionError):
     def __init__(self, message, address=None):
         super().__init__(message)
         self.address = address
+
+
+class WorkerLeft(ServerUnavailable):
+    """A worker that this call waits for left the job (issue 11, defect 9).
+
+    Raised by a BSP push, a barrier, an SSP pull, a follower's set_optimizer
+    or dense init that waits for a worker whose connection to a server
+    closed (it exited, was killed, or stopped answering heartbeats) without
+    coming back. The message names the rank. A ServerUnavailable (and so a
+    ConnectionError): the job can no longer go on as configured.
+
+    Attributes:
+        ranks: the ranks that left, where known (None in a worker, which
+            gets the error from a server's reply: the message names them).
+    """
+
+    def __init__(self, message, address=None, ranks=None):
+        super().__init__(message, address)
+        self.ranks = ranks

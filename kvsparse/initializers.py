@@ -10,15 +10,43 @@ Example:
 
 from __future__ import annotations
 
+import math
+import numbers
+
+from kvsparse import errors
+
+
+def _number(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise errors.InvalidArgument(f"{what} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise errors.InvalidArgument(f"{what} must be finite, got {value!r}")
+    return value
+
 
 class Initializer:
-    """Base class: a named initializer with up to two parameters (a, b)."""
+    """Base class: a named initializer with up to two parameters (a, b).
+
+    Parameters are checked when the initializer is made (issue 11): a number,
+    finite, and in range for the kind (the core's rules, csrc/initializer.cc).
+
+    Raises:
+        InvalidArgument: a parameter that is not a finite number, or out of range.
+
+    Immutable once made: safe to share between threads.
+    """
 
     kind = "zeros"
+    names = ("a", "b")  # the parameters as the subclass's constructor calls them
 
     def __init__(self, a: float = 0.0, b: float = 0.0):
-        self.a = float(a)
-        self.b = float(b)
+        self.a = _number(a, f"{type(self).__name__}: {self.names[0]}")
+        self.b = _number(b, f"{type(self).__name__}: {self.names[1]}")
+        self._check_range()
+
+    def _check_range(self) -> None:
+        """Subclasses refuse parameters out of range."""
 
     def to_dict(self) -> dict:
         """The wire/config form understood by the C++ core."""
@@ -44,6 +72,7 @@ class Constant(Initializer):
     """Every element `value`."""
 
     kind = "constant"
+    names = ("value", "b")
 
     def __init__(self, value: float = 0.0):
         super().__init__(value)
@@ -53,24 +82,38 @@ class Uniform(Initializer):
     """Uniform in [low, high) (Keras' RandomUniform default range)."""
 
     kind = "uniform"
+    names = ("low", "high")
 
     def __init__(self, low: float = -0.05, high: float = 0.05):
         super().__init__(low, high)
+
+    def _check_range(self) -> None:
+        if not self.a <= self.b:
+            raise errors.InvalidArgument(
+                f"Uniform needs low <= high, got low={self.a!r} high={self.b!r}"
+            )
 
 
 class Normal(Initializer):
     """Normal(mean, std)."""
 
     kind = "normal"
+    names = ("mean", "std")
 
     def __init__(self, mean: float = 0.0, std: float = 0.01):
         super().__init__(mean, std)
+
+    def _check_range(self) -> None:
+        if not self.b >= 0:
+            raise errors.InvalidArgument(f"{type(self).__name__} needs std >= 0, got {self.b!r}")
 
 
 class TruncatedNormal(Initializer):
     """Normal(mean, std) redrawn beyond 2 std, like TF's truncated_normal."""
 
     kind = "truncated_normal"
+    names = ("mean", "std")
+    _check_range = Normal._check_range
 
     def __init__(self, mean: float = 0.0, std: float = 0.05):
         super().__init__(mean, std)
@@ -83,5 +126,5 @@ def from_dict(spec: dict) -> Initializer:
     """Inverse of Initializer.to_dict()."""
     cls = _KINDS[spec["kind"]]
     init = cls.__new__(cls)
-    Initializer.__init__(init, spec.get("a", 0.0), spec.get("b", 0.0))
+    Initializer.__init__(init, spec.get("a", 0.0), spec.get("b", 0.0))  # checked as made
     return init

@@ -37,20 +37,64 @@ Example:
 from __future__ import annotations
 
 import copy
+import math
+import numbers
+
+from kvsparse import errors
+
+# Settings that are flags or names; every other one is a real number.
+_NON_NUMERIC = {"nesterov", "centered", "formula", "step_mode"}
 
 
 class Optimizer:
-    """Base class: a named optimizer and its hyperparameters."""
+    """Base class: a named optimizer and its hyperparameters.
+
+    Settings are checked when the optimizer is made, by the same rules the
+    core applies (a learning rate that is not a number, or a negative one,
+    is refused here, not at the first push). ``lr`` is accepted as another
+    name of ``learning_rate``, as torch spells it.
+
+    Raises:
+        TypeError: an unknown setting, or both lr and learning_rate.
+        InvalidArgument: a setting of the wrong type or out of range (named).
+
+    Immutable once made (settings are not changed in place): safe to share
+    between threads.
+    """
 
     kind: str | None = None
     defaults: dict = {}
 
     def __init__(self, **settings):
+        if "lr" in settings:
+            if "learning_rate" in settings:
+                raise TypeError(f"{type(self).__name__}: give lr or learning_rate, not both")
+            settings["learning_rate"] = settings.pop("lr")
         unknown = set(settings) - set(self.defaults) - {"rescale_grad", "clip_gradient"}
         if unknown:
             raise TypeError(f"{type(self).__name__} got unknown settings {sorted(unknown)}")
         self.settings = {"rescale_grad": 1.0, "clip_gradient": None, **self.defaults}
         self.settings.update(settings)
+        self._check()
+
+    def _check(self) -> None:
+        """Refuses bad settings now (issue 11), with the core's own rules for ranges."""
+        name = type(self).__name__
+        for setting, value in self.settings.items():
+            if setting in _NON_NUMERIC or (setting == "clip_gradient" and value is None):
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise errors.InvalidArgument(f"{name}: {setting} must be a number, got {value!r}")
+            if not isinstance(value, (int, float)):
+                self.settings[setting] = value = float(value)  # NumPy scalars: JSON-able
+            if not math.isfinite(value):
+                raise errors.InvalidArgument(f"{name}: {setting} must be finite, got {value!r}")
+        from kvsparse import _core
+
+        try:
+            _core.Optimizer(self.to_dict())
+        except errors.InvalidArgument as exc:
+            raise errors.InvalidArgument(f"{name}: {exc}") from None
 
     def to_dict(self) -> dict:
         """The wire/config form understood by the C++ core."""

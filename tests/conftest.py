@@ -52,14 +52,14 @@ def subprocess_env(extra: dict | None = None) -> dict:
 class ServerProcess:
     """One ``python -m kvsparse.server`` subprocess on a free 127.0.0.1 port."""
 
-    def __init__(self, bind: str = "tcp://127.0.0.1:0", extra_args=()):
+    def __init__(self, bind: str = "tcp://127.0.0.1:0", extra_args=(), env: dict | None = None):
         self.stderr = tempfile.TemporaryFile()
         self.later_output = b""  # stdout after the first line, read at stop()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvsparse.server", "--bind", bind, *extra_args],
             stdout=subprocess.PIPE,
             stderr=self.stderr,
-            env=subprocess_env(),
+            env=subprocess_env(env),
             cwd=str(REPO_ROOT),
         )
         line = read_first_line(self.process.stdout, time.monotonic() + SERVER_START_TIMEOUT)

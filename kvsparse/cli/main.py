@@ -15,11 +15,14 @@ Usage::
 Exit codes: ``launch`` returns the job's code (see `kvsparse.cluster.launch.launch`);
 1 for an error of the launcher itself; 2 for a usage error; ``stats`` returns 1
 when a server does not answer; ``keys DIR`` returns 1 if the keys cannot be written.
+Errors are one line on stderr, without a traceback; output into a pipe that
+closes early (``kvsparse stats --json | head``) ends the command quietly with 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -36,17 +39,19 @@ _COMMANDS = {
 def _main_parser() -> argparse.ArgumentParser:
     import kvsparse
 
+    width = max(len(name) for name in _COMMANDS)
+    commands = "\n".join(f"  {name:<{width}}  {text}" for name, text in _COMMANDS.items())
     parser = argparse.ArgumentParser(
         prog="kvsparse",
+        usage="kvsparse [-h] [--version] COMMAND [ARGS...]",
         description="kvsparse: a parameter server for huge sparse embedding tables.",
-        epilog="Run `kvsparse COMMAND --help` for a command's options.",
+        epilog=f"commands:\n{commands}\n\nRun `kvsparse COMMAND --help` for a command's options.",
+        # One command a line, as written: the default formatter ran them into one paragraph.
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kvsparse {kvsparse.__version__}")
     parser.add_argument(
-        "command",
-        choices=sorted(_COMMANDS),
-        metavar="COMMAND",
-        help="; ".join(f"{name}: {text}" for name, text in _COMMANDS.items()),
+        "command", choices=sorted(_COMMANDS), metavar="COMMAND", help="one of the commands below"
     )
     return parser
 
@@ -287,6 +292,20 @@ def main(argv: Optional[list] = None) -> int:
         0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # The reader left (`kvsparse stats --json | head`): nothing more to say to it, and
+        # Python would print a traceback at exit flushing stdout; point stdout at devnull.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
+
+
+def _run(argv: list) -> int:
     parser = _main_parser()
     if not argv:
         parser.print_help(sys.stderr)

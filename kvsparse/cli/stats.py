@@ -20,8 +20,15 @@ keys pulled and pushed, keys/s). keys/s is the rate between the last two
 refreshes; on the first snapshot (and with ``--once``) it is the average since
 each server started.
 
-Exit codes: 0 when every server answered, 1 when one did not (it is shown as
-unreachable), 2 for a usage or configuration error.
+A server that does not answer is shown with the reason when one connection
+attempt tells it: ``needs keys`` (it speaks CurveZMQ and no ``--keys`` was
+given), ``no keys`` (``--keys`` given, the server has none), ``key refused``,
+or ``unreachable`` (connection refused, or no answer in time). The table
+totals then cover the shards that answered only: they are marked partial
+(``"partial": true`` and ``"missing"`` in ``--json``).
+
+Exit codes: 0 when every server answered, 1 when one did not, 2 for a usage
+or configuration error.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import json
 import sys
 import time
 from typing import Optional, TextIO
+
+import zmq
 
 from kvsparse import config, errors
 from kvsparse.client.session import NoAnswer, Session
@@ -52,7 +61,9 @@ def fetch_stats(servers: list, timeout: float = 5.0, keys: Optional[str] = None)
     Returns:
         One dict per server, in order: the server's statistics (as in
         `kvsparse.KVStore.stats` ``["shards"]``), or ``{"address": ...,
-        "error": "..."}`` for a server that did not answer or answered an error.
+        "problem": ..., "error": "..."}`` for a server that did not answer
+        ("unreachable", "needs keys", "no keys", "key refused") or answered an
+        error ("error").
 
     Example:
         >>> fetch_stats(['tcp://127.0.0.1:1'], timeout=0.1)[0]['error']
@@ -65,22 +76,92 @@ def fetch_stats(servers: list, timeout: float = 5.0, keys: Optional[str] = None)
     finally:
         session.close()
     return [
-        _shard_stats(address, outcomes[index], timeout) for index, address in enumerate(servers)
+        _shard_stats(address, outcomes[index], timeout, keys)
+        for index, address in enumerate(servers)
     ]
 
 
-def _shard_stats(address: str, outcome, timeout: float) -> dict:
+def _shard_stats(address: str, outcome, timeout: float, keys: Optional[str]) -> dict:
     """One server's statistics from its exchange outcome, or why there are none."""
-    if isinstance(outcome, NoAnswer):
-        return {"address": address, "error": f"no answer within {timeout:g} s"}
+    if isinstance(outcome, errors.ServerUnavailable):  # no answer, or a refused connection
+        found = _why_no_answer(address, keys, min(timeout, 2.0))
+        if found is None:
+            why = f"no answer within {timeout:g} s" if isinstance(outcome, NoAnswer) else outcome
+            found = ("unreachable", str(why))
+        return {"address": address, "problem": found[0], "error": found[1]}
     try:
         if isinstance(outcome, errors.KVSparseError):
             raise outcome
         stats = ops.Stats.decode_reply(*outcome)
     except errors.KVSparseError as exc:
-        return {"address": address, "error": f"{type(exc).__name__}: {exc}"}
+        return {"address": address, "problem": "error", "error": f"{type(exc).__name__}: {exc}"}
     stats["address"] = address  # the address we reach it by, not the one it bound
     return stats
+
+
+def _why_no_answer(address: str, keys: Optional[str], wait: float) -> Optional[tuple]:
+    """(problem, message) for a server that did not answer, from one connection's events,
+    or None if they do not tell (it connected, or nothing happened within `wait` s).
+
+    ZeroMQ retries a refused connection and drops a failed CurveZMQ handshake
+    without a word to the sender; its socket monitor tells them apart. The
+    messages name this command's own flag (--keys).
+    """
+    from kvsparse.wire import security
+
+    context = zmq.Context()
+    probe = context.socket(zmq.DEALER)
+    try:
+        if keys is not None:
+            security.secure_client_socket(probe, keys)
+        monitor = probe.get_monitor_socket()
+        probe.connect(address)
+        seen = _monitor_events(monitor, time.monotonic() + wait)
+    except errors.KVSparseError as exc:
+        return "error", str(exc)
+    finally:
+        context.destroy(linger=0)
+    mismatch = seen.get(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    # The side that sees the mechanisms differ first closes: the other sees NO_DETAIL.
+    failed = mismatch is not None or zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL in seen
+    if keys is None and failed:
+        return "needs keys", (
+            "the security handshake failed: the server speaks CurveZMQ; pass --keys DIR (or "
+            "set KVSPARSE_KEYS) with the directory of its keys"
+        )
+    if mismatch == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return "no keys", (
+            "the server does not use CurveZMQ (started without --keys): run stats without "
+            "--keys and KVSPARSE_KEYS"
+        )
+    if failed or zmq.EVENT_HANDSHAKE_FAILED_AUTH in seen:
+        return "key refused", (
+            f"the CurveZMQ handshake failed: the server uses no keys, or not those in {keys}"
+        )
+    if zmq.EVENT_CONNECTED not in seen and zmq.EVENT_CONNECT_RETRIED in seen:
+        return "unreachable", "connection refused (no server listens there)"
+    return None
+
+
+def _monitor_events(monitor: zmq.Socket, deadline: float) -> dict:
+    """{event: value} seen until a decisive one (handshake done or failed, or refused)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    decisive = (
+        zmq.EVENT_HANDSHAKE_SUCCEEDED,
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+        zmq.EVENT_CONNECT_RETRIED,
+    )
+    seen: dict = {}
+    while not any(event in seen for event in decisive):
+        left = deadline - time.monotonic()
+        if left <= 0 or not monitor.poll(int(left * 1000) + 1):
+            break
+        message = recv_monitor_message(monitor)
+        seen[message["event"]] = message["value"]
+    return seen
 
 
 def _elapsed(shard: dict) -> Optional[float]:
@@ -90,7 +171,10 @@ def _elapsed(shard: dict) -> Optional[float]:
 
 
 def _table_totals(shards: list) -> dict:
-    """{name: {"kind", "rows", "bytes", "requests", "pull_keys", "push_keys", "keys"}}."""
+    """{name: {"kind", "rows", "bytes", "requests", "pull_keys", "push_keys", "keys"}}.
+
+    Sums over the shards that answered only (see `_missing`).
+    """
     totals: dict = {}
     for shard in shards:
         if "error" in shard:
@@ -109,6 +193,11 @@ def _table_totals(shards: list) -> dict:
                 else:
                     total["push_keys"] += counts["keys"]
     return totals
+
+
+def _missing(shards: list) -> list:
+    """Addresses of the shards that did not answer: the totals leave them out."""
+    return [shard["address"] for shard in shards if "error" in shard]
 
 
 def _empty_total(kind: str) -> dict:
@@ -179,8 +268,9 @@ def render(shards: list, tables: dict, shard_rates: list, table_rates: dict):
         shard_table.add_column(column, justify="left" if column == "address" else "right")
     for index, (shard, rate) in enumerate(zip(shards, shard_rates)):
         if "error" in shard:
+            problem = shard.get("problem", "unreachable")
             shard_table.add_row(
-                str(index), shard["address"], "", "", "", "", "", f"unreachable: {shard['error']}"
+                str(index), shard["address"], "", "", "", "", "", f"{problem}: {shard['error']}"
             )
             continue
         shard_tables = shard.get("tables", {})
@@ -194,7 +284,14 @@ def render(shards: list, tables: dict, shard_rates: list, table_rates: dict):
             f"{shard.get('keys', 0):,}",
             f"{rate or 0.0:,.1f}",
         )
-    table_table = Table(title="kvsparse tables (summed over shards)", title_justify="left")
+    missing = _missing(shards)
+    title = "kvsparse tables (summed over shards)"
+    if missing:
+        title = (
+            f"kvsparse tables (PARTIAL: summed over {len(shards) - len(missing)} of "
+            f"{len(shards)} shards; missing {', '.join(missing)})"
+        )
+    table_table = Table(title=title, title_justify="left")
     columns = ("table", "kind", "rows", "bytes", "requests", "keys pulled", "keys pushed", "keys/s")
     for column in columns:
         table_table.add_column(column, justify="left" if column in ("table", "kind") else "right")
@@ -280,7 +377,14 @@ def main(argv: Optional[list] = None, stdout: Optional[TextIO] = None) -> int:
 
     if args.json:
         shards = fetch_stats(servers, args.timeout, keys)
-        json.dump({"shards": shards, "tables": _table_totals(shards)}, out, indent=2)
+        missing = _missing(shards)
+        report = {
+            "shards": shards,
+            "tables": _table_totals(shards),
+            "partial": bool(missing),
+            "missing": missing,
+        }
+        json.dump(report, out, indent=2)
         out.write("\n")
         return 1 if any("error" in s for s in shards) else 0
 

@@ -183,8 +183,17 @@ class RemoteBackend:
         """Rank 0 sets it (store-wide, or table_ids' own); other ranks wait for rank 0's
         call and check they agree."""
         self._optimizer_calls += 1
-        request = ops.SetOptimizer.encode_request(spec, self._optimizer_calls, table_ids)
-        self._everywhere(ops.SetOptimizer, request)
+        calls = self._optimizer_calls
+        self._everywhere(
+            ops.SetOptimizer, ops.SetOptimizer.encode_request(spec, calls, False, table_ids)
+        )
+        if self.rank == 0:
+            # A restarted server gets rank 0's last call again, so that the other ranks'
+            # calls, which wait for rank 0's, can complete there (issue 11, defect 10);
+            # the last store-wide call, and the last one of each set of tables.
+            replay = ops.SetOptimizer.encode_request(spec, calls, True, table_ids)
+            what = "set_optimizer" if table_ids is None else ("set_optimizer", tuple(table_ids))
+            self.session.remember(what, replay)
 
     def assign_sparse(self, items):
         """items: [(table_id, keys, offsets, float32 rows)]; each server gets its keys' rows."""

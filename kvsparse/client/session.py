@@ -15,9 +15,11 @@ naming it. A worker's session pings a server that stays silent for half the
 timeout: waiting for other workers (a BSP push, an SSP pull, a barrier) is
 not a timeout, the server keeps answering pings meanwhile, and a ping reply
 that shows the request never arrived (dropped for its size, or lost with a
-broken connection) gets it resent. A monitor's session (``monitor=True``)
-does not ping: the server keeps no record of a monitor, and its requests are
-answered at once, so the timeout is a plain deadline.
+broken connection) gets it resent. What a server holds for a worker that
+left the job fails there with `kvsparse.errors.WorkerLeft`
+(`kvsparse.server.liveness`), so such a wait ends too. A monitor's session
+(``monitor=True``) does not ping: the server keeps no record of a monitor,
+and its requests are answered at once, so the timeout is a plain deadline.
 
 Server restarts (``retry_window`` > 0): every reply carries the server's
 random incarnation in its header. When it changes (the server was restarted,
@@ -34,6 +36,18 @@ Security: with ``keys`` (a ``kvsparse keys`` directory) the sockets use
 CurveZMQ (`kvsparse.wire.security`). A server that refuses the handshake (no
 keys, or keys it does not know) raises ServerUnavailable at once, naming it.
 
+Connection failures (issue 11, defect 11): a server whose address refuses
+the connection (nothing listens there) or whose host name does not resolve
+raises ServerUnavailable at once, naming the address and the reason, instead
+of waiting out the timeout; with ``retry_window`` > 0 (servers expected to
+come and go, or to start after the workers) the session keeps trying until
+the window ends, and the error then gives the reason.
+
+Routing ids: each socket names itself to the servers (its client id and a
+counter), and ZeroMQ keeps that name when it reconnects a broken
+connection, so a server can tell a worker that left from one whose
+connection was re-made (`kvsparse.server.liveness`).
+
 Example:
     >>> from kvsparse.wire import ops
     >>> session = Session(['tcp://127.0.0.1:1'], timeout=0.1, monitor=True)
@@ -47,6 +61,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import socket
 import threading
 import time
 from typing import NamedTuple, Optional, Union
@@ -59,6 +74,18 @@ from kvsparse.wire.protocol import Header
 
 DEFAULT_TIMEOUT = 60.0
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+# What the socket monitor reports: refused handshakes, and each connection attempt:
+# CONNECT_DELAYED or CLOSED when a connect was tried (none when the host name did not
+# resolve), CONNECTED when it got through (a refused handshake comes after), and
+# CONNECT_RETRIED when it is over; HANDSHAKE_SUCCEEDED when a connection works.
+_MONITORED = (
+    _HANDSHAKE_FAILED
+    | zmq.EVENT_CONNECT_RETRIED
+    | zmq.EVENT_CONNECT_DELAYED
+    | zmq.EVENT_CLOSED
+    | zmq.EVENT_CONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+)
 _RECOVERY_PROBE_SECONDS = 1.0  # wait per PING or HELLO to a restarting server
 _MAX_RESENDS = 3  # of a request a live server says it never got
 
@@ -112,6 +139,8 @@ class ServerSockets:
     Args:
         servers: server addresses.
         keys: a ``kvsparse keys`` directory for CurveZMQ; None: no encryption.
+        client_id: the session's client id, in each socket's routing id (a
+            reconnected socket keeps its name; a replaced one gets a new one).
 
     Threads: not thread-safe (ZeroMQ sockets are not); its `Session` holds a
     lock around every use.
@@ -121,11 +150,18 @@ class ServerSockets:
         zmq.ZMQError: an address ZeroMQ cannot connect to.
     """
 
-    def __init__(self, servers: list, keys: Optional[str]):
+    def __init__(self, servers: list, keys: Optional[str], client_id: int = 0):
         self.servers = servers
         self.keys = keys
+        self._client_id = client_id.to_bytes(8, "little")
+        self._generations = itertools.count(1)
         self._sockets: list = [None] * len(servers)
         self._monitors: list = [None] * len(servers)
+        # server -> why the last connection attempt failed (None: connected, or trying)
+        self._failures: list = [None] * len(servers)
+        # Since the last CONNECT_RETRIED: a connect was tried / got through.
+        self._attempted: list = [False] * len(servers)
+        self._reached: list = [False] * len(servers)
         try:
             for server in range(len(servers)):
                 self._open(server)
@@ -151,8 +187,20 @@ class ServerSockets:
         for server in range(len(self._sockets)):
             self._close(server)
 
+    def connection_failure(self, server: int) -> Optional[errors.ServerUnavailable]:
+        """The error for server's address refusing connections or not resolving, else None.
+
+        As of the events read by `handshake_error`: None once a connection
+        succeeded again.
+        """
+        return self._failures[server]
+
     def handshake_error(self, server: int) -> Optional[errors.ServerUnavailable]:
-        """The error for a refused security handshake reported on server's monitor, or None."""
+        """The error for a refused security handshake reported on server's monitor, or None.
+
+        Reads every queued event; connection failures are kept for
+        `connection_failure`.
+        """
         from zmq.utils.monitor import recv_monitor_message
 
         monitor, address = self._monitors[server], self.servers[server]
@@ -161,14 +209,25 @@ class ServerSockets:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return None
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failures[server] = None
+            elif kind in (zmq.EVENT_CONNECT_DELAYED, zmq.EVENT_CLOSED):
+                self._attempted[server] = True
+            elif kind == zmq.EVENT_CONNECTED:
+                self._reached[server] = True
+            elif kind == zmq.EVENT_CONNECT_RETRIED:
+                if not self._reached[server]:  # else a connection closed: not a refusal
+                    self._failures[server] = _connect_failure(address, self._attempted[server])
+                self._attempted[server] = self._reached[server] = False
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 return errors.ServerUnavailable(
                     f"server {address} refused this client's CurveZMQ key (authentication "
                     f"failed, ZAP status {event['value']}): use a key the server accepts "
                     f"(KVSPARSE_KEYS={self.keys})",
                     address=address,
                 )
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 need = (
                     "the server requires CurveZMQ keys: set KVSPARSE_KEYS (kvsparse launch --keys)"
                     if self.keys is None
@@ -185,7 +244,12 @@ class ServerSockets:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        # Not starting with a zero byte (ZeroMQ's own ids do); kept across reconnections.
+        generation = next(self._generations).to_bytes(4, "little")
+        sock.setsockopt(zmq.ROUTING_ID, b"kv" + self._client_id + generation)
         self._sockets[server] = sock
+        self._failures[server] = None
+        self._attempted[server] = self._reached[server] = False
         if self.keys is not None:
             from kvsparse.wire import security
 
@@ -193,7 +257,7 @@ class ServerSockets:
         # Handshake failures (a server that wants keys, or refuses ours) are reported only
         # here; without it a refused client would just time out. Attached before connect:
         # a refused handshake is not retried, so its one event must not be missed.
-        self._monitors[server] = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        self._monitors[server] = sock.get_monitor_socket(_MONITORED)
         sock.connect(self.servers[server])
 
     def _close(self, server: int) -> None:
@@ -205,6 +269,30 @@ class ServerSockets:
         if sock is not None:
             sock.close(0)
             self._sockets[server] = None
+
+
+def _connect_failure(address: str, attempted: bool) -> errors.ServerUnavailable:
+    """The error for a failed connection attempt to address (attempted: a connect was tried).
+
+    ZeroMQ tries a tcp connect only once the host name resolved; without one,
+    the name did not resolve, and the resolver says why.
+    """
+    if not attempted and address.startswith("tcp://"):
+        host = address[len("tcp://") :].rpartition(":")[0].strip("[]")
+        try:
+            socket.getaddrinfo(host, None)
+        except (OSError, UnicodeError) as exc:
+            return errors.ServerUnavailable(
+                f"server {address}: cannot resolve host {host!r} ({exc}); check the address "
+                "(KVSPARSE_SERVERS)",
+                address=address,
+            )
+    what = (
+        "no server listens on that socket path"
+        if address.startswith("ipc://")
+        else ("connection refused or host unreachable: is the server running on that port?")
+    )
+    return errors.ServerUnavailable(f"server {address} cannot be reached ({what})", address=address)
 
 
 class Session:
@@ -255,7 +343,7 @@ class Session:
         self._replays: dict = {}
         self._lock = threading.RLock()
         self._closed = False
-        self._links = ServerSockets(self.servers, keys)
+        self._links = ServerSockets(self.servers, keys, self._client_id)
 
     # -- the public surface -------------------------------------------------------------------
 
@@ -416,6 +504,11 @@ class Session:
 
     def _check_handshake(self, server: int) -> None:
         refused = self._links.handshake_error(server)
+        if refused is None and self.retry_window <= 0:
+            # Nothing will come from an address that refuses connections: say so now, not
+            # after the timeout (issue 11, defect 11). With a retry window, servers may be
+            # (re)starting: the recovery keeps trying, and names the failure at its end.
+            refused = self._links.connection_failure(server)
         if refused is not None:
             self._links.reset(server)
             raise refused
@@ -583,10 +676,12 @@ class Session:
         return min(deadline, time.monotonic() + _RECOVERY_PROBE_SECONDS)
 
     def _unavailable(self, server: int):
+        self._links.handshake_error(server)  # reads the monitor's news of failed connects
+        failure = self._links.connection_failure(server)
         self._links.reset(server)
         raise errors.ServerUnavailable(
             f"server {self.servers[server]} did not come back within the retry window of "
-            f"{self.retry_window:g} s",
+            f"{self.retry_window:g} s" + (f": {failure}" if failure is not None else ""),
             address=self.servers[server],
         )
 

@@ -7,6 +7,13 @@
 - `OptimizerEpochs`: another rank's n-th SET_OPTIMIZER waits for rank 0's n-th.
 - `DenseInitWaiters`: a FLAG_DECLARE INIT_DENSE waits for rank 0's values.
 
+Workers that left (issue 11, defect 9): `Coordination.rank_left` records a
+rank whose connections all closed (`kvsparse.server.liveness`); each class
+then fails, with `kvsparse.errors.WorkerLeft` naming the rank, every held
+request that waits for it (``fail_waiting_for``), and `Coordination.fail_stuck`
+does the same for a request held later, so nothing waits for a worker that
+is gone. A rank that says anything again is back (`Coordination.rank_back`).
+
 A held request is any object with ``finish(frames)`` and ``fail(exc)``
 (`kvsparse.server.dispatch.Pending`); these classes call one of them exactly
 once, when the request's turn comes. None of them touches a socket.
@@ -22,6 +29,15 @@ import enum
 import numpy as np
 
 from kvsparse import errors
+
+
+def worker_left(left: dict, ranks: list, what: str) -> errors.WorkerLeft:
+    """The error for a request that waits for ranks (which left: left[rank] says why)."""
+    gone = "; ".join(f"rank {rank} ({left[rank]})" for rank in ranks)
+    return errors.WorkerLeft(
+        f"worker {gone} left the job: {what}, so it can never complete",
+        ranks=list(ranks),
+    )
 
 
 class Round:
@@ -61,6 +77,12 @@ class Round:
                 return completed
             completed.append([self.current[r] for r in sorted(self.current)])
             self.current = {}
+
+    def missing(self, ranks) -> list:
+        """The ranks among ranks that this (non-empty) round still waits for."""
+        if not self:
+            return []
+        return sorted(rank for rank in ranks if rank not in self.current)
 
     def values(self) -> list:
         """Every value not in a completed round yet."""
@@ -171,6 +193,19 @@ class SspGate:
             else:
                 released.append(request)
         return released
+
+    def fail_waiting_for(self, left: dict) -> int:
+        """Fails the held pulls that wait for a rank in left (rank -> why); returns how many."""
+        if self._staleness is None or not self._held:
+            return 0
+        held, self._held = self._held, []
+        for clock, request in held:
+            behind = [r for r in sorted(left) if self._clocks[r] < clock - self._staleness]
+            if behind:
+                request.fail(worker_left(left, behind, "this SSP pull waits for its clock"))
+            else:
+                self._held.append((clock, request))
+        return len(held) - len(self._held)
 
     def __len__(self) -> int:
         """The number of pulls held."""
@@ -306,6 +341,24 @@ class BspRounds:
         for push, _ in contributions:
             push.table_done(error)
 
+    def fail_waiting_for(self, left: dict) -> int:
+        """Fails every round that waits for a rank in left (rank -> why); returns pushes failed.
+
+        The pushes of such a round (and of its backlog) get WorkerLeft: a round
+        completes only with every worker's push, and that worker is gone.
+        """
+        failed = 0
+        for key, round_ in list(self._rounds.items()):
+            missing = round_.missing(left)
+            if not missing:
+                continue
+            del self._rounds[key]
+            error = worker_left(left, missing, "this BSP push waits for every worker's push")
+            for push, _ in round_.values():
+                push.table_done(error)
+                failed += 1
+        return failed
+
     def waiting(self) -> int:
         """The number of push requests held."""
         return len({id(v[0]) for r in self._rounds.values() for v in r.values()})
@@ -323,6 +376,17 @@ class Barrier:
             for other in completed:
                 other.finish([])
 
+    def fail_waiting_for(self, left: dict) -> int:
+        """Fails the barrier if it waits for a rank in left (rank -> why); returns how many."""
+        missing = self._round.missing(left)
+        if not missing:
+            return 0
+        held, self._round = self._round.values(), Round()
+        error = worker_left(left, missing, "this barrier waits for every worker")
+        for request in held:
+            request.fail(error)
+        return len(held)
+
     def __len__(self) -> int:
         """The number of requests held."""
         return len(self._round.values())
@@ -332,15 +396,33 @@ class OptimizerEpochs:
     """SET_OPTIMIZER: rank 0's n-th call sets it; another rank's n-th call waits for that one.
 
     A follower whose spec differs from rank 0's n-th fails with InvalidArgument.
+    A restarted server learns rank 0's last call from its replay (issue 11,
+    defect 10); the calls before it are unknown there, and a follower's call
+    of one of them is not checked.
     """
+
+    _UNKNOWN = object()  # a call of rank 0 made before this server started
 
     def __init__(self):
         self._history: list = []  # rank 0's specs, one per call
         self._waiting: list[tuple] = []
 
-    def lead(self, spec) -> None:
-        """Records rank 0's next spec (already applied) and answers the followers it was for."""
-        self._history.append(spec)
+    def recorded(self, epoch: int) -> bool:
+        """True if rank 0's call epoch is known here."""
+        return epoch <= len(self._history) and self._history[epoch - 1] is not self._UNKNOWN
+
+    def lead(self, spec, epoch: int | None = None, *, replay: bool = False) -> None:
+        """Records rank 0's call (already applied) and answers the followers it was for.
+
+        epoch: the call's number (None: the next one); replay: rank 0's call
+        sent again after a restart, which does not replace a known one.
+        """
+        epoch = len(self._history) + 1 if epoch is None else epoch
+        if epoch > len(self._history):
+            self._history.extend([self._UNKNOWN] * (epoch - 1 - len(self._history)))
+            self._history.append(spec)
+        elif not (replay and self.recorded(epoch)):
+            self._history[epoch - 1] = spec
         waiting, self._waiting = self._waiting, []
         for request, epoch, follower_spec in waiting:
             if epoch > len(self._history):
@@ -367,11 +449,21 @@ class OptimizerEpochs:
 
     def _check(self, epoch: int, spec) -> None:
         leader = self._history[epoch - 1]
-        if leader != spec:
+        if leader is not self._UNKNOWN and leader != spec:
             raise errors.InvalidArgument(
                 f"set_optimizer call {epoch}: rank 0 set {leader!r}, this worker {spec!r}; "
                 "every worker must set the same optimizer"
             )
+
+    def fail_waiting_for(self, left: dict) -> int:
+        """Fails the held follower calls if rank 0 is in left (rank -> why); returns how many."""
+        if 0 not in left or not self._waiting:
+            return 0
+        waiting, self._waiting = self._waiting, []
+        error = worker_left(left, [0], "set_optimizer waits for rank 0's call")
+        for request, _, _ in waiting:
+            request.fail(error)
+        return len(waiting)
 
     def __len__(self) -> int:
         """The number of follower calls held."""
@@ -407,6 +499,17 @@ class DenseInitWaiters:
             else:
                 request.finish([])
 
+    def fail_waiting_for(self, left: dict) -> int:
+        """Fails every held declaration if rank 0 is in left (rank -> why); returns how many."""
+        if 0 not in left or not self._waiting:
+            return 0
+        waiting, self._waiting = self._waiting, {}
+        error = worker_left(left, [0], "this init waits for rank 0's values")
+        held = [request for requests in waiting.values() for request, _, _ in requests]
+        for request in held:
+            request.fail(error)
+        return len(held)
+
     def __len__(self) -> int:
         """The number of requests held."""
         return sum(len(w) for w in self._waiting.values())
@@ -426,6 +529,36 @@ class Coordination:
         self.barrier = Barrier()
         self.optimizer = OptimizerEpochs()
         self.dense_init = DenseInitWaiters()
+        self.left: dict[int, str] = {}  # rank -> why it is gone
+
+    def rank_left(self, rank: int, why: str) -> int:
+        """Records that rank left (why: how it was noticed); fails what waits for it.
+
+        Returns:
+            The number of held requests failed with WorkerLeft.
+        """
+        self.left[rank] = why
+        return self.fail_stuck()
+
+    def rank_back(self, rank: int) -> None:
+        """A rank that left is connected again: later requests may wait for it."""
+        self.left.pop(rank, None)
+
+    def fail_stuck(self) -> int:
+        """Fails every held request that waits for a rank that left; returns how many.
+
+        Cheap when no rank left (the usual case): the server calls it after
+        every request it holds.
+        """
+        if not self.left:
+            return 0
+        return (
+            self.bsp.fail_waiting_for(self.left)
+            + self.barrier.fail_waiting_for(self.left)
+            + self.ssp.fail_waiting_for(self.left)
+            + self.optimizer.fail_waiting_for(self.left)
+            + self.dense_init.fail_waiting_for(self.left)
+        )
 
     def waiting(self) -> dict:
         """The number of requests each object holds (STATS ``waiting``)."""

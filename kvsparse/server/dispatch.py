@@ -65,12 +65,17 @@ class Dispatcher:
         metrics: the `ServerMetrics`.
         counters: the ShardState's counters (``requests`` counts new requests).
         incarnation: stamped on every reply header.
+        liveness: the `kvsparse.server.liveness.Liveness` told of every
+            sender, every accepted HELLO and every held request; None: none.
 
     Threads: not thread-safe; the server's event loop thread only.
     """
 
-    def __init__(self, send: Callable, handlers, resend, metrics, counters, incarnation: int):
+    def __init__(
+        self, send: Callable, handlers, resend, metrics, counters, incarnation: int, liveness=None
+    ):
         self._send_frames = send
+        self._liveness = liveness
         self._handlers = handlers
         self._resend = resend
         self._metrics = metrics
@@ -95,6 +100,8 @@ class Dispatcher:
             self._send(routing, protocol.error_reply(peeked, exc))
             return
         self._metrics.count_request(_OP_NAMES[header.op])
+        if self._liveness is not None:
+            self._liveness.heard(header.client_id, routing)
         direct = self._handlers.answer_outside_session(header)
         if direct is not None:
             self._send(routing, [header.reply(num_frames=len(direct)).pack(), *direct])
@@ -130,8 +137,13 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error reply
             self.fail(pending, exc)
             return
+        header = pending.header
+        if self._liveness is not None and header.op == Op.HELLO:
+            self._liveness.joined(header.client_id, header.rank, pending.routing)
         if result is not DEFERRED:
             self.finish(pending, result)
+        elif self._liveness is not None:
+            self._liveness.check()  # held: but not for a worker that left
 
     def finish(self, pending: Pending, result) -> None:
         """Sends pending's reply: a list of payload frames, or (frames, num_items)."""

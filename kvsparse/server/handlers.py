@@ -30,6 +30,7 @@ import numpy as np
 from kvsparse import errors
 from kvsparse.server.coordination import PushKind, apply_pushes
 from kvsparse.server.dispatch import DEFERRED
+from kvsparse.server.limits import RequestLimits
 from kvsparse.server.metrics import table_names
 from kvsparse.wire import ops, protocol
 from kvsparse.wire.ops import check_int
@@ -47,11 +48,26 @@ class Handlers:
         metrics: its `ServerMetrics`.
         address: the bound address (HELLO and STATS replies).
         incarnation: the server's incarnation (HELLO and STATS replies).
+        limits: its `kvsparse.server.limits.RequestLimits` (default: the default limits,
+            unread replies not counted).
+        checkpoint_paths: its `kvsparse.server.paths.CheckpointPaths` (default: any path).
 
     Threads: not thread-safe; the server's event loop thread only.
     """
 
-    def __init__(self, state, coordination, writer, resend, metrics, *, address, incarnation):
+    def __init__(
+        self,
+        state,
+        coordination,
+        writer,
+        resend,
+        metrics,
+        *,
+        address,
+        incarnation,
+        limits=None,
+        checkpoint_paths=None,
+    ):
         self._state = state
         self._coordination = coordination
         self._job = coordination.job
@@ -60,6 +76,8 @@ class Handlers:
         self._metrics = metrics
         self._address = address
         self._incarnation = incarnation
+        self._limits = limits if limits is not None else RequestLimits()
+        self._checkpoint_paths = checkpoint_paths
         self._table = {
             Op.HELLO: self._hello,
             Op.INIT_SPARSE: self._init_sparse,
@@ -75,7 +93,7 @@ class Handlers:
             Op.LOAD_OPTIMIZER_STATES: self._load_optimizer_states,
             Op.STATS: self._stats,
             Op.EVICT: self._evict,
-            Op.CHECKPOINT: self._checkpoint,
+            Op.CHECKPOINT: self._checkpoint_request,
         }
 
     def run(self, header: protocol.Header, payload: list, pending):
@@ -128,12 +146,20 @@ class Handlers:
             raise
         except (KeyError, TypeError, ValueError) as exc:
             raise errors.InvalidArgument(f"key {name!r}: bad table spec ({exc!r})") from None
+        if table_id not in self._state.sparse:
+            self._check_new_table(name, spec["dim"])
         return ops.InitSparse.encode_reply(self._state.create_sparse(table_id, name, spec))
+
+    def _check_new_table(self, name: str, dim: int | None = None) -> None:
+        existing = len(self._state.sparse) + len(self._state.dense)
+        self._limits.check_new_table(existing, name, dim)
 
     def _init_dense(self, header, payload, pending):
         table_id, name, size, values = ops.InitDense.decode_request(header, payload)
         waiters = self._coordination.dense_init
         if values is not None:
+            if table_id not in self._state.dense:
+                self._check_new_table(name)
             self._state.create_dense(table_id, name, values)
             waiters.release(table_id, self._state.dense[table_id].values.size)
             return ops.InitDense.encode_reply()
@@ -147,11 +173,16 @@ class Handlers:
         return DEFERRED
 
     def _set_optimizer(self, header, payload, pending):
-        spec, epoch, table_ids = ops.SetOptimizer.decode_request(header, payload)
+        spec, epoch, replay, table_ids = ops.SetOptimizer.decode_request(header, payload)
         epochs = self._coordination.optimizer
-        # What followers must agree on: the spec, and the tables it is for.
+        # What followers must agree on: the spec, and the tables it is for (issue 12).
         agreed = spec if table_ids is None else {"spec": spec, "table_ids": table_ids}
         if header.rank == 0:
+            restored = table_ids is None and self._state.default_optimizer == spec
+            if replay and (epochs.recorded(epoch) or restored):
+                # Sent again to a restarted server: what it restored stays (its slots).
+                epochs.lead(agreed, epoch, replay=True)
+                return ops.SetOptimizer.encode_reply()
             try:
                 if table_ids is None:
                     self._state.set_optimizer(spec)
@@ -161,7 +192,7 @@ class Handlers:
                 raise
             except (KeyError, TypeError, ValueError) as exc:
                 raise errors.InvalidArgument(f"bad optimizer spec ({exc!r})") from None
-            epochs.lead(agreed)
+            epochs.lead(agreed, epoch)
             return ops.SetOptimizer.encode_reply()
         if epochs.follow(pending, epoch, agreed):
             return ops.SetOptimizer.encode_reply()
@@ -187,14 +218,24 @@ class Handlers:
             return DEFERRED
         self._count_items("pull_sparse", items)
         table_ids = items["table_id"].tolist()
-        for table_id in table_ids:
-            self._state.sparse_entry(table_id)  # every table exists before any work
+        entries = [self._state.sparse_entry(t) for t in table_ids]  # all exist before any work
+        # The reply's size is known before any row is made (issue 11, defect 16), in the
+        # dtype each item's rows travel in (2 bytes an element with a 16-bit wire_dtype).
+        element_bytes = [
+            np.dtype(protocol.WIRE_FRAME_DTYPES[d]).itemsize
+            for d in protocol.item_wire_dtypes(items)
+        ]
+        self._limits.check_pull(
+            pending.routing,
+            [(k.size, e.table.dim * b) for e, k, b in zip(entries, keys, element_bytes)],
+        )
         # Fresh arrays: safe to hand to ZeroMQ uncopied.
         rows = [self._state.pull_sparse(table_id, k) for table_id, k in zip(table_ids, keys)]
         return ops.PullSparse.encode_reply(items, rows)
 
     def _push_sparse(self, header, payload, pending):
         items, entries = ops.PushSparse.decode_request(header, payload)
+        self._limits.check_rows(sum(entry.keys.size for entry in entries), "a push")
         for entry in entries:
             self._state.check_sparse_push(entry.table_id, entry.keys, entry.rows)
         self._count_items("push_sparse", items)
@@ -205,8 +246,12 @@ class Handlers:
         if self._held_by_ssp(header, pending):
             return DEFERRED
         self._count_items("pull_dense", items, dense=True)
+        reply_bytes = 0
         for table_id, count, _, _ in items.tolist():
-            self._state.dense_entry(table_id).check_size(count, f"the pull asks for {count}")
+            entry = self._state.dense_entry(table_id)
+            entry.check_size(count, f"the pull asks for {count}")
+            reply_bytes += entry.values.nbytes
+        self._limits.check_reply(pending.routing, reply_bytes, "a pull of dense keys")
         # Copied: ZeroMQ sends asynchronously and a later push changes the live slice.
         values = [
             self._state.pull_dense(table_id).copy() for table_id in items["table_id"].tolist()
@@ -313,10 +358,20 @@ class Handlers:
 
     # -- checkpoints (kvsparse.shard.checkpoint) -------------------------------------------
 
+    def _checkpoint_request(self, header, payload, pending):
+        """CHECKPOINT; a file system error (a path under a file, no permission, a full disk)
+        is the request's problem: CheckpointError, not a ServerError with a traceback."""
+        try:
+            return self._checkpoint(header, payload, pending)
+        except OSError as exc:
+            raise errors.CheckpointError(f"checkpoint: {exc}") from None
+
     def _checkpoint(self, header, payload, pending):
         from kvsparse.shard import checkpoint
 
         body = ops.Checkpoint.decode_request(header, payload)
+        if self._checkpoint_paths is not None:  # confined to the root (issue 11, defect 16)
+            body["path"] = self._checkpoint_paths.resolve(body.get("path"))
         shard_index, num_shards = self._job.server_index, self._job.num_servers
         action = body.get("action")
         save, export = checkpoint.CheckpointAction.SAVE, checkpoint.CheckpointAction.EXPORT

@@ -5,6 +5,16 @@ the callback `EventLoop.serve` was given, sends what it is told to send, and
 wakes up when another thread (a metrics scrape, a signal handler) writes to
 its wake-up socket. Waiting blocks in zmq_poll, which releases the GIL.
 
+Peers that leave (issue 11, defect 9): a socket monitor reports each closed
+connection (a worker that exited or was killed: its kernel closes the
+socket), and ZeroMQ's own heartbeats (ZMTP PING/PONG, answered by the
+peer's I/O thread without Python) close a connection whose peer stopped
+answering (a stopped process, a host that died). The loop only tells
+``on_disconnect``; it cannot say which peer closed (the monitor names a file
+descriptor), so the server asks with `EventLoop.routable` which peers are
+still there. Clients choose their routing ids (`kvsparse.client.session`), so
+a client that reconnects is routable again under the same id.
+
 Example:
     >>> loop = EventLoop("tcp://127.0.0.1:0")              # doctest: +SKIP
     >>> loop.serve(on_message=print, on_wakeup=lambda: None)  # until loop.stop()  # doctest: +SKIP
@@ -13,12 +23,16 @@ Example:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import socket
+import time
 from typing import Callable
 
 import zmq
 
 from kvsparse import errors
+from kvsparse.config import DEFAULT_HEARTBEAT_TIMEOUT
 
 # The largest message frame a server accepts (ZMQ_MAXMSGSIZE): a bigger one
 # makes ZeroMQ drop the connection before anything is allocated for it.
@@ -35,13 +49,17 @@ class EventLoop:
         context: a zmq.Context (default: a new one, terminated by close()).
         keys: a CurveZMQ key directory (`kvsparse.wire.security`), or None.
         max_message_size: bytes (ZMQ_MAXMSGSIZE); -1: no limit.
+        heartbeat_timeout: seconds without any traffic from a peer (after a
+            ZMTP PING, sent every sixth of it) before its connection is
+            closed; 0: no heartbeats.
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
         InvalidArgument: keys is not a usable key directory.
 
-    Threads: serve(), send(), watch() and close() belong to the one thread that
-    serves; stop() and wake() may be called from any thread or a signal handler.
+    Threads: serve(), send(), routable(), call_later(), watch() and close()
+    belong to the one thread that serves; stop() and wake() may be called
+    from any thread or a signal handler.
     """
 
     def __init__(
@@ -51,6 +69,7 @@ class EventLoop:
         *,
         keys: str | None = None,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
     ):
         self._own_context = context is None
         self.context = context if context is not None else zmq.Context()
@@ -60,6 +79,16 @@ class EventLoop:
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_size))
+        # A send to a peer that is gone raises EHOSTUNREACH instead of vanishing: how
+        # `routable` tells a worker that left from one that is still connected.
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A client that reconnects under its routing id takes it over at once, even before
+        # the server has noticed that the old connection closed.
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if heartbeat_timeout > 0:
+            self.socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(heartbeat_timeout * 1000 / 6)))
+            self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(heartbeat_timeout * 1000)))
+        self._monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._authenticator = None
         try:
             if keys is not None:
@@ -68,6 +97,8 @@ class EventLoop:
                 self._authenticator = security.secure_server_socket(self.socket, self.context, keys)
             self.socket.bind(bind)
         except (zmq.ZMQError, errors.KVSparseError):
+            self.socket.disable_monitor()
+            self._monitor.close(0)
             self.socket.close(0)
             if self._authenticator is not None:
                 self._authenticator.stop()
@@ -82,15 +113,25 @@ class EventLoop:
         # fd -> callback run by serve() once fd is readable (a forked checkpoint writer's pipe).
         self._watched: dict[int, Callable[[], None]] = {}
         self._poller: zmq.Poller | None = None
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []  # a heap
+        self._timer_ids = itertools.count()
 
-    def serve(self, on_message: Callable[[list], None], on_wakeup: Callable[[], None]) -> None:
+    def serve(
+        self,
+        on_message: Callable[[list], None],
+        on_wakeup: Callable[[], None],
+        on_disconnect: Callable[[], None] | None = None,
+    ) -> None:
         """Polls until stop(): on_message(frames) per message, on_wakeup() after a wake().
 
         frames is the received multipart message, routing id frame first
-        (zmq.Frame objects). on_message must not raise.
+        (zmq.Frame objects). on_disconnect() after a peer's connection closed
+        (once per batch of closures). Callbacks given to `call_later` run
+        when due. No callback may raise.
         """
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         # Registered by fd: zmq.Poller reports a non-zmq socket by its fd, not the object.
         wake_fd = self._wake_read.fileno()
         poller.register(wake_fd, zmq.POLLIN)
@@ -98,7 +139,11 @@ class EventLoop:
         for fd in self._watched:
             poller.register(fd, zmq.POLLIN)
         while not self._stopping:
-            events = dict(poller.poll())
+            # zmq_poll waits without the GIL, until a message, a wake-up or the next timer.
+            events = dict(poller.poll(self._poll_timeout()))
+            self._run_due_timers()
+            if self._monitor in events and self._drain_monitor() and on_disconnect is not None:
+                on_disconnect()
             for fd in [fd for fd in self._watched if fd in events]:
                 poller.unregister(fd)
                 self._watched.pop(fd)()
@@ -118,8 +163,45 @@ class EventLoop:
                 on_wakeup()
 
     def send(self, routing: bytes, frames: list) -> None:
-        """Sends frames (uncopied: do not change them afterwards) to the peer routing names."""
-        self.socket.send_multipart([routing, *frames], copy=False)
+        """Sends frames (uncopied: do not change them afterwards) to the peer routing names.
+
+        A peer that is gone gets nothing (its reply is dropped, as a ROUTER does).
+        """
+        self.routable(routing, frames)
+
+    def routable(self, routing: bytes, frames: list) -> bool:
+        """Sends frames to the peer routing names; False (nothing sent) if it is not connected."""
+        try:
+            self.socket.send_multipart([routing, *frames], copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            return False
+        return True
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> None:
+        """Runs callback() from serve() once delay seconds have passed (serving thread only)."""
+        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._timer_ids), callback))
+
+    def _poll_timeout(self) -> int | None:
+        if not self._timers:
+            return None
+        return max(0, int((self._timers[0][0] - time.monotonic()) * 1000) + 1)
+
+    def _run_due_timers(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            heapq.heappop(self._timers)[2]()
+
+    def _drain_monitor(self) -> bool:
+        """Reads every queued monitor event (only closures are monitored); True if any."""
+        closed = False
+        while True:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return closed
+            closed = True
 
     def watch(self, fd: int, callback: Callable[[], None]) -> None:
         """Runs callback() once fd is readable, from serve(); at once if serve() never ran.
@@ -154,6 +236,8 @@ class EventLoop:
 
     def close(self) -> None:
         """Closes the sockets (and the context, if the loop made it)."""
+        self.socket.disable_monitor()
+        self._monitor.close(0)
         self.socket.close(0)
         self._wake_read.close()
         self._wake_write.close()

@@ -11,6 +11,12 @@ over the file of a server that still runs and take its workers: so the
 server first checks that nothing answers at PATH (exit 1, "cannot bind",
 otherwise). ZeroMQ does not remove the file when the socket closes; the
 server does, when it stops, unless another server has replaced it since.
+
+``--max-reply-bytes``, ``--max-unread-reply-bytes``, ``--max-tables``,
+``--max-dim``, ``--max-rows-per-request`` and ``--checkpoint-root`` bound
+what one peer may make the server do (`kvsparse.config.ServerLimits`; each
+defaults to its ``KVSPARSE_*`` variable, else the documented default; see
+docs/operations.md "Server limits").
 """
 
 from __future__ import annotations
@@ -27,9 +33,92 @@ from typing import Optional
 import zmq
 
 from kvsparse import config, errors
+from kvsparse.server.limits import human_bytes
 from kvsparse.server.listening import LISTENING_PREFIX
 from kvsparse.server.loop import DEFAULT_MAX_MESSAGE_SIZE
 from kvsparse.server.server import Server
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text, 10)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in 0..65535, got {text!r}")
+    return port
+
+
+def _byte_count(text: str) -> int:
+    try:
+        return config.parse_bytes(text, "value")
+    except errors.InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `kvsparse.config.ServerLimits` (unset: the environment, else the default)."""
+    defaults = config.ServerLimits()
+    limits = parser.add_argument_group(
+        "limits",
+        "What one peer may make this server do; a request beyond a limit gets a LimitExceeded "
+        "error naming it and the server goes on serving. Each defaults to its KVSPARSE_* "
+        "variable, else the value shown. Sizes take suffixes: 512MiB, 1GiB.",
+    )
+    limits.add_argument(
+        "--max-reply-bytes",
+        type=_byte_count,
+        metavar="BYTES",
+        help="largest reply one request may ask for, checked before any work (a pull of N ids "
+        f"of dim D is N*D*4 bytes) (KVSPARSE_MAX_REPLY_BYTES; default: "
+        f"{human_bytes(defaults.max_reply_bytes)})",
+    )
+    limits.add_argument(
+        "--max-unread-reply-bytes",
+        type=_byte_count,
+        metavar="BYTES",
+        help="replies one connection may leave unread in the server; further pulls are refused "
+        f"until it reads (KVSPARSE_MAX_UNREAD_REPLY_BYTES; default: "
+        f"{human_bytes(defaults.max_unread_reply_bytes)})",
+    )
+    limits.add_argument(
+        "--max-tables",
+        type=_count,
+        metavar="N",
+        help="sparse tables and dense keys this server holds (KVSPARSE_MAX_TABLES; default: "
+        f"{defaults.max_tables})",
+    )
+    limits.add_argument(
+        "--max-dim",
+        type=_count,
+        metavar="N",
+        help=f"widest sparse table (KVSPARSE_MAX_DIM; default and most: {defaults.max_dim})",
+    )
+    limits.add_argument(
+        "--max-rows-per-request",
+        type=_count,
+        metavar="N",
+        help="ids in one pull or push, summed over its tables (KVSPARSE_MAX_ROWS_PER_REQUEST; "
+        f"default: {defaults.max_rows_per_request:,})",
+    )
+    limits.add_argument(
+        "--checkpoint-root",
+        metavar="DIR",
+        help="saves, loads and exports requested by clients must lie in DIR (after symlinks "
+        "and '..'); relative paths are taken inside it (KVSPARSE_CHECKPOINT_ROOT). Without "
+        "one, a server reachable from other hosts without --keys refuses checkpoint requests; "
+        "one bound to loopback or ipc://, or with --keys, accepts any path",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         default=None,
         metavar="PORT",
         help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port, printed; "
@@ -89,6 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--shard-index", type=int, default=None, metavar="I")
     parser.add_argument("--num-shards", type=int, default=None, metavar="N")
+    _limit_arguments(parser)
     return parser
 
 
@@ -155,6 +245,14 @@ def main(argv=None) -> int:
             bind = config.parse_bind_address(args.bind, "--bind")
         else:
             bind = config.server_bind_address() or "tcp://127.0.0.1:0"
+        limits = config.server_limits(
+            max_reply_bytes=args.max_reply_bytes,
+            max_unread_reply_bytes=args.max_unread_reply_bytes,
+            max_tables=args.max_tables,
+            max_dim=args.max_dim,
+            max_rows_per_request=args.max_rows_per_request,
+            checkpoint_root=args.checkpoint_root,
+        )
     except errors.InvalidArgument as exc:
         print(f"kvsparse server: {exc}", file=sys.stderr)
         return 2
@@ -167,7 +265,11 @@ def main(argv=None) -> int:
         return 1
     try:
         server = Server(
-            bind, keys=keys, max_message_size=args.max_message_size, restarted=args.restarted
+            bind,
+            keys=keys,
+            max_message_size=args.max_message_size,
+            restarted=args.restarted,
+            limits=limits,
         )
     except zmq.ZMQError as exc:
         print(f"kvsparse server: cannot bind {bind}: {exc}", file=sys.stderr)

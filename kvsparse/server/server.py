@@ -37,6 +37,11 @@ blocks in zmq_poll without the GIL.
   - SET_OPTIMIZER: rank 0's call sets it; the n-th call of another rank is
     answered once rank 0's n-th call arrived (and fails if the specs differ).
 
+- `kvsparse.server.limits`: what one peer may make the server do (reply sizes, unread
+  replies per connection, tables, dim, ids per request: `kvsparse.config.ServerLimits`),
+  and `kvsparse.server.paths`: where CHECKPOINT requests may read and write.
+- `kvsparse.server.liveness.Liveness`: which workers are still connected; a rank that
+  left (connection closed, or silent past the heartbeats) fails what waits for it.
 - `kvsparse.server.snapshots.ForkedWriter`: checkpoint saves and exports in a forked child.
 - `kvsparse.server.metrics`: counters, and the Prometheus endpoint.
 """
@@ -47,11 +52,16 @@ import secrets
 
 import zmq
 
+from kvsparse import config, errors
+from kvsparse.config import ServerLimits
 from kvsparse.server.coordination import Coordination
 from kvsparse.server.dispatch import Dispatcher
 from kvsparse.server.handlers import Handlers
+from kvsparse.server.limits import ReplyBudget, RequestLimits
+from kvsparse.server.liveness import Liveness
 from kvsparse.server.loop import DEFAULT_MAX_MESSAGE_SIZE, EventLoop
 from kvsparse.server.metrics import ServerMetrics, SnapshotChannel, table_names
+from kvsparse.server.paths import CheckpointPaths
 from kvsparse.server.resend import DEFAULT_MAX_CLIENTS, ResendCache
 from kvsparse.server.snapshots import ForkedWriter
 from kvsparse.shard.state import ShardState
@@ -63,7 +73,8 @@ class Server:
     """One shard's server: a ROUTER socket in front of a ShardState.
 
     Args:
-        bind: ZeroMQ endpoint, e.g. ``tcp://127.0.0.1:0`` (port 0: any free port).
+        bind: ZeroMQ endpoint, e.g. ``tcp://127.0.0.1:0`` (port 0: any free port);
+            ``host:port`` is taken as ``tcp://host:port``, as clients take it.
         context: a zmq.Context (default: a new one, terminated by close()).
         keys: a directory made by ``kvsparse keys`` (`kvsparse.wire.security`): the
             server then speaks CurveZMQ only (encrypted), with its secret key
@@ -74,10 +85,18 @@ class Server:
         max_clients: resend records kept (see DEFAULT_MAX_CLIENTS).
         restarted: this server replaces one that died (``--restarted``): pushes
             of a BSP step the dead server completed are applied alone.
+        limits: what one peer may make the server do, and the checkpoint root
+            (`kvsparse.config.ServerLimits`; default: its defaults).
+        heartbeat_timeout: seconds a peer may stay silent after a ZeroMQ
+            heartbeat before its connection is closed (and, for a worker,
+            before it counts as gone: `kvsparse.server.liveness`); None:
+            `kvsparse.config.heartbeat_timeout` (``KVSPARSE_HEARTBEAT_TIMEOUT``,
+            default 30); 0: no heartbeats.
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
-        InvalidArgument: keys is not a usable key directory.
+        InvalidArgument: a malformed bind address, keys is not a usable key
+            directory, or the checkpoint root is not a directory.
 
     Threads: serve(), handle(), metrics_snapshot() and close() on one thread;
     stop() from any thread or a signal handler; metrics_channel.request()
@@ -99,9 +118,31 @@ class Server:
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         max_clients: int = DEFAULT_MAX_CLIENTS,
         restarted: bool = False,
+        limits: ServerLimits | None = None,
+        heartbeat_timeout: float | None = None,
     ):
-        self._loop = EventLoop(bind, context, keys=keys, max_message_size=max_message_size)
+        limits = limits if limits is not None else ServerLimits()
+        if "://" not in bind:  # 'host:port', as clients accept it (inproc:// etc. pass as is)
+            bind = config.parse_bind_address(bind, "bind")
+        if heartbeat_timeout is None:
+            heartbeat_timeout = config.heartbeat_timeout()
+        self._loop = EventLoop(
+            bind,
+            context,
+            keys=keys,
+            max_message_size=max_message_size,
+            heartbeat_timeout=heartbeat_timeout,
+        )
         self.address = self._loop.address
+        try:
+            paths = CheckpointPaths(
+                limits.checkpoint_root, address=self.address, authenticated=keys is not None
+            )
+        except errors.KVSparseError:
+            self._loop.close()
+            raise
+        self.limits = limits
+        budget = ReplyBudget(self._loop.send, limits)
         # Random per start: a client that sees it change knows this shard restarted.
         self.incarnation = secrets.randbits(32) or 1
         self.state = ShardState()
@@ -109,17 +150,29 @@ class Server:
         self.metrics = ServerMetrics()
         self.metrics_channel = SnapshotChannel(self._loop.wake)
         resend = ResendCache(max_clients)
+        coordination = Coordination(self.state, restarted=restarted)
+        self._liveness = Liveness(
+            coordination, self._loop.routable, self._loop.call_later, self.incarnation
+        )
         handlers = Handlers(
             self.state,
-            Coordination(self.state, restarted=restarted),
+            coordination,
             ForkedWriter(self._loop.watch),
             resend,
             self.metrics,
             address=self.address,
             incarnation=self.incarnation,
+            limits=RequestLimits(limits, budget),
+            checkpoint_paths=paths,
         )
         self._dispatcher = Dispatcher(
-            self._loop.send, handlers, resend, self.metrics, self.state.counters, self.incarnation
+            budget.send,
+            handlers,
+            resend,
+            self.metrics,
+            self.state.counters,
+            self.incarnation,
+            liveness=self._liveness,
         )
 
     @property
@@ -134,7 +187,7 @@ class Server:
 
     def serve(self) -> None:
         """Serves requests until stop() (or a signal handler calling it)."""
-        self._loop.serve(self._dispatcher.handle, self._answer_metrics)
+        self._loop.serve(self._dispatcher.handle, self._answer_metrics, self._liveness.disconnected)
 
     def handle(self, frames: list) -> None:
         """Handles one received message (routing id frame first); never raises."""

@@ -86,6 +86,8 @@ class ForkedWriter:
                 os.dup2(devnull, 1)
                 try:
                     result = {"ok": True, "reply": job()}
+                except OSError as exc:  # a path or disk problem: the request's, not the server's
+                    result = {"ok": False, "error": "CheckpointError", "message": str(exc)}
                 except BaseException as exc:  # noqa: BLE001 - reported to the parent
                     result = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
                 data = json.dumps(result).encode()

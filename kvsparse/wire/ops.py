@@ -436,11 +436,17 @@ class InitDense(_Codec):
 
 
 class SetOptimizerRequest(NamedTuple):
-    """SET_OPTIMIZER: an `Optimizer.to_dict()` spec (None: none), the call's number, and
-    the tables it is for (None: the store-wide optimizer; else those tables' own, issue 12)."""
+    """SET_OPTIMIZER: an `Optimizer.to_dict()` spec (None: none) and the call's number.
+
+    replay: rank 0 sends its last call again to a restarted server (issue 11,
+    defect 10): recorded as call ``epoch``, applied only if the server's
+    optimizer differs (a restored one keeps its slots).
+    """
 
     spec: Optional[dict]
     epoch: int
+    replay: bool = False
+    # The tables it is for (None: the store-wide optimizer; else those tables' own, issue 12).
     table_ids: Optional[list] = None
 
 
@@ -451,37 +457,39 @@ class SetOptimizer(_Codec):
 
     @classmethod
     def encode_request(
-        cls, spec: Optional[dict], epoch: int, table_ids: Optional[Sequence] = None
+        cls,
+        spec: Optional[dict],
+        epoch: int,
+        replay: bool = False,
+        table_ids: Optional[Sequence] = None,
     ) -> Request:
-        """The request of this worker's epoch-th set_optimizer call.
+        """The request of this worker's epoch-th set_optimizer call (replay: sent again).
 
         table_ids: the tables whose own optimizer spec becomes (spec None: they
         go back to the store-wide one); None: the store-wide optimizer.
         """
-        body = {"spec": spec, "epoch": epoch}
+        body = {"spec": spec, "epoch": epoch, **({"replay": True} if replay else {})}
         if table_ids is not None:
             body["table_ids"] = [int(table_id) for table_id in table_ids]
         return Request(cls.op, [protocol.encode_json(body)])
 
     @classmethod
     def decode_request(cls, header: Header, payload) -> SetOptimizerRequest:
-        """The spec, epoch and table ids (the spec itself is checked by the server's state).
-
-        Raises:
-            ProtocolError: a spec that is not an object or null, table_ids that are
-                not a non-empty list of table ids.
-        """
+        """The spec and epoch (the spec itself is checked by the server's state)."""
         body = _json_object(payload, "SET_OPTIMIZER")
         spec = body.get("spec")
         epoch = check_int(body.get("epoch"), "epoch", 1)
         if spec is not None and not isinstance(spec, dict):
             raise errors.ProtocolError("SET_OPTIMIZER spec must be an object or null")
+        replay = body.get("replay", False)
+        if not isinstance(replay, bool):
+            raise errors.ProtocolError("SET_OPTIMIZER replay must be true or false")
         table_ids = body.get("table_ids")
         if table_ids is not None:
             if not isinstance(table_ids, list) or not table_ids:
                 raise errors.ProtocolError("SET_OPTIMIZER table_ids must be a non-empty list")
             table_ids = [check_int(t, "table_id", 0, _MAX_TABLE_ID) for t in table_ids]
-        return SetOptimizerRequest(spec, epoch, table_ids)
+        return SetOptimizerRequest(spec, epoch, replay, table_ids)
 
 
 class PullSparseRequest(NamedTuple):

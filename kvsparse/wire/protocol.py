@@ -100,9 +100,10 @@ message; the client re-raises it as the matching `kvsparse.errors` class
 (`raise_remote_error`). Codes (`ERROR_CODES`): 1 ProtocolError, 2
 InvalidArgument, 3 ShapeError, 4 DTypeError, 5 KeyTypeError, 6 UnknownKey, 7
 DuplicateKey, 8 NonFiniteGradient, 9 CapacityError, 10 ServerError (anything
-else). The reply to a message whose header cannot be read echoes its
-request id when the size and magic are right, else 0, with op 0 if the op is
-unknown.
+else), 11 CheckpointError, 12 LimitExceeded, 13 WorkerLeft (a client that
+predates a code raises ServerError with the message). The reply to a message
+whose header cannot be read echoes its request id when the size and magic are
+right, else 0, with op 0 if the op is unknown.
 
 Resends: the server remembers each client's last request id. The same id
 again is answered from the cached reply (state-changing ops) or run again
@@ -212,6 +213,8 @@ ERROR_CODES = {
     errors.ProtocolError: 1,
     errors.NonFiniteGradient: 8,
     errors.ShapeError: 3,
+    errors.CheckpointError: 11,
+    errors.LimitExceeded: 12,
     errors.InvalidArgument: 2,
     errors.DTypeError: 4,
     errors.KeyTypeError: 5,
@@ -219,6 +222,7 @@ ERROR_CODES = {
     errors.DuplicateKey: 7,
     errors.CapacityError: 9,
     errors.ServerError: 10,
+    errors.WorkerLeft: 13,
 }
 ERROR_CLASSES = {code: cls for cls, code in ERROR_CODES.items()}
 

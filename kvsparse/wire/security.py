@@ -81,7 +81,8 @@ def make_keys(directory, *, overwrite: bool = False) -> dict:
         {'server_public', 'server_secret', 'client_public', 'client_secret'}: file paths.
 
     Raises:
-        InvalidArgument: CURVE is not available, or keys exist and overwrite is False.
+        InvalidArgument: CURVE is not available, keys exist and overwrite is False,
+            or the files cannot be written (a read-only or missing parent, say).
 
     Example:
         >>> make_keys('/tmp/kvsparse-keys')['server_public']   # doctest: +SKIP
@@ -93,13 +94,17 @@ def make_keys(directory, *, overwrite: bool = False) -> dict:
         existing = [p for p in paths.values() if os.path.exists(p)]
         if existing:
             raise errors.InvalidArgument(
-                f"key files already exist: {', '.join(existing)} (pass overwrite to replace)"
+                f"key files already exist: {', '.join(existing)} (`kvsparse keys --force` "
+                "replaces them; from Python, make_keys(..., overwrite=True))"
             )
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    zmq.auth.create_certificates(directory, _SERVER)
-    zmq.auth.create_certificates(directory, _CLIENT)
-    for name in ("server_secret", "client_secret"):
-        os.chmod(paths[name], 0o600)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        zmq.auth.create_certificates(directory, _SERVER)
+        zmq.auth.create_certificates(directory, _CLIENT)
+        for name in ("server_secret", "client_secret"):
+            os.chmod(paths[name], 0o600)
+    except OSError as exc:
+        raise errors.InvalidArgument(f"cannot write CurveZMQ keys in {directory}: {exc}") from None
     return paths
 
 

@@ -44,8 +44,9 @@ BLOCK_ROWS = 65536
 PROGRESS_ROWS = 1_000_000  # a tqdm bar for files with at least this many rows
 
 
-class CheckpointError(errors.InvalidArgument):
-    """A checkpoint file is missing, truncated, corrupt or of an unknown version."""
+# Defined with the other error classes so that it crosses the wire (and a forked
+# writer's pipe) as itself, not as ServerError or InvalidArgument (issue 11).
+CheckpointError = errors.CheckpointError
 
 
 def progress_bar(total_rows: int, desc: str):

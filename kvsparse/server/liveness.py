@@ -1,0 +1,147 @@
+"""Which workers are still connected to this server, and what happens when one leaves.
+
+Issue 11, defect 9: under BSP a worker that exited (cleanly or killed) left
+the others blocked for ever, answering their liveness pings all along. Now:
+
+1. The event loop reports every closed connection (`kvsparse.server.loop`):
+   a worker process that exits or is killed has its socket closed by the
+   kernel, and ZeroMQ's heartbeats close the connection of a peer that
+   stopped answering (a stopped process, a host that died).
+2. A closure does not say whose connection it was, so `REJOIN_SECONDS`
+   later `Liveness` asks the socket, for every worker it knows, whether its
+   routing id is still connected (`EventLoop.routable`; a probe is a PING
+   reply with request id 0, which a client drops). A client names its
+   sockets itself (`kvsparse.client.session`), so a worker whose connection
+   broke and was re-made by ZeroMQ meanwhile is still there.
+3. A rank with no client left is gone: `Coordination.rank_left` fails every
+   held request that waits for it with `kvsparse.errors.WorkerLeft`, naming
+   the rank, and so does every later request that would wait for it, until
+   the rank says anything again (a new store with that rank, or the same
+   client after a stop). The server logs both on stderr. Once no worker is
+   connected at all the job is over: the next job's workers, which may
+   connect one by one, wait for each other again.
+
+Only workers are tracked (clients that said HELLO): a monitor (``kvsparse
+stats``) or a bare ping never holds anyone up.
+
+This follows ps-lite's split (a heartbeat per node, and the scheduler
+marking nodes dead after a timeout) without a scheduler: each server learns
+it from its own sockets, and answers only the requests it holds.
+
+Threads: not thread-safe; the server's event loop thread only.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+from kvsparse.wire import ops, protocol
+from kvsparse.wire.protocol import Op
+
+# How long a worker whose connection closed has to be connected again (ZeroMQ reconnects
+# every 0.1 s) before it counts as gone.
+REJOIN_SECONDS = 1.0
+_GONE_KEPT = 4096  # clients remembered after they left, so that one that comes back is known
+
+
+class Liveness:
+    """The workers connected to one server; ranks that left are reported to coordination.
+
+    Args:
+        coordination: the server's `kvsparse.server.coordination.Coordination`.
+        routable: ``routable(routing, frames) -> bool`` (`EventLoop.routable`).
+        call_later: ``call_later(seconds, callback)`` (`EventLoop.call_later`).
+        incarnation: stamped on the probes.
+        log: where a rank's leaving and coming back are told (default: stderr).
+
+    Threads: not thread-safe; the server's event loop thread only.
+    """
+
+    def __init__(
+        self,
+        coordination,
+        routable: Callable[[bytes, list], bool],
+        call_later: Callable[[float, Callable[[], None]], None],
+        incarnation: int,
+        log: Callable[[str], None] | None = None,
+    ):
+        self._coordination = coordination
+        self._routable = routable
+        self._call_later = call_later
+        self._incarnation = incarnation
+        self._log = log or _log_to_stderr
+        self._clients: dict[int, list] = {}  # client id -> [rank, routing id]
+        self._gone: dict[int, int] = {}  # client id -> rank, of clients found gone
+        self._probing = False
+
+    def joined(self, client_id: int, rank: int, routing: bytes) -> None:
+        """A worker's HELLO was accepted: it is tracked from now on."""
+        self._gone.pop(client_id, None)
+        self._clients[client_id] = [rank, routing]
+        self._back(rank)
+
+    def heard(self, client_id: int, routing: bytes) -> None:
+        """Any message from client_id (cheap: called for every message)."""
+        entry = self._clients.get(client_id)
+        if entry is not None:
+            entry[1] = routing  # a replaced socket's new routing id
+            return
+        rank = self._gone.pop(client_id, None)
+        if rank is not None:  # a client found gone speaks again (e.g. it was stopped)
+            self._clients[client_id] = [rank, routing]
+            self._back(rank)
+
+    def disconnected(self) -> None:
+        """A connection closed: the workers are probed `REJOIN_SECONDS` from now."""
+        if self._clients and not self._probing:
+            self._probing = True
+            self._call_later(REJOIN_SECONDS, self._probe)
+
+    def check(self) -> None:
+        """After a request was held: fails it at once if it waits for a rank that left."""
+        self._coordination.fail_stuck()
+
+    def _probe(self) -> None:
+        self._probing = False
+        for client_id, (rank, routing) in list(self._clients.items()):
+            header = protocol.Header(
+                op=int(Op.PING),
+                client_id=client_id,
+                rank=rank,
+                num_frames=1,
+                incarnation=self._incarnation,
+            )
+            if not self._routable(routing, [header.pack(), *ops.Ping.encode_reply(0).frames]):
+                del self._clients[client_id]
+                self._gone[client_id] = rank
+        while len(self._gone) > _GONE_KEPT:
+            del self._gone[next(iter(self._gone))]
+        present = {rank for rank, _ in self._clients.values()}
+        left = self._coordination.left
+        for rank in sorted(set(self._gone.values()) - present - set(left)):
+            when = time.strftime("%H:%M:%S")
+            why = f"its connection closed at {when}: it exited, was killed or stopped answering"
+            failed = self._coordination.rank_left(rank, why)
+            self._log(
+                f"worker rank {rank} left ({why})"
+                + (f"; failed {failed} request(s) waiting for it" if failed else "")
+            )
+        if not present:
+            # Every worker left: the job is over (what they left held was failed above).
+            # The next job's workers may connect one by one; none of them is gone.
+            for rank in list(left):
+                self._coordination.rank_back(rank)
+
+    def _back(self, rank: int) -> None:
+        if rank in self._coordination.left:
+            self._coordination.rank_back(rank)
+            self._log(f"worker rank {rank} is connected again")
+
+
+def _log_to_stderr(message: str) -> None:
+    print(f"kvsparse server: {message}", file=sys.stderr, flush=True)
+
+
+__all__ = ["REJOIN_SECONDS", "Liveness"]
