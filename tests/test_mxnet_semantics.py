@@ -464,3 +464,26 @@ def test_gluon_trainer_over_dist_sparse_matches_mxnets_local_store(case, server_
     for result in results:
         for name, values in reference.items():
             np.testing.assert_allclose(result[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_assign_sparse_and_per_table_set_optimizer_on_the_wire():
+    from kvsparse.wire import ops, protocol
+    from kvsparse.wire.protocol import Header, Op
+
+    keys, rows = np.array([3, 9], np.int64), np.ones((2, 4), np.float32)
+    request = ops.AssignSparse.encode_request([(7, keys, rows)])
+    header = Header(op=int(Op.ASSIGN_SPARSE), num_items=1, num_frames=3)
+    frames = [bytes(memoryview(f)) for f in request.frames]
+    _, [(table_id, got_keys, got_rows)] = ops.AssignSparse.decode_request(header, frames)
+    assert table_id == 7 and got_keys.tolist() == [3, 9] and got_rows.shape == (2, 4)
+    half = protocol.make_items([(7, 2, 4, protocol.item_dtype_flags("float16"))]).tobytes()
+    with pytest.raises(errors.ProtocolError, match="assigned rows travel as float32"):
+        ops.AssignSparse.decode_request(header, [half, *frames[1:]])
+    with pytest.raises(errors.ProtocolError, match="ASSIGN_SPARSE rows 0"):
+        ops.AssignSparse.decode_request(header, [frames[0], frames[1], frames[2][:-4]])
+    set_one = ops.SetOptimizer.encode_request(None, 3, table_ids=[7, 8])
+    decoded = ops.SetOptimizer.decode_request(Header(op=int(Op.SET_OPTIMIZER)), set_one.frames)
+    assert decoded.table_ids == [7, 8] and decoded.epoch == 3 and not decoded.replay
+    bad = protocol.encode_json({"spec": None, "epoch": 1, "table_ids": []})
+    with pytest.raises(errors.ProtocolError, match="table_ids"):
+        ops.SetOptimizer.decode_request(Header(op=int(Op.SET_OPTIMIZER)), [bad])

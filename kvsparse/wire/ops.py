@@ -151,14 +151,14 @@ def _array_per_item_request(op: Op, entries: Sequence) -> Request:
     return Request(op, [items, *(array for _, array in entries)], num_items=len(entries))
 
 
-def _float32_items(items: np.ndarray, what: str) -> np.ndarray:
+def _float32_items(items: np.ndarray, what: str, values: str = "dense values") -> np.ndarray:
     """items, if none names a row dtype: dense values and assigned rows travel as float32.
 
     Raises:
         ProtocolError: an item with a row dtype code.
     """
     if (items["flags"] & np.uint32(ITEM_DTYPE_MASK)).any():
-        raise errors.ProtocolError(f"{what}: values travel as float32 (no row dtype code)")
+        raise errors.ProtocolError(f"{what}: {values} travel as float32 (no row dtype code)")
     return items
 
 
@@ -703,7 +703,9 @@ class AssignSparse(_Codec):
         Raises:
             ProtocolError: a malformed frame, or an item with a row dtype code.
         """
-        items = _float32_items(_request_items(header, payload, 2, "ASSIGN_SPARSE"), "ASSIGN_SPARSE")
+        items = _float32_items(
+            _request_items(header, payload, 2, "ASSIGN_SPARSE"), "ASSIGN_SPARSE", "assigned rows"
+        )
         entries = []
         for i, (table_id, count, dim, _) in enumerate(items.tolist()):
             keys, rows = _keys_and_rows(payload, i, count, dim, "float32", "ASSIGN_SPARSE")
