@@ -62,12 +62,14 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import functools
 import warnings
 
 import numpy as np
 
 import kvsparse
 from kvsparse import _core, arrays, config, errors, initializers, optimizers
+from kvsparse.store.compression import GradientCompression
 from kvsparse.store.kvstore import StoreFront
 
 if "bool" not in vars(np):
@@ -97,8 +99,62 @@ __all__ = [
     "KVSparseStore",
     "as_numpy",
     "create",
+    "mxnet_error_class",
     "optimizer_from_mxnet",
 ]
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+_MXNET_ERROR_CLASSES: dict = {}
+
+
+def mxnet_error_class(cls: type) -> type:
+    """The class an MXNet store raises for kvsparse error class `cls`.
+
+    It derives from `cls` and from ``mx.base.MXNetError``, and has the same
+    name: ``except kvsparse.errors.UnknownKey``, ``except KeyError`` and
+    ``except mx.base.MXNetError`` all catch a pull of an unknown key, as
+    MXNet's own stores raise MXNetError. Plain ``kvsparse.create`` stores
+    keep raising `cls` itself. Safe to call from several threads at once (a
+    race makes two equal classes, one of which is kept).
+
+    Example:
+        >>> issubclass(mxnet_error_class(errors.UnknownKey), mx.base.MXNetError)
+        True
+    """
+    mapped = _MXNET_ERROR_CLASSES.get(cls)
+    if mapped is None:
+        doc = f"{cls.__doc__ or cls.__name__} (raised by an MXNet store: also an MXNetError)"
+        attributes = {"__module__": __name__, "__doc__": doc, "__qualname__": cls.__name__}
+        mapped = _MXNET_ERROR_CLASSES.setdefault(
+            cls, type(cls.__name__, (cls, mx.base.MXNetError), attributes)
+        )
+    return mapped
+
+
+def _as_mxnet_error(exc: errors.KVSparseError) -> errors.KVSparseError:
+    """exc as an instance of its `mxnet_error_class` (same args and attributes)."""
+    cls = mxnet_error_class(type(exc))
+    converted = cls.__new__(cls, *exc.args)
+    converted.args = exc.args
+    converted.__dict__.update(vars(exc))
+    return converted
+
+
+def _raises_mxnet_errors(method):
+    """Wraps a store method so that the kvsparse errors it raises are also MXNetErrors."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except errors.KVSparseError as exc:
+            if isinstance(exc, mx.base.MXNetError):
+                raise
+            raise _as_mxnet_error(exc).with_traceback(exc.__traceback__) from None
+
+    return wrapper
 
 
 # -- arrays ------------------------------------------------------------------------------------
@@ -189,6 +245,14 @@ def _set_indices(target: RowSparseNDArray, unique_ids: np.ndarray) -> None:
     check_call(_LIB.MXNDArraySyncCopyFromNDArray(target.handle, source.handle, ctypes.c_int(0)))
 
 
+def _check_finite(key, values: np.ndarray) -> None:
+    """Raises NonFiniteGradient before a NaN or inf reaches a quantizer's residual."""
+    if not np.isfinite(values).all():
+        raise errors.NonFiniteGradient(
+            f"key {key!r}: gradient has a NaN or inf value; nothing was applied"
+        )
+
+
 def _values_of(value) -> list:
     """One key's values: a list (of devices' values, summed) or a single value."""
     return list(value) if isinstance(value, list) else [value]
@@ -196,7 +260,22 @@ def _values_of(value) -> list:
 
 # -- optimizers --------------------------------------------------------------------------------
 
-_UNSUPPORTED_HINT = "kvsparse runs SGD, NAG, Adam, AdaGrad, RMSProp and Ftrl on its servers"
+# MXNet 1.9.1's registered optimizers (mx.optimizer.Optimizer.opt_registry) that have no
+# kvsparse server formula; tests/test_mxnet_semantics.py checks this list against the registry.
+UNSUPPORTED_MXNET_OPTIMIZERS = (
+    "adadelta",
+    "adamax",
+    "dcasgd",
+    "ftml",
+    "groupadagrad",
+    "lamb",
+    "lars",
+    "lbsgd",
+    "nadam",
+    "sgld",
+    "signum",
+)
+SUPPORTED_MXNET_OPTIMIZERS = ("adagrad", "adam", "ccsgd", "ftrl", "nag", "rmsprop", "sgd", "test")
 
 
 def _clip(optimizer) -> float | None:
@@ -204,14 +283,15 @@ def _clip(optimizer) -> float | None:
     return float(clip) if clip and clip > 0 else None  # MXNet: falsy or negative = no clipping
 
 
-def optimizer_from_mxnet(optimizer) -> optimizers.Optimizer:
+def optimizer_from_mxnet(optimizer, *, lr: float | None = None, wd: float | None = None):
     """The kvsparse server optimizer for an MXNet optimizer (same name, same settings).
 
     ============  ==========================================================  ===============
     MXNet         kvsparse                                                    formula
     ============  ==========================================================  ===============
     SGD, ccSGD    SGD(learning_rate, momentum, weight_decay=wd)               MXNet's
-    NAG           SGD(..., nesterov=True) (plain SGD when momentum is 0)      MXNet's if wd=0
+    NAG           SGD(..., nesterov=True) (plain SGD when momentum is 0);     MXNet's
+                  wd must be 0 (see below)
     Adam          Adam(beta1, beta2, eps=epsilon, weight_decay=wd,            MXNet's
                   step_mode='table', formula='mxnet')
     AdaGrad       Adagrad(eps=eps, weight_decay=wd, formula='mxnet')          MXNet's
@@ -219,6 +299,9 @@ def optimizer_from_mxnet(optimizer) -> optimizers.Optimizer:
                   centered, momentum=gamma2 if centered, formula='mxnet')
     Ftrl          Ftrl(lr_power=-0.5, initial_accumulator_value=0,            MXNet's
                   l1=lamda1, l2=wd/2, beta)
+    Test          SGD(learning_rate=1, rescale_grad=-rescale_grad): the       MXNet's
+                  ``weight += rescale_grad * grad`` of MXNet's own tests
+                  (no lr, wd or clipping, as MXNet's Test)
     ============  ==========================================================  ===============
 
     Every one also gets learning_rate, rescale_grad and clip_gradient (a falsy or
@@ -228,31 +311,34 @@ def optimizer_from_mxnet(optimizer) -> optimizers.Optimizer:
     MXNet's where they differ (Adam: epsilon outside the bias correction; AdaGrad and
     RMSProp: epsilon inside the square root; AdaGrad: wd outside the history; Adam and
     RMSProp: wd added before clipping). Adam's ``t`` counts updates of the key in both
-    (``step_mode='table'``).
+    (``step_mode='table'``). ``multi_precision`` is accepted and changes nothing: MXNet
+    keeps a float32 master copy of float16 weights only, and the servers' tables are
+    float32.
 
-    What still differs:
+    Refused, with an error naming them: the registered MXNet optimizers with no server
+    formula (`UNSUPPORTED_MXNET_OPTIMIZERS`: AdaDelta, Adamax, DCASGD, FTML,
+    GroupAdaGrad, LAMB, LARS, LBSGD, Nadam, SGLD, Signum), NAG with wd != 0 (MXNet's
+    in-place kernel takes the momentum's decay term from the weight it has just
+    updated, a rule no kvsparse formula follows), learning-rate schedulers (the
+    servers keep a fixed rate), ``clip_weights``, Adam's ``begin_num_update``. As on
+    MXNet's dist stores, the servers keep the settings they were sent: later changes
+    to the MXNet optimizer (a new learning rate, another rescale_grad) are not seen,
+    and the store warns when it notices one.
 
-    - NAG with wd != 0: MXNet's in-place kernel takes the momentum's decay term from the
-      weight it has just updated; kvsparse uses the weight before the step (torch's
-      nesterov SGD).
-    - Laziness. kvsparse updates only the rows a push touches, always. MXNet does the
-      same (its ``lazy_update=True``) for SGD, Adam, AdaGrad and, on row_sparse weights,
-      Ftrl; it has no sparse kernels for NAG and RMSProp, nor Ftrl on a dense weight with
-      sparse gradients (``Embedding(sparse_grad=True)``): there it updates every row, so
-      momentum moves rows absent from the batch and Ftrl zeroes them. ``lazy_update=False``
-      gets a warning.
-
-    Refused: learning-rate schedulers (the servers keep a fixed rate), ``clip_weights``,
-    Adam's ``begin_num_update``, and the other MXNet optimizers. As on MXNet's dist
-    stores, the servers keep the settings they were sent: later changes to the MXNet
-    optimizer (a new learning rate, another rescale_grad) are not seen, and the store
-    warns when it notices one.
+    Laziness: kvsparse updates only the rows a push touches, always. MXNet does the
+    same (its ``lazy_update=True``) for SGD, Adam, AdaGrad and, on row_sparse weights,
+    Ftrl; it has no sparse kernels for NAG and RMSProp, nor Ftrl on a dense weight
+    with sparse gradients (``Embedding(sparse_grad=True)``): there it updates every
+    row, so momentum moves rows absent from the batch and Ftrl zeroes them.
+    ``lazy_update=False`` gets a warning.
 
     Safe to call from several threads at once (it only reads the optimizer).
 
     Args:
         optimizer: an mx.optimizer.Optimizer, or a kvsparse.optimizers.Optimizer
             (returned as is).
+        lr, wd: the learning rate and weight decay to use instead of the
+            optimizer's own (one key's, with its lr_mult / wd_mult applied).
 
     Raises:
         kvsparse.errors.InvalidArgument: an optimizer or setting kvsparse cannot run.
@@ -261,10 +347,10 @@ def optimizer_from_mxnet(optimizer) -> optimizers.Optimizer:
         >>> optimizer_from_mxnet(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9))
         SGD(rescale_grad=1.0, clip_gradient=None, learning_rate=0.1, momentum=0.9, ...)
     """
-    return _map_optimizer(optimizer, warn=True)
+    return _map_optimizer(optimizer, warn=True, lr=lr, wd=wd)
 
 
-def _map_optimizer(optimizer, *, warn: bool) -> optimizers.Optimizer:
+def _map_optimizer(optimizer, *, warn: bool, lr=None, wd=None) -> optimizers.Optimizer:
     if isinstance(optimizer, optimizers.Optimizer):
         return optimizer
     if not isinstance(optimizer, mx.optimizer.Optimizer):
@@ -272,33 +358,47 @@ def _map_optimizer(optimizer, *, warn: bool) -> optimizers.Optimizer:
             f"set_optimizer takes an mx.optimizer.Optimizer, got {type(optimizer).__name__}"
         )
     name = type(optimizer).__name__
+    kind = name.lower()
+    if kind not in SUPPORTED_MXNET_OPTIMIZERS:
+        raise errors.InvalidArgument(
+            f"optimizer {name} cannot run on kvsparse servers; they run MXNet's "
+            f"{', '.join(SUPPORTED_MXNET_OPTIMIZERS)} (not "
+            f"{', '.join(UNSUPPORTED_MXNET_OPTIMIZERS)})"
+        )
     if optimizer.lr_scheduler is not None:
         raise errors.InvalidArgument(
             f"{name}: learning-rate schedulers cannot run on kvsparse servers; "
             "give the optimizer a fixed learning_rate"
         )
+    if kind == "test":
+        # MXNet's Test: weight += rescale_grad * grad. The servers' SGD computes
+        # w -= 1 * (grad * -rescale_grad): the same float32 result (negation is exact).
+        return optimizers.SGD(learning_rate=1.0, rescale_grad=-float(optimizer.rescale_grad))
     common = {
         "rescale_grad": float(optimizer.rescale_grad),
         "clip_gradient": _clip(optimizer),
     }
-    lr = float(optimizer.lr)
-    wd = float(optimizer.wd)
+    lr = float(optimizer.lr if lr is None else lr)
+    wd = float(optimizer.wd if wd is None else wd)
     if warn and getattr(optimizer, "lazy_update", True) is False:
         warnings.warn(
             f"{name}(lazy_update=False): kvsparse updates only the rows a push touches "
             "(lazy updates) on sparse tables",
             stacklevel=3,
         )
-    kind = name.lower()
     if kind in ("sgd", "ccsgd"):
         return optimizers.SGD(
             learning_rate=lr, momentum=float(optimizer.momentum), weight_decay=wd, **common
         )
     if kind == "nag":
+        if wd != 0.0:
+            raise errors.InvalidArgument(
+                f"NAG with wd={wd} cannot run on kvsparse servers: MXNet's kernel takes the "
+                "momentum's decay term from the weight it has just updated; use wd=0 "
+                "(or wd_mult=0 on this parameter) or SGD(momentum=...)"
+            )
         momentum = float(optimizer.momentum)
-        return optimizers.SGD(
-            learning_rate=lr, momentum=momentum, nesterov=momentum > 0, weight_decay=wd, **common
-        )
+        return optimizers.SGD(learning_rate=lr, momentum=momentum, nesterov=momentum > 0, **common)
     if kind == "adam":
         if optimizer.begin_num_update:
             raise errors.InvalidArgument(
@@ -346,7 +446,9 @@ def _map_optimizer(optimizer, *, warn: bool) -> optimizers.Optimizer:
             beta=float(optimizer.beta),
             **common,
         )
-    raise errors.InvalidArgument(f"optimizer {name} is not supported: {_UNSUPPORTED_HINT}")
+    raise AssertionError(
+        f"unreachable: {kind} is in SUPPORTED_MXNET_OPTIMIZERS"
+    )  # pragma: no cover
 
 
 def _settings_of(optimizer) -> tuple:
@@ -367,14 +469,17 @@ class _Updater:
 
 
 class _ServerOptimizer:
-    """The store-wide optimizer of an MXNet store, on its way to the servers.
+    """The MXNet store's optimizers, on their way to the servers.
 
-    MXNet sets the optimizer before init sets the tables' rows (with pushes
-    that must not be taken for gradients), and Gluon's Trainer changes
-    rescale_grad after handing the optimizer over: so it is mapped and sent at
-    the first push (at once when pushes happened already), and a change of its
-    settings after that gets a warning. Not safe to call from several threads
-    at once (its store is not).
+    MXNet sets the optimizer before init sets the tables' rows, and Gluon's
+    Trainer changes rescale_grad after handing the optimizer over: so it is
+    mapped and sent at the first push (at once when pushes happened already),
+    and a change of its settings after that gets a warning. A key whose
+    learning rate or weight decay differs from the optimizer's (Gluon's
+    ``lr_mult`` / ``wd_mult``, MXNet's ``wd_mult`` 0 for biases) gets its own
+    optimizer on the servers, with its own lr and wd (issue 12); a key
+    initialized later gets its own when it is initialized. Not safe to call
+    from several threads at once (its store is not).
 
     Args:
         store: the kvsparse.KVStore underneath.
@@ -387,6 +492,7 @@ class _ServerOptimizer:
         self._sent_settings = None
         self._warned_change = False
         self._started = False  # a push happened: the store's optimizer is in force
+        self._own: dict = {}  # key -> (lr, wd) of the optimizer the servers run for it
 
     def set(self, optimizer, keys) -> None:
         """Takes `optimizer` (checked already) for every key; sent now if pushes happened."""
@@ -395,43 +501,60 @@ class _ServerOptimizer:
         self._sent_settings = None
         if optimizer is None:
             self._store.set_optimizer(None)
+            self._release_own(list(self._own))
             return
         if self._started:
             self.send(keys)
 
-    def in_force(self) -> bool:
-        """Whether a push now would be a gradient (an optimizer runs, or pushes began)."""
-        return self._started or self._store.optimizer is not None
+    def _release_own(self, keys) -> None:
+        if keys:
+            self._store.set_optimizer(None, key=keys)
+            for k in keys:
+                del self._own[k]
 
-    def check_multipliers(self, keys) -> None:
-        """One optimizer serves every key: per-parameter lr/wd multipliers must be 1.
+    def added(self, keys) -> None:
+        """Called after keys are initialized: their own optimizers, if the optimizer is sent."""
+        if self._mx_optimizer is not None and self._pending is None:
+            self._send_own(keys)
 
-        Raises:
-            kvsparse.errors.InvalidArgument: a key with its own lr_mult or wd_mult.
-        """
+    def _send_own(self, keys) -> None:
+        """Gives each of keys with its own lr or wd its own optimizer (grouped by settings)."""
         optimizer = self._mx_optimizer
-        if optimizer is None:
-            return
+        groups: dict = {}
+        back = []
         for k in keys:
-            lr, wd = optimizer._get_lr(k), optimizer._get_wd(k)
-            if lr != optimizer.lr or wd != optimizer.wd:
-                raise errors.InvalidArgument(
-                    f"key {k!r} has its own learning rate {lr} or weight decay {wd} "
-                    f"(lr_mult/wd_mult); kvsparse runs one optimizer, with lr={optimizer.lr} "
-                    f"and wd={optimizer.wd}, for every key of an MXNet store"
-                )
+            settings = (optimizer._get_lr(k), optimizer._get_wd(k))
+            if settings != (optimizer.lr, optimizer.wd):
+                if self._own.get(k) != settings:
+                    groups.setdefault(settings, []).append(k)
+            elif k in self._own:
+                back.append(k)
+        # Every mapping first: an optimizer the servers cannot run changes nothing.
+        mapped = {
+            settings: _map_optimizer(optimizer, warn=False, lr=settings[0], wd=settings[1])
+            for settings in groups
+        }
+        self._release_own(back)
+        for settings, group in groups.items():
+            self._store.set_optimizer(mapped[settings], key=group)
+            self._own.update(dict.fromkeys(group, settings))
 
     def send(self, keys) -> None:
         """Sends the pending optimizer, if any, to the servers (keys: every key of the store)."""
         if self._pending is None:
             return
-        self.check_multipliers(keys)
         # Mapped now, not in set_optimizer: Gluon's Trainer sets rescale_grad = 1/batch_size
         # after handing the optimizer over and before the first push.
         self._store.set_optimizer(_map_optimizer(self._pending, warn=False))
-        self._pending = None
+        previous = list(self._own)
+        self._own.clear()  # a new optimizer: every key's own is sent again
         if self._mx_optimizer is not None:
+            self._send_own(keys)
             self._sent_settings = _settings_of(self._mx_optimizer)
+        stale = [k for k in previous if k not in self._own]
+        if stale:
+            self._store.set_optimizer(None, key=stale)
+        self._pending = None
         if self._store.num_workers > 1:
             self._store.barrier()  # no worker pushes a gradient before all have set it
 
@@ -492,6 +615,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
         self._is_p3 = False
         self._server_optimizer = _ServerOptimizer(store)
         self._keys: list = []  # in init order
+        self._compression = None  # a GradientCompression, after set_gradient_compression
 
     def __del__(self):
         pass  # no native handle to free; close() releases the kvsparse store
@@ -544,17 +668,17 @@ class KVSparseStore(StoreFront, _NativeKVStore):
 
     # -- init -------------------------------------------------------------------------------
 
+    @_raises_mxnet_errors
     def init(self, key, value):
         """Initializes key(s) from NDArrays; with several workers rank 0's value wins.
 
         A row_sparse value, or a dense one whose attached gradient is row_sparse,
-        makes a sparse table of ``dim = shape[1]`` holding the value's rows; anything
-        else makes a dense key.
+        makes a sparse table of ``dim = shape[1]`` holding the value's rows
+        (written verbatim, so at any time: before or after pushes and
+        set_optimizer); anything else makes a dense key. Never compressed.
 
         Raises:
             DuplicateKey: the key exists. KeyTypeError: int and str keys mixed.
-            InvalidArgument: a table initialized after training began (its rows could
-                not be set without the optimizer treating them as a gradient).
         """
         pairs = self._pairs(key, value, "init")
         for k, values in pairs:
@@ -573,47 +697,35 @@ class KVSparseStore(StoreFront, _NativeKVStore):
                 raise errors.ShapeError(
                     f"key {k!r}: a sparse weight must be 2-D (rows, dim), got {value.shape}"
                 )
-            if self._server_optimizer.in_force():
-                raise errors.InvalidArgument(
-                    f"key {k!r}: sparse tables must be initialized before the first push "
-                    "(its rows are set by a push without optimizer)"
-                )
-            self._server_optimizer.check_multipliers([k])
             table = kvsparse.SparseTable(dim=int(value.shape[1]), initializer=initializers.Zeros())
             self._store.init(k, table)
             self._keys.append(k)
             if value.stype == "row_sparse":
                 ids = as_numpy(value.indices).astype(np.int64)
-                rows = as_numpy(value)  # the stored rows, where MXNet keeps them
             else:
                 ids = np.arange(value.shape[0], dtype=np.int64)
-                rows = as_numpy(value)
-            self._assign(k, (ids, rows), lambda: (ids, np.zeros_like(rows)))
-            return
-        if value.stype != "default":
-            raise errors.DTypeError(f"key {k!r}: {value.stype} values are not supported")
-        self._server_optimizer.check_multipliers([k])
-        self._store.init(k, as_numpy(value))  # kvsparse keeps rank 0's values of a dense key
-        self._keys.append(k)
-
-    def _assign(self, k, value, zeros) -> None:
-        """Sets key k to rank 0's value with a push while no optimizer is in force.
-
-        BSP (dist_sparse) sums one push per worker: rank 0 sends the value, the
-        others zeros. Async stores apply pushes as they come: only rank 0 pushes.
-        """
-        if self.num_workers == 1:
-            self._store.push(k, value)
-            return
-        if self._async:
-            if self.rank == 0:
-                self._store.push(k, value)
+            self._set_rows(k, ids, as_numpy(value))  # the stored rows, where MXNet keeps them
         else:
-            self._store.push(k, value if self.rank == 0 else zeros())
-        self._store.barrier()
+            if value.stype != "default":
+                raise errors.DTypeError(f"key {k!r}: {value.stype} values are not supported")
+            self._store.init(k, as_numpy(value))  # kvsparse keeps rank 0's values of a dense key
+            self._keys.append(k)
+        self._server_optimizer.added([k])
+
+    def _set_rows(self, k, ids, rows) -> None:
+        """Writes rank 0's rows of table k verbatim (ASSIGN_SPARSE: any time, no optimizer).
+
+        The other workers wait at a barrier until they are in place, as for a
+        dense key's init.
+        """
+        if self.rank == 0 and ids.size:
+            self._store.assign(k, (ids, rows))
+        if self.num_workers > 1:
+            self._store.barrier()
 
     # -- optimizer ----------------------------------------------------------------------
 
+    @_raises_mxnet_errors
     def set_optimizer(self, optimizer):
         """Runs `optimizer` (MXNet's, or a kvsparse one) on the servers for every key.
 
@@ -670,9 +782,53 @@ class KVSparseStore(StoreFront, _NativeKVStore):
             else:
                 parts = [self._dense_part(k, v) for v in vals]
             keys.append(k)
-            values.append(parts[0] if len(parts) == 1 else parts)
+            if self._compression is not None and self._compression.type != "none":
+                values.append(self._compressed(info, parts))
+            else:
+                values.append(parts[0] if len(parts) == 1 else parts)
         return keys, values
 
+    def _compressed(self, info, parts):
+        """What a push of parts (summed) to a key sends under the gradient compression.
+
+        2bit / 1bit: MXNet's quantized values of the sum, this worker's residual
+        carried (`kvsparse.store.compression`); a sparse key's rows are summed per
+        id first. fp16 / bf16: a sparse key's rows travel in that dtype (the
+        store's wire dtype); a dense key's sum is rounded to it here.
+        """
+        compression = self._compression
+        k = info.key
+        if info.sparse:
+            if not compression.quantizes:
+                return parts[0] if len(parts) == 1 else parts
+            ids = np.concatenate([arrays.flat_ids(p[0]) for p in parts])
+            what = f"rows pushed to key {k!r}"
+            rows = np.concatenate(
+                [
+                    arrays.rows_view(
+                        arrays.as_float32(p[1], what=what), p[0].shape, info.dim, what=what
+                    )
+                    for p in parts
+                ]
+            )
+            unique, inverse = np.unique(ids, return_inverse=True)
+            summed = _core.sum_rows(rows, inverse.astype(np.int64).reshape(-1), unique.size)
+            _check_finite(k, summed)
+            return (unique, compression.sparse(k, unique, summed))
+        total = None
+        for part in parts:
+            if part.shape != info.shape:
+                raise errors.ShapeError(
+                    f"value pushed to key {k!r} must have shape {info.shape}, got {part.shape}"
+                )
+            total = np.array(part, np.float32) if total is None else total + part
+        _check_finite(k, total)
+        if compression.quantizes:
+            return compression.dense(k, total)
+        wire = compression.wire_dtype
+        return _core.widen(_core.narrow(total, wire), wire)
+
+    @_raises_mxnet_errors
     def push(self, key, value, priority=0):
         """Pushes gradients (values, without an optimizer); a pushed list is summed.
 
@@ -693,6 +849,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
 
     # -- pull ----------------------------------------------------------------------------
 
+    @_raises_mxnet_errors
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Pulls dense keys into out; sparse keys fill a dense (rows, dim) out with rows
         0..rows-1 and, with ignore_sparse=False, a RowSparseNDArray out with all rows.
@@ -712,6 +869,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
 
         self._pull_into(targets, rows_of)
 
+    @_raises_mxnet_errors
     def pushpull(self, key, value, out=None, priority=0):
         """push(key, value), then pull the result into out (or into value when out is None).
 
@@ -760,6 +918,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
             if sparse_requests:
                 self._row_sparse_requests(sparse_requests)
 
+    @_raises_mxnet_errors
     def broadcast(self, key, value, out, priority=0):
         """init(key, value) (rank 0's value wins), then pull(key, out).
 
@@ -769,6 +928,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
         self.init(key, value)
         self.pull(key, out=out, priority=priority, ignore_sparse=False)
 
+    @_raises_mxnet_errors
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
         """Pulls the rows of row_ids from sparse key(s).
 
@@ -860,40 +1020,63 @@ class KVSparseStore(StoreFront, _NativeKVStore):
 
     # -- the rest of MXNet's API ----------------------------------------------------------
 
+    @_raises_mxnet_errors
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """Writes every key's optimizer slots (kvsparse's .npz format)."""
         self._server_optimizer.send(self._keys)
         self._store.save_optimizer_states(fname, dump_optimizer=dump_optimizer)
 
+    @_raises_mxnet_errors
     def load_optimizer_states(self, fname):
         """Restores what save_optimizer_states wrote."""
         self._server_optimizer.send(self._keys)
         self._store.load_optimizer_states(fname)
 
+    @_raises_mxnet_errors
     def set_gradient_compression(self, compression_params):
-        """Not supported: kvsparse sends float32 gradients.
+        """Compresses later pushes as MXNet's dist stores do (never init).
+
+        ``{'type': '2bit', 'threshold': t}`` and ``{'type': '1bit', 'threshold': t}``:
+        each push sends MXNet 1.9.1's quantized values of the (summed) gradient,
+        this worker keeping the quantization error as a residual per key, added
+        to the next push of the key (`kvsparse.store.compression`: the exact
+        rules). Dense keys as MXNet; sparse tables too (MXNet refuses row_sparse),
+        with a residual per row pushed. The values travel as float32.
+        ``{'type': 'fp16'}`` / ``{'type': 'bf16'}``: sparse tables' rows travel
+        as float16 / bfloat16 both ways (the store's wire_dtype, rounded once per
+        push after summing); dense gradients are rounded to that dtype on the
+        worker (the servers get the rounded values; dense values travel as
+        float32). ``{'type': 'none'}`` turns compression off (residuals dropped).
 
         Raises:
-            kvsparse.errors.InvalidArgument: always.
+            kvsparse.errors.InvalidArgument: an unknown type or setting, a 2bit
+                threshold <= 0.
         """
-        raise errors.InvalidArgument("kvsparse does not compress gradients")
+        compression = GradientCompression(compression_params)
+        self._store.wire_dtype = compression.wire_dtype or "float32"
+        self._compression = compression
 
+    @_raises_mxnet_errors
     def _set_updater(self, updater):
         raise errors.InvalidArgument(
             "kvsparse runs optimizers on its servers; a Python updater cannot run there: "
             "use set_optimizer"
         )
 
+    @_raises_mxnet_errors
     def _send_command_to_servers(self, head, body):
         raise errors.InvalidArgument("kvsparse servers take no MXNet commands")
 
+    @_raises_mxnet_errors
     def _barrier(self):
         self._store.barrier()
 
+    @_raises_mxnet_errors
     def barrier(self):
         """Blocks until every worker reaches the barrier."""
         self._store.barrier()
 
+    @_raises_mxnet_errors
     def close(self):
         """Releases the kvsparse store (connections, or the local tables)."""
         self._store.close()
@@ -910,6 +1093,7 @@ class Dist_Sparse(KVSparseStore):  # noqa: N801 - MXNet's registry key is the lo
             timeout=); none: the launcher's or the environment's configuration.
     """
 
+    @_raises_mxnet_errors
     def __init__(self, **kwargs):
         super().__init__(kvsparse.create("dist_sparse", **kwargs), "dist_sparse")
 
@@ -921,10 +1105,12 @@ class Dist_Sparse_Async(KVSparseStore):  # noqa: N801
     Not safe to call from several threads at once (a `KVSparseStore`).
     """
 
+    @_raises_mxnet_errors
     def __init__(self, **kwargs):
         super().__init__(kvsparse.create("dist_sparse_async", **kwargs), "dist_sparse_async")
 
 
+@_raises_mxnet_errors
 def create(name: str = "dist_sparse", **kwargs) -> KVSparseStore:
     """A kvsparse store with MXNet's KVStore API, with explicit configuration.
 

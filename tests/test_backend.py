@@ -30,6 +30,7 @@ def _parameters(function) -> list:
 def test_the_protocol_holds_every_operation_of_the_store():
     assert METHODS == sorted(
         [
+            "assign_sparse",
             "barrier",
             "checkpoint",
             "close",

@@ -179,17 +179,37 @@ class RemoteBackend:
         for server, request in requests.items():
             self.session.remember(("dense", int(table_id), server), request, server=server)
 
-    def set_optimizer(self, spec):
-        """Rank 0 sets it; other ranks wait for rank 0's call and check they agree."""
+    def set_optimizer(self, spec, table_ids=None):
+        """Rank 0 sets it (store-wide, or table_ids' own); other ranks wait for rank 0's
+        call and check they agree."""
         self._optimizer_calls += 1
+        calls = self._optimizer_calls
         self._everywhere(
-            ops.SetOptimizer, ops.SetOptimizer.encode_request(spec, self._optimizer_calls)
+            ops.SetOptimizer, ops.SetOptimizer.encode_request(spec, calls, False, table_ids)
         )
         if self.rank == 0:
             # A restarted server gets rank 0's last call again, so that the other ranks'
-            # calls, which wait for rank 0's, can complete there (issue 11, defect 10).
-            replay = ops.SetOptimizer.encode_request(spec, self._optimizer_calls, replay=True)
-            self.session.remember("set_optimizer", replay)
+            # calls, which wait for rank 0's, can complete there (issue 11, defect 10);
+            # the last store-wide call, and the last one of each set of tables.
+            replay = ops.SetOptimizer.encode_request(spec, calls, True, table_ids)
+            what = "set_optimizer" if table_ids is None else ("set_optimizer", tuple(table_ids))
+            self.session.remember(what, replay)
+
+    def assign_sparse(self, items):
+        """items: [(table_id, keys, offsets, float32 rows)]; each server gets its keys' rows."""
+        per_server: dict[int, list] = {}
+        for table_id, keys, offsets, rows in items:
+            bounds = offsets.tolist()
+            for server in range(self.num_shards):
+                a, b = bounds[server], bounds[server + 1]
+                if b > a:
+                    per_server.setdefault(server, []).append((table_id, keys[a:b], rows[a:b]))
+        requests = {
+            server: ops.AssignSparse.encode_request(entries)
+            for server, entries in per_server.items()
+        }
+        if requests:
+            self._exchange(ops.AssignSparse, requests)
 
     def pull_sparse(self, items):
         """items: [(table_id, keys, offsets[, wire_dtype])] -> [[rows of each shard] per item].

@@ -13,7 +13,9 @@ Ops (`kvsparse.wire.protocol.Op`) and their coordination
 
 - HELLO: the job's configuration (the first client's; later ones must agree).
 - INIT_SPARSE, INIT_DENSE: create a table (a FLAG_DECLARE INIT_DENSE waits for rank 0's).
-- SET_OPTIMIZER: rank 0 sets it; the others' calls wait for rank 0's and must agree.
+- SET_OPTIMIZER: rank 0 sets it (store-wide, or some tables' own); the others' calls wait
+  for rank 0's and must agree.
+- ASSIGN_SPARSE: rows written verbatim, at once (no optimizer, no BSP round).
 - PULL_SPARSE, PULL_DENSE: rows / the dense slice (held by the SSP gate when too far ahead).
 - PUSH_SPARSE, PUSH_DENSE: applied now (ASP, SSP) or once the BSP round is full.
 - BARRIER: answered when every worker sent one.
@@ -85,6 +87,7 @@ class Handlers:
             Op.PUSH_SPARSE: self._push_sparse,
             Op.PULL_DENSE: self._pull_dense,
             Op.PUSH_DENSE: self._push_dense,
+            Op.ASSIGN_SPARSE: self._assign_sparse,
             Op.BARRIER: self._barrier,
             Op.GET_OPTIMIZER_STATES: self._get_optimizer_states,
             Op.LOAD_OPTIMIZER_STATES: self._load_optimizer_states,
@@ -170,22 +173,30 @@ class Handlers:
         return DEFERRED
 
     def _set_optimizer(self, header, payload, pending):
-        spec, epoch, replay = ops.SetOptimizer.decode_request(header, payload)
+        spec, epoch, replay, table_ids = ops.SetOptimizer.decode_request(header, payload)
         epochs = self._coordination.optimizer
+        # What followers must agree on: the spec, and the tables it is for (issue 12).
+        agreed = spec if table_ids is None else {"spec": spec, "table_ids": table_ids}
         if header.rank == 0:
-            if replay and (epochs.recorded(epoch) or self._state.default_optimizer == spec):
+            restored = table_ids is None and self._state.default_optimizer == spec
+            if replay and (epochs.recorded(epoch) or restored):
                 # Sent again to a restarted server: what it restored stays (its slots).
-                epochs.lead(spec, epoch, replay=True)
+                epochs.lead(agreed, epoch, replay=True)
                 return ops.SetOptimizer.encode_reply()
             try:
-                self._state.set_optimizer(spec)
+                if table_ids is None:
+                    self._state.set_optimizer(spec)
+                else:
+                    self._state.set_table_optimizers(table_ids, spec)
             except errors.KVSparseError:
                 raise
             except (KeyError, TypeError, ValueError) as exc:
                 raise errors.InvalidArgument(f"bad optimizer spec ({exc!r})") from None
-            epochs.lead(spec, epoch)
+            epochs.lead(agreed, epoch)
             return ops.SetOptimizer.encode_reply()
-        return ops.SetOptimizer.encode_reply() if epochs.follow(pending, epoch, spec) else DEFERRED
+        if epochs.follow(pending, epoch, agreed):
+            return ops.SetOptimizer.encode_reply()
+        return DEFERRED
 
     # -- table operations ---------------------------------------------------------------------
 
@@ -253,6 +264,15 @@ class Handlers:
             self._state.check_dense_push(table_id, grad)
         self._count_items("push_dense", items, dense=True)
         return self._push(header, pending, PushKind.DENSE, entries)
+
+    def _assign_sparse(self, header, payload, pending):
+        items, entries = ops.AssignSparse.decode_request(header, payload)
+        for table_id, keys, rows in entries:
+            self._state.check_sparse_assign(table_id, keys, rows)
+        self._count_items("assign_sparse", items)
+        for table_id, keys, rows in entries:
+            self._state.assign_sparse(table_id, keys, rows)
+        return ops.AssignSparse.encode_reply()
 
     def _push(self, header, pending, kind: PushKind, parsed: list):
         """Applies validated pushes now, or (BSP) hands them to their rounds."""

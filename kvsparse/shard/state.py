@@ -233,6 +233,32 @@ class ShardState:
             if not entry.own_optimizer:
                 entry.set_optimizer(spec)
 
+    def set_table_optimizers(self, table_ids: list, spec: dict | None) -> None:
+        """Gives each table (sparse or dense) of table_ids its own optimizer spec (issue 12).
+
+        Such a table keeps it when the store-wide optimizer changes; spec None
+        puts the tables back on the store-wide optimizer. Slots and steps of
+        the tables restart. Every table is checked before any changes.
+
+        Raises:
+            UnknownKey: a table this shard does not hold. InvalidArgument: a bad spec.
+        """
+        if spec is not None:
+            _core.Optimizer(spec)  # validate before changing anything
+        entries = []
+        for table_id in table_ids:
+            entry = self.sparse.get(table_id)
+            entries.append(entry if entry is not None else self.dense_entry(table_id))
+        effective = spec if spec is not None else self.default_optimizer
+        for entry in entries:
+            entry.own_optimizer = spec is not None
+            if isinstance(entry, SparseEntry):
+                # The spec records it, so that checkpoints bring the table back with it.
+                entry.spec = {**entry.spec, "optimizer": spec}
+                entry.table.set_optimizer(effective)
+            else:
+                entry.set_optimizer(effective)
+
     # -- sparse ------------------------------------------------------------------------------
 
     def pull_sparse(self, table_id: int, keys: np.ndarray, out: np.ndarray | None = None):
@@ -262,19 +288,43 @@ class ShardState:
 
     def check_sparse_push(self, table_id: int, keys: np.ndarray, grads: np.ndarray) -> None:
         """Raises what push_sparse would raise, without changing anything."""
-        entry = self.sparse_entry(table_id)
-        dim = entry.table.dim
-        if grads.ndim != 2 or grads.shape != (keys.size, dim):
-            raise errors.ShapeError(
-                f"key {entry.name!r}: gradient rows must have shape ({keys.size}, {dim}), "
-                f"got {grads.shape}"
-            )
+        entry = self._sparse_rows_entry(table_id, keys, grads, "gradient rows")
         if entry.spec.get("nonfinite") != "skip":
             bad = _core.first_nonfinite_row(grads)
             if bad >= 0:
                 raise errors.NonFiniteGradient(
                     f"key {entry.name!r}: gradient for id {int(keys[bad])} has a NaN or inf value"
                 )
+
+    def _sparse_rows_entry(self, table_id: int, keys, rows, what: str) -> SparseEntry:
+        """The table table_id, once rows is checked to be (keys.size, dim) of it."""
+        entry = self.sparse_entry(table_id)
+        dim = entry.table.dim
+        if rows.ndim != 2 or rows.shape != (keys.size, dim):
+            raise errors.ShapeError(
+                f"key {entry.name!r}: {what} must have shape ({keys.size}, {dim}), got {rows.shape}"
+            )
+        return entry
+
+    def check_sparse_assign(self, table_id: int, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Raises what assign_sparse would raise, without changing anything."""
+        entry = self._sparse_rows_entry(table_id, keys, rows, "assigned rows")
+        bad = _core.first_nonfinite_row(rows)
+        if bad >= 0:
+            raise errors.InvalidArgument(
+                f"key {entry.name!r}: the row assigned to id {int(keys[bad])} "
+                "has a NaN or inf value"
+            )
+
+    def assign_sparse(self, table_id: int, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Writes rows (keys.size, dim) verbatim: no optimizer, no admission counting.
+
+        Inserted rows get initial slots; existing rows keep theirs (`_core.Table.assign`).
+        Duplicate keys: the last row wins.
+        """
+        self.check_sparse_assign(table_id, keys, rows)
+        self.counters.keys += keys.size
+        self.sparse[table_id].table.assign(keys, rows)
 
     # -- dense -------------------------------------------------------------------------------
 

@@ -47,8 +47,13 @@ class Backend(Protocol):
     def init_dense(self, table_id: int, name: str, values: np.ndarray) -> None:
         """Creates dense key `table_id` holding flat float32 `values` (rank 0's win)."""
 
-    def set_optimizer(self, spec: dict | None) -> None:
-        """Sets (`Optimizer.to_dict()`) or removes (None) the store-wide optimizer."""
+    def set_optimizer(self, spec: dict | None, table_ids: list | None = None) -> None:
+        """Sets (`Optimizer.to_dict()`) or removes (None) the store-wide optimizer; with
+        table_ids, those tables' own optimizer instead (None: back to the store-wide one)."""
+
+    def assign_sparse(self, items: list) -> None:
+        """items: [(table_id, unique keys, offsets, float32 rows)]: rows written verbatim
+        (no optimizer, no admission counting); all checked before any is written."""
 
     def pull_sparse(self, items: list) -> list:
         """items: [(table_id, keys, offsets[, wire_dtype])] -> per item, [rows of each shard].

@@ -106,6 +106,38 @@ def sparse_push(
     return info.table_id, keys, offsets, narrowed, wire_dtype
 
 
+def sparse_assign(info: KeyInfo, value, num_shards: int) -> tuple:
+    """(table_id, unique keys grouped by shard, offsets, float32 rows) of an assign.
+
+    Args:
+        info: the table's KeyInfo.
+        value: (ids, rows): int ids of any shape, rows ids.shape + (dim,) or
+            (ids.size, dim). A duplicated id gets its last row.
+
+    Raises:
+        InvalidArgument: value is not an (ids, rows) pair; a NaN or inf row.
+        DTypeError, ShapeError: as `sparse_push`.
+    """
+    if not isinstance(value, tuple) or len(value) != 2:
+        raise errors.InvalidArgument(f"an assign to sparse key {info.key!r} takes (ids, rows)")
+    ids = as_ids(value[0], key=info.key)
+    what = f"rows assigned to key {info.key!r}"
+    rows = rows_view(as_float32(value[1], what=what), ids.shape, info.dim, what=what)
+    flat = flat_ids(ids)
+    # The last of duplicated ids wins: its first position in the reversed ids.
+    unique, first_reversed = np.unique(flat[::-1], return_index=True)
+    last = flat.size - 1 - first_reversed
+    keys, offsets, slot = _core.plan_batch(unique, num_shards, info.boundaries)
+    planned = np.empty((keys.size, info.dim), np.float32)
+    planned[slot] = rows.reshape(-1, info.dim)[last]
+    bad = _core.first_nonfinite_row(planned)
+    if bad >= 0:
+        raise errors.InvalidArgument(
+            f"key {info.key!r}: the row assigned to id {int(keys[bad])} has a NaN or inf value"
+        )
+    return info.table_id, keys, offsets, planned
+
+
 def dense_push(info: KeyInfo, value) -> np.ndarray:
     """The flat float32 sum of the values pushed to a dense key (an array or a list).
 
@@ -201,4 +233,11 @@ def dense_outputs(info: KeyInfo, out) -> list:
     return arrays
 
 
-__all__ = ["dense_outputs", "dense_push", "gather_rows", "rows_output", "sparse_push"]
+__all__ = [
+    "dense_outputs",
+    "dense_push",
+    "gather_rows",
+    "rows_output",
+    "sparse_assign",
+    "sparse_push",
+]

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 
@@ -162,8 +163,19 @@ class KVStore(StoreFront):
     @property
     def wire_dtype(self) -> str:
         """How sparse tables' rows travel unless a table sets its own: 'float32' (default),
-        'float16' or 'bfloat16' (``kvsparse.create(..., wire_dtype=...)``)."""
+        'float16' or 'bfloat16' (``kvsparse.create(..., wire_dtype=...)``).
+
+        Settable: later requests travel in the new dtype (the MXNet adapter's
+        ``set_gradient_compression({'type': 'fp16'})``).
+
+        Raises:
+            InvalidArgument: set to a dtype that is not one of those.
+        """
         return self._wire_dtype
+
+    @wire_dtype.setter
+    def wire_dtype(self, dtype: str) -> None:
+        self._wire_dtype = check_wire_dtype(dtype)
 
     def wire_dtype_of(self, key) -> str:
         """How key's values travel: a sparse table's wire_dtype, else the store's;
@@ -364,21 +376,79 @@ class KVStore(StoreFront):
             self.init([k for k, _ in new], [v for _, v in new])
         return self.pull(key, out, priority)
 
+    def assign(self, key, value) -> None:
+        """Writes rows of sparse table(s) verbatim, at any time (issue 12).
+
+        No optimizer runs and admission does not count the rows: what MXNet's
+        ``init`` of a key's value does, and what restoring weights needs.
+        Inserted rows get initial optimizer slots; rows that exist keep theirs.
+        Not collective: every worker that calls it writes (call it from one
+        worker, then ``barrier()``, for "rank 0's value wins").
+
+        Args:
+            key: a sparse key or a list of them (one request per server for all).
+            value: (ids, rows) per key: int ids of any shape, float rows of
+                shape ids.shape + (dim,); a duplicated id gets its last row.
+
+        Raises:
+            UnknownKey, ShapeError, DTypeError; InvalidArgument: a dense key,
+            or a NaN or inf row (nothing is written).
+
+        Example:
+            >>> kv = kvsparse.create('local')
+            >>> kv.init('user', kvsparse.SparseTable(dim=2))
+            >>> kv.assign('user', (np.array([4]), np.array([[1.0, 2.0]], np.float32)))
+            >>> kv.row_sparse_pull('user', row_ids=np.array([4]))
+            array([[1., 2.]], dtype=float32)
+        """
+        keys = as_list(key)
+        values = per_key(value, not isinstance(key, (list, tuple)))
+        if len(keys) != len(values):
+            raise errors.InvalidArgument(f"{len(keys)} keys but {len(values)} values")
+        items = []
+        for k, v in zip(keys, values):
+            info = self._keys.info(k)
+            if not info.sparse:
+                raise errors.InvalidArgument(
+                    f"key {k!r} is dense; assign writes rows of sparse tables"
+                )
+            items.append(batching.sparse_assign(info, v, self._backend.num_shards))
+        self._backend.assign_sparse(items)
+
     # -- optimizer --------------------------------------------------------------------------
 
-    def set_optimizer(self, optimizer) -> None:
-        """Runs `optimizer` on the servers for every key without its own.
+    def set_optimizer(self, optimizer, key=None) -> None:
+        """Runs `optimizer` on the servers for every key without its own, or for key(s).
 
         Slots of those keys restart from their initial values. None removes
         the updater (a push then replaces values).
+
+        Args:
+            optimizer: a kvsparse.optimizers object, or None.
+            key: None: the store-wide optimizer. A key or a list of keys
+                (sparse or dense): their own optimizer from now on, kept when the
+                store-wide one changes (as ``SparseTable(optimizer=...)``); with
+                optimizer None they go back to the store-wide one. Per-parameter
+                learning rates (MXNet's lr_mult / wd_mult) use it.
+
+        Raises:
+            InvalidArgument: not a kvsparse optimizer. UnknownKey: key not initialized.
         """
         if optimizer is not None and not isinstance(optimizer, optimizers.Optimizer):
             raise errors.InvalidArgument(
                 f"set_optimizer takes a kvsparse.optimizers object, got {type(optimizer).__name__}"
             )
+        spec = None if optimizer is None else optimizer.to_dict()
         with self._lock:
-            self._backend.set_optimizer(None if optimizer is None else optimizer.to_dict())
-            self._optimizer = optimizer
+            if key is None:
+                self._backend.set_optimizer(spec)
+                self._optimizer = optimizer
+                return
+            infos = [self._keys.info(k) for k in as_list(key)]
+            if infos:
+                self._backend.set_optimizer(spec, [info.table_id for info in infos])
+            for info in infos:
+                self._keys.add(dataclasses.replace(info, own_optimizer=optimizer is not None))
 
     @property
     def optimizer(self):

@@ -56,9 +56,21 @@ class LocalBackend:
         self.state.create_dense(table_id, name, values)
 
     @_serialized
-    def set_optimizer(self, spec):
-        """Sets (spec) or removes (None) the store-wide optimizer."""
-        self.state.set_optimizer(spec)
+    def set_optimizer(self, spec, table_ids=None):
+        """Sets (spec) or removes (None) the store-wide optimizer, or tables' own."""
+        if table_ids is None:
+            self.state.set_optimizer(spec)
+        else:
+            self.state.set_table_optimizers(table_ids, spec)
+
+    @_serialized
+    def assign_sparse(self, items):
+        """items: [(table_id, keys, offsets, rows)]; all checked before any is written."""
+        self.state.counters.requests += 1
+        for table_id, keys, _, rows in items:
+            self.state.check_sparse_assign(table_id, keys, rows)
+        for table_id, keys, _, rows in items:
+            self.state.assign_sparse(table_id, keys, rows)
 
     def pull_sparse(self, items):
         """items: [(table_id, keys, offsets[, wire_dtype])] -> [[rows of shard 0]].

@@ -151,14 +151,14 @@ def _array_per_item_request(op: Op, entries: Sequence) -> Request:
     return Request(op, [items, *(array for _, array in entries)], num_items=len(entries))
 
 
-def _float32_items(items: np.ndarray, what: str) -> np.ndarray:
-    """items, if none names a row dtype: dense values always travel as float32.
+def _float32_items(items: np.ndarray, what: str, values: str = "dense values") -> np.ndarray:
+    """items, if none names a row dtype: dense values and assigned rows travel as float32.
 
     Raises:
         ProtocolError: an item with a row dtype code.
     """
     if (items["flags"] & np.uint32(ITEM_DTYPE_MASK)).any():
-        raise errors.ProtocolError(f"{what}: dense values travel as float32 (no row dtype code)")
+        raise errors.ProtocolError(f"{what}: {values} travel as float32 (no row dtype code)")
     return items
 
 
@@ -446,6 +446,8 @@ class SetOptimizerRequest(NamedTuple):
     spec: Optional[dict]
     epoch: int
     replay: bool = False
+    # The tables it is for (None: the store-wide optimizer; else those tables' own, issue 12).
+    table_ids: Optional[list] = None
 
 
 class SetOptimizer(_Codec):
@@ -454,9 +456,21 @@ class SetOptimizer(_Codec):
     op = Op.SET_OPTIMIZER
 
     @classmethod
-    def encode_request(cls, spec: Optional[dict], epoch: int, replay: bool = False) -> Request:
-        """The request of this worker's epoch-th set_optimizer call (replay: sent again)."""
+    def encode_request(
+        cls,
+        spec: Optional[dict],
+        epoch: int,
+        replay: bool = False,
+        table_ids: Optional[Sequence] = None,
+    ) -> Request:
+        """The request of this worker's epoch-th set_optimizer call (replay: sent again).
+
+        table_ids: the tables whose own optimizer spec becomes (spec None: they
+        go back to the store-wide one); None: the store-wide optimizer.
+        """
         body = {"spec": spec, "epoch": epoch, **({"replay": True} if replay else {})}
+        if table_ids is not None:
+            body["table_ids"] = [int(table_id) for table_id in table_ids]
         return Request(cls.op, [protocol.encode_json(body)])
 
     @classmethod
@@ -470,7 +484,12 @@ class SetOptimizer(_Codec):
         replay = body.get("replay", False)
         if not isinstance(replay, bool):
             raise errors.ProtocolError("SET_OPTIMIZER replay must be true or false")
-        return SetOptimizerRequest(spec, epoch, replay)
+        table_ids = body.get("table_ids")
+        if table_ids is not None:
+            if not isinstance(table_ids, list) or not table_ids:
+                raise errors.ProtocolError("SET_OPTIMIZER table_ids must be a non-empty list")
+            table_ids = [check_int(t, "table_id", 0, _MAX_TABLE_ID) for t in table_ids]
+        return SetOptimizerRequest(spec, epoch, replay, table_ids)
 
 
 class PullSparseRequest(NamedTuple):
@@ -633,17 +652,65 @@ class PushSparse(_Codec):
         entries = []
         dtypes = protocol.item_wire_dtypes(items)
         for i, (table_id, count, dim, item_flags) in enumerate(items.tolist()):
-            if dim < 1:
-                raise errors.ProtocolError(f"PUSH_SPARSE item {i}: dim must be >= 1")
-            keys = protocol.frame_array(
-                payload[1 + 2 * i], np.int64, count, what=f"PUSH_SPARSE keys {i}"
-            )
-            rows = _wire_rows(payload[2 + 2 * i], dtypes[i], count, dim, f"PUSH_SPARSE rows {i}")
+            keys, rows = _keys_and_rows(payload, i, count, dim, dtypes[i], "PUSH_SPARSE")
             if dtypes[i] != "float32":
                 rows = _core.widen(rows, dtypes[i])
             step = bool(item_flags & ITEM_FLAG_STEP)
             entries.append(SparsePush(table_id, keys, rows, step, dtypes[i]))
         return PushSparseRequest(items, entries)
+
+
+def _keys_and_rows(payload, i: int, count: int, dim: int, wire_dtype: str, what: str) -> tuple:
+    """(keys, rows) of item i of a request laid out as items, then keys + rows per item."""
+    if dim < 1:
+        raise errors.ProtocolError(f"{what} item {i}: dim must be >= 1")
+    keys = protocol.frame_array(payload[1 + 2 * i], np.int64, count, what=f"{what} keys {i}")
+    rows = _wire_rows(payload[2 + 2 * i], wire_dtype, count, dim, f"{what} rows {i}")
+    return keys, rows
+
+
+class AssignSparseRequest(NamedTuple):
+    """ASSIGN_SPARSE: the items frame as received and [(table_id, keys, float32 rows)]."""
+
+    items: np.ndarray
+    entries: list
+
+
+class AssignSparse(_Codec):
+    """ASSIGN_SPARSE: rows of some keys of sparse tables, written verbatim (issue 12).
+
+    No optimizer runs and admission does not count them (`_core.Table.assign`):
+    what MXNet's ``init`` of a key does, at any time. Rows travel as float32.
+    """
+
+    op = Op.ASSIGN_SPARSE
+
+    @classmethod
+    def encode_request(cls, entries: Sequence) -> Request:
+        """entries: [(table_id, unique int64 keys, float32 (count, dim) rows)]."""
+        items = protocol.make_items(
+            [(table_id, keys.size, rows.shape[1]) for table_id, keys, rows in entries]
+        )
+        frames = [items]
+        for _, keys, rows in entries:
+            frames += [keys, rows]
+        return Request(cls.op, frames, num_items=len(entries))
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> AssignSparseRequest:
+        """The items and each one's keys and float32 rows (views of the frames).
+
+        Raises:
+            ProtocolError: a malformed frame, or an item with a row dtype code.
+        """
+        items = _float32_items(
+            _request_items(header, payload, 2, "ASSIGN_SPARSE"), "ASSIGN_SPARSE", "assigned rows"
+        )
+        entries = []
+        for i, (table_id, count, dim, _) in enumerate(items.tolist()):
+            keys, rows = _keys_and_rows(payload, i, count, dim, "float32", "ASSIGN_SPARSE")
+            entries.append((table_id, keys, rows))
+        return AssignSparseRequest(items, entries)
 
 
 class PullDense(_Codec):
@@ -845,6 +912,7 @@ CODECS = {
         PushSparse,
         PullDense,
         PushDense,
+        AssignSparse,
         Barrier,
         GetOptimizerStates,
         LoadOptimizerStates,
@@ -859,6 +927,8 @@ CODECS = {
 __all__ = [
     "CODECS",
     "MODES",
+    "AssignSparse",
+    "AssignSparseRequest",
     "Barrier",
     "Checkpoint",
     "Evict",

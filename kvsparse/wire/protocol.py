@@ -65,7 +65,9 @@ both ends call:
     INIT_SPARSE (3)        JSON {table_id, name, spec}             JSON {created}
     INIT_DENSE (4)         JSON {table_id, name, size}, values     none
                            (f32; none with FLAG_DECLARE)
-    SET_OPTIMIZER (5)      JSON {spec, epoch}                      none
+    SET_OPTIMIZER (5)      JSON {spec, epoch[, table_ids]}: with   none
+                           table_ids, those tables' own optimizer
+                           (spec null: back to the store-wide one)
     PULL_SPARSE (6)        items, keys (i64) per item              items (dim set), rows
                                                                    (count x dim, of the
                                                                    item's row dtype)
@@ -80,6 +82,9 @@ both ends call:
     (12)
     STATS (13)             none (FLAG_MONITOR from a monitor)      JSON: ShardState.stats
                                                                    + address, waiting
+    ASSIGN_SPARSE (14)     items, keys (i64) + rows (count x dim,  none
+                           f32) per item: written verbatim (no
+                           optimizer, no admission counting)
     EVICT (20)             none                                    JSON {table name: rows
                                                                    evicted} (TTL, now)
     CHECKPOINT (30)        JSON {action, path, ...} (the actions   JSON: the action's
@@ -175,6 +180,8 @@ class Op(enum.IntEnum):
     GET_OPTIMIZER_STATES = 11
     LOAD_OPTIMIZER_STATES = 12
     STATS = 13
+    # Rows written verbatim, no optimizer (issue 12: MXNet's init of a key at any time).
+    ASSIGN_SPARSE = 14
     # Admission and eviction (issue 5); 20 leaves room for other new ops.
     EVICT = 20
     # Checkpoints, loads and inference export (issue 5): a JSON body with an "action".
@@ -193,6 +200,7 @@ MUTATING_OPS = frozenset(
         Op.SET_OPTIMIZER,
         Op.PUSH_SPARSE,
         Op.PUSH_DENSE,
+        Op.ASSIGN_SPARSE,
         Op.BARRIER,
         Op.LOAD_OPTIMIZER_STATES,
         Op.EVICT,
