@@ -21,32 +21,16 @@ left the job fails there with `kvsparse.errors.WorkerLeft`
 (``monitor=True``) does not ping: the server keeps no record of a monitor,
 and its requests are answered at once, so the timeout is a plain deadline.
 
-Server restarts (``retry_window`` > 0): every reply carries the server's
-random incarnation in its header. When it changes (the server was restarted,
-e.g. from a checkpoint by the launcher), or when a server stops answering,
-the session greets it again (the HELLO given to `Session.open`, retrying until
-``retry_window`` seconds have passed, then ServerUnavailable), replays what
-`Session.remember` was given (the tables and dense keys this client created), and
-resends the request in flight: under its own request id if the server has
-it (a server applies a request id at most once), else under a new one.
-What a restarted server holds is what it restored (its last checkpoint):
-pushes acknowledged after that checkpoint are not replayed.
+Server restarts (``retry_window`` > 0): a restarted or silent server is
+greeted again, sent what `Session.remember` was given, and sent the request
+in flight again, at most once applied (`kvsparse.client.recovery.Recovery`).
 
-Security: with ``keys`` (a ``kvsparse keys`` directory) the sockets use
-CurveZMQ (`kvsparse.wire.security`). A server that refuses the handshake (no
-keys, or keys it does not know) raises ServerUnavailable at once, naming it.
-
-Connection failures (issue 11, defect 11): a server whose address refuses
-the connection (nothing listens there) or whose host name does not resolve
-raises ServerUnavailable at once, naming the address and the reason, instead
-of waiting out the timeout; with ``retry_window`` > 0 (servers expected to
-come and go, or to start after the workers) the session keeps trying until
-the window ends, and the error then gives the reason.
-
-Routing ids: each socket names itself to the servers (its client id and a
-counter), and ZeroMQ keeps that name when it reconnects a broken
-connection, so a server can tell a worker that left from one whose
-connection was re-made (`kvsparse.server.liveness`).
+Security, connection failures and routing ids are the sockets'
+(`kvsparse.client.sockets.ServerSockets`): a server that refuses the CurveZMQ
+handshake, an address that refuses the connection or a host name that does
+not resolve raises ServerUnavailable at once, naming the address and the
+reason (with ``retry_window`` > 0 the session keeps trying until the window
+ends, then gives the reason).
 
 Example:
     >>> from kvsparse.wire import ops
@@ -61,32 +45,19 @@ from __future__ import annotations
 
 import itertools
 import secrets
-import socket
 import threading
 import time
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import zmq
 
 from kvsparse import errors
+from kvsparse.client.recovery import Answer, Recovery
+from kvsparse.client.sockets import ServerSockets
 from kvsparse.wire import ops, protocol
 from kvsparse.wire.protocol import Header
 
 DEFAULT_TIMEOUT = 60.0
-_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-# What the socket monitor reports: refused handshakes, and each connection attempt:
-# CONNECT_DELAYED or CLOSED when a connect was tried (none when the host name did not
-# resolve), CONNECTED when it got through (a refused handshake comes after), and
-# CONNECT_RETRIED when it is over; HANDSHAKE_SUCCEEDED when a connection works.
-_MONITORED = (
-    _HANDSHAKE_FAILED
-    | zmq.EVENT_CONNECT_RETRIED
-    | zmq.EVENT_CONNECT_DELAYED
-    | zmq.EVENT_CLOSED
-    | zmq.EVENT_CONNECTED
-    | zmq.EVENT_HANDSHAKE_SUCCEEDED
-)
-_RECOVERY_PROBE_SECONDS = 1.0  # wait per PING or HELLO to a restarting server
 _MAX_RESENDS = 3  # of a request a live server says it never got
 
 
@@ -95,13 +66,6 @@ class NoAnswer(errors.ServerUnavailable):
 
     A ServerUnavailable, so callers that catch that catch this too.
     """
-
-
-class Answer(NamedTuple):
-    """A successful reply: its header and payload frames (immutable)."""
-
-    header: Header
-    payload: list
 
 
 Outcome = Union[Answer, errors.KVSparseError]
@@ -131,168 +95,6 @@ class _Call:
         else:
             for sock in sockets:
                 self.poller[0].unregister(sock)
-
-
-class ServerSockets:
-    """One ZeroMQ DEALER socket per server, each watched for a refused security handshake.
-
-    Args:
-        servers: server addresses.
-        keys: a ``kvsparse keys`` directory for CurveZMQ; None: no encryption.
-        client_id: the session's client id, in each socket's routing id (a
-            reconnected socket keeps its name; a replaced one gets a new one).
-
-    Threads: not thread-safe (ZeroMQ sockets are not); its `Session` holds a
-    lock around every use.
-
-    Raises:
-        InvalidArgument: keys is not a usable key directory.
-        zmq.ZMQError: an address ZeroMQ cannot connect to.
-    """
-
-    def __init__(self, servers: list, keys: Optional[str], client_id: int = 0):
-        self.servers = servers
-        self.keys = keys
-        self._client_id = client_id.to_bytes(8, "little")
-        self._generations = itertools.count(1)
-        self._sockets: list = [None] * len(servers)
-        self._monitors: list = [None] * len(servers)
-        # server -> why the last connection attempt failed (None: connected, or trying)
-        self._failures: list = [None] * len(servers)
-        # Since the last CONNECT_RETRIED: a connect was tried / got through.
-        self._attempted: list = [False] * len(servers)
-        self._reached: list = [False] * len(servers)
-        try:
-            for server in range(len(servers)):
-                self._open(server)
-        except BaseException:
-            self.close()
-            raise
-
-    def socket(self, server: int) -> zmq.Socket:
-        """The socket to server (replaced by `reset`)."""
-        return self._sockets[server]
-
-    def monitor(self, server: int) -> zmq.Socket:
-        """The socket on which server's handshake failures are reported (replaced by `reset`)."""
-        return self._monitors[server]
-
-    def reset(self, server: int) -> None:
-        """A fresh socket, so that a late reply to an abandoned request cannot arrive on it."""
-        self._close(server)
-        self._open(server)
-
-    def close(self) -> None:
-        """Closes every socket (idempotent)."""
-        for server in range(len(self._sockets)):
-            self._close(server)
-
-    def connection_failure(self, server: int) -> Optional[errors.ServerUnavailable]:
-        """The error for server's address refusing connections or not resolving, else None.
-
-        As of the events read by `handshake_error`: None once a connection
-        succeeded again.
-        """
-        return self._failures[server]
-
-    def handshake_error(self, server: int) -> Optional[errors.ServerUnavailable]:
-        """The error for a refused security handshake reported on server's monitor, or None.
-
-        Reads every queued event; connection failures are kept for
-        `connection_failure`.
-        """
-        from zmq.utils.monitor import recv_monitor_message
-
-        monitor, address = self._monitors[server], self.servers[server]
-        while monitor.poll(0):
-            try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return None
-            kind = event["event"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._failures[server] = None
-            elif kind in (zmq.EVENT_CONNECT_DELAYED, zmq.EVENT_CLOSED):
-                self._attempted[server] = True
-            elif kind == zmq.EVENT_CONNECTED:
-                self._reached[server] = True
-            elif kind == zmq.EVENT_CONNECT_RETRIED:
-                if not self._reached[server]:  # else a connection closed: not a refusal
-                    self._failures[server] = _connect_failure(address, self._attempted[server])
-                self._attempted[server] = self._reached[server] = False
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                return errors.ServerUnavailable(
-                    f"server {address} refused this client's CurveZMQ key (authentication "
-                    f"failed, ZAP status {event['value']}): use a key the server accepts "
-                    f"(KVSPARSE_KEYS={self.keys})",
-                    address=address,
-                )
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                need = (
-                    "the server requires CurveZMQ keys: set KVSPARSE_KEYS (kvsparse launch --keys)"
-                    if self.keys is None
-                    else f"the server does not use these CurveZMQ keys ({self.keys})"
-                )
-                return errors.ServerUnavailable(
-                    f"server {address} refused the connection: security handshake failed; {need}",
-                    address=address,
-                )
-        return None
-
-    def _open(self, server: int) -> None:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        # Not starting with a zero byte (ZeroMQ's own ids do); kept across reconnections.
-        generation = next(self._generations).to_bytes(4, "little")
-        sock.setsockopt(zmq.ROUTING_ID, b"kv" + self._client_id + generation)
-        self._sockets[server] = sock
-        self._failures[server] = None
-        self._attempted[server] = self._reached[server] = False
-        if self.keys is not None:
-            from kvsparse.wire import security
-
-            security.secure_client_socket(sock, self.keys)
-        # Handshake failures (a server that wants keys, or refuses ours) are reported only
-        # here; without it a refused client would just time out. Attached before connect:
-        # a refused handshake is not retried, so its one event must not be missed.
-        self._monitors[server] = sock.get_monitor_socket(_MONITORED)
-        sock.connect(self.servers[server])
-
-    def _close(self, server: int) -> None:
-        sock, monitor = self._sockets[server], self._monitors[server]
-        if monitor is not None:
-            sock.disable_monitor()
-            monitor.close(0)
-            self._monitors[server] = None
-        if sock is not None:
-            sock.close(0)
-            self._sockets[server] = None
-
-
-def _connect_failure(address: str, attempted: bool) -> errors.ServerUnavailable:
-    """The error for a failed connection attempt to address (attempted: a connect was tried).
-
-    ZeroMQ tries a tcp connect only once the host name resolved; without one,
-    the name did not resolve, and the resolver says why.
-    """
-    if not attempted and address.startswith("tcp://"):
-        host = address[len("tcp://") :].rpartition(":")[0].strip("[]")
-        try:
-            socket.getaddrinfo(host, None)
-        except (OSError, UnicodeError) as exc:
-            return errors.ServerUnavailable(
-                f"server {address}: cannot resolve host {host!r} ({exc}); check the address "
-                "(KVSPARSE_SERVERS)",
-                address=address,
-            )
-    what = (
-        "no server listens on that socket path"
-        if address.startswith("ipc://")
-        else ("connection refused or host unreachable: is the server running on that port?")
-    )
-    return errors.ServerUnavailable(f"server {address} cannot be reached ({what})", address=address)
 
 
 class Session:
@@ -334,18 +136,20 @@ class Session:
         self.retry_window = float(retry_window)
         self.keys = keys
         self.monitor = bool(monitor)
-        self.restarts = 0  # server restarts this session recovered from
         self._client_id = secrets.randbits(64)
         self._request_ids = itertools.count(1)
         self._clock = 0
-        self._incarnations = [0] * len(self.servers)
-        self._greetings: dict[int, ops.Request] = {}
-        self._replays: dict = {}
         self._lock = threading.RLock()
         self._closed = False
         self._links = ServerSockets(self.servers, keys, self._client_id)
+        self._recovery = Recovery(self.servers, self._links, self._send, self.retry_window)
 
     # -- the public surface -------------------------------------------------------------------
+
+    @property
+    def restarts(self) -> int:
+        """Server restarts this session recovered from."""
+        return self._recovery.restarts
 
     @property
     def clock(self) -> int:
@@ -362,10 +166,8 @@ class Session:
             what `exchange` raises.
         """
         with self._lock:
-            self._greetings = dict(greetings)
             answers = self.exchange(greetings)
-            for server, answer in answers.items():
-                self._incarnations[server] = answer.header.incarnation
+            self._recovery.greeted(greetings, answers)
             return answers
 
     def remember(self, key, request: ops.Request, server: Optional[int] = None) -> None:
@@ -376,7 +178,7 @@ class Session:
         it (a dense key's INIT_DENSE carries its slice).
         """
         with self._lock:
-            self._replays[key] = (server, request)
+            self._recovery.remember(key, request, server)
 
     def exchange(self, requests: dict, *, push: bool = False, gather: bool = False) -> dict:
         """Sends {server: `ops.Request`} to every server, then collects every reply.
@@ -523,11 +325,11 @@ class Session:
                 return
             header, payload = protocol.parse_message(frames, reply=True)
             call.heard[server] = time.monotonic()
-            if self._restarted(server, header.incarnation):
+            if self._recovery.restarted(server, header.incarnation):
                 # A restarted server. Our request may have reached it anyway (a DEALER
                 # delivers what it queued while disconnected on reconnect).
                 if header.request_id == call.waiting[server] and not header.status:
-                    self._adopt(server, header.incarnation)  # done there: accept the reply
+                    self._recovery.adopt(server, header.incarnation)  # done there: accept the reply
                 elif header.request_id in (call.waiting[server], call.pings[server]):
                     seen = 0
                     if header.request_id == call.pings[server]:
@@ -562,8 +364,8 @@ class Session:
         self._resume(call, server, None)
 
     def _resume(self, call: _Call, server: int, evidence) -> None:
-        """Recovers server (`_recover`) and waits for the reply to the request sent again."""
-        call.waiting[server] = self._recover(
+        """Recovers server (`Recovery.recover`); waits for the reply to the request sent again."""
+        call.waiting[server] = self._recovery.recover(
             server, call.requests[server], call.waiting[server], evidence
         )
         call.pings[server] = None
@@ -589,142 +391,5 @@ class Session:
             )
         return True
 
-    # -- restarts -------------------------------------------------------------------------------
 
-    def _restarted(self, server: int, incarnation: int) -> bool:
-        known = self._incarnations[server]
-        return self.retry_window > 0 and bool(known) and bool(incarnation) and incarnation != known
-
-    def _adopt(self, server: int, incarnation: int) -> None:
-        self._incarnations[server] = incarnation
-        self.restarts += 1
-
-    def _recover(self, server: int, request: ops.Request, request_id: int, evidence) -> int:
-        """Reaches a restarted (or silent) server again and resends the request in flight.
-
-        evidence: (incarnation, last request id of ours it saw) from a reply, or
-        None to ask with PINGs (on a fresh socket after each unanswered one).
-
-        - The same incarnation (the server was only slow), or a restarted one
-          that already has the request (it arrived after the restart): the
-          request goes again with its request id, which the server answers
-          from its resend record (or, still pending, when done): never applied
-          twice.
-        - A restarted server that never saw it: the greeting (HELLO), the
-          remembered requests (an identical existing table is kept), then the
-          request under a new id.
-
-        Returns:
-            The request id the reply will carry.
-
-        Raises:
-            ServerUnavailable: no answer within retry_window seconds.
-            the error of an error reply, if the server refuses this client.
-        """
-        deadline = time.monotonic() + self.retry_window
-        reset = False
-        while evidence is None:
-            if reset:
-                self._links.reset(server)
-            ping_id = self._send(server, ops.Ping.encode_request())
-            answer = self._await_reply(
-                server, ping_id, self._probe_deadline(deadline), in_flight=request_id
-            )
-            if answer is None:
-                if time.monotonic() >= deadline:
-                    self._unavailable(server)
-                reset = True
-                continue
-            if answer.header.request_id == request_id:
-                # The request in flight was answered meanwhile, as the main loop would have
-                # seen it: an error from a restarted server (e.g. "before HELLO") means it
-                # was not applied, so it goes again after the greeting, under a new id.
-                seen = 0 if answer.header.status else request_id
-                evidence = (answer.header.incarnation, seen)
-            else:
-                evidence = (answer.header.incarnation, ops.Ping.decode_reply(*answer))
-        incarnation, seen = evidence
-        if not incarnation or incarnation == self._incarnations[server]:
-            return self._send(server, request, request_id=request_id)
-        if seen is not None and seen >= request_id:
-            self._adopt(server, incarnation)
-            return self._send(server, request, request_id=request_id)
-        greeting = self._greetings.get(server)
-        if greeting is not None:
-            while True:
-                hello_id = self._send(server, greeting)
-                answer = self._await_reply(server, hello_id, self._probe_deadline(deadline))
-                if answer is not None:
-                    break
-                if time.monotonic() >= deadline:
-                    self._unavailable(server)
-                self._links.reset(server)
-            incarnation = answer.header.incarnation
-        self._adopt(server, incarnation)
-        # Tables and dense keys created after the server's last checkpoint are declared
-        # again, so that the resent request finds them.
-        for replay_server, replay in self._replays.values():
-            if replay_server is not None and replay_server != server:
-                continue
-            replay_id = self._send(server, replay)
-            if self._await_reply(server, replay_id, deadline) is None:
-                self._unavailable(server)
-        return self._send(server, request)
-
-    @staticmethod
-    def _probe_deadline(deadline: float) -> float:
-        return min(deadline, time.monotonic() + _RECOVERY_PROBE_SECONDS)
-
-    def _unavailable(self, server: int):
-        self._links.handshake_error(server)  # reads the monitor's news of failed connects
-        failure = self._links.connection_failure(server)
-        self._links.reset(server)
-        raise errors.ServerUnavailable(
-            f"server {self.servers[server]} did not come back within the retry window of "
-            f"{self.retry_window:g} s" + (f": {failure}" if failure is not None else ""),
-            address=self.servers[server],
-        )
-
-    def _await_reply(
-        self, server: int, request_id: int, until: float, *, in_flight: Optional[int] = None
-    ) -> Optional[Answer]:
-        """The reply to request_id on server's socket, or None at `until`.
-
-        in_flight: the id of a request whose reply, error or not, is returned
-        too if it comes first (the caller tells them apart by request id).
-
-        Raises:
-            the error of an error reply to request_id; ServerUnavailable for a
-            refused handshake.
-        """
-        sock, monitor = self._links.socket(server), self._links.monitor(server)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        while True:
-            remaining = until - time.monotonic()
-            if remaining <= 0:
-                return None
-            events = dict(poller.poll(remaining * 1000 + 1))
-            if monitor in events:
-                refused = self._links.handshake_error(server)
-                if refused is not None:
-                    raise refused
-            if sock not in events:
-                continue
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                header, payload = protocol.parse_message(frames, reply=True)
-                if in_flight is not None and header.request_id == in_flight:
-                    return Answer(header, payload)
-                if header.request_id != request_id:
-                    continue
-                if header.status:
-                    protocol.raise_remote_error(header, payload, self.servers[server])
-                return Answer(header, payload)
-
-
-__all__ = ["DEFAULT_TIMEOUT", "Answer", "NoAnswer", "Outcome", "ServerSockets", "Session"]
+__all__ = ["DEFAULT_TIMEOUT", "Answer", "NoAnswer", "Outcome", "Session"]

@@ -1,0 +1,199 @@
+"""The sockets of a client session: one ZeroMQ DEALER per server, and what they report.
+
+`ServerSockets` opens, replaces and closes them, names each socket to its
+server (so that a server can tell a worker that left from one whose
+connection was re-made, `kvsparse.server.liveness`), and reads the socket
+monitors: a refused security handshake (CurveZMQ) and a refused or
+unresolvable address (issue 11, defect 11) become `ServerUnavailable` errors
+naming the address. `kvsparse.client.session.Session` holds one and is the
+only user.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from typing import Optional
+
+import zmq
+
+from kvsparse import errors
+
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+# What the socket monitor reports: refused handshakes, and each connection attempt:
+# CONNECT_DELAYED or CLOSED when a connect was tried (none when the host name did not
+# resolve), CONNECTED when it got through (a refused handshake comes after), and
+# CONNECT_RETRIED when it is over; HANDSHAKE_SUCCEEDED when a connection works.
+_MONITORED = (
+    _HANDSHAKE_FAILED
+    | zmq.EVENT_CONNECT_RETRIED
+    | zmq.EVENT_CONNECT_DELAYED
+    | zmq.EVENT_CLOSED
+    | zmq.EVENT_CONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+)
+
+
+class ServerSockets:
+    """One ZeroMQ DEALER socket per server, each watched for a refused security handshake.
+
+    Args:
+        servers: server addresses.
+        keys: a ``kvsparse keys`` directory for CurveZMQ; None: no encryption.
+        client_id: the session's client id, in each socket's routing id (a
+            reconnected socket keeps its name; a replaced one gets a new one).
+
+    Threads: not thread-safe (ZeroMQ sockets are not); its `Session` holds a
+    lock around every use.
+
+    Raises:
+        InvalidArgument: keys is not a usable key directory.
+        zmq.ZMQError: an address ZeroMQ cannot connect to.
+    """
+
+    def __init__(self, servers: list, keys: Optional[str], client_id: int = 0):
+        self.servers = servers
+        self.keys = keys
+        self._client_id = client_id.to_bytes(8, "little")
+        self._generations = itertools.count(1)
+        self._sockets: list = [None] * len(servers)
+        self._monitors: list = [None] * len(servers)
+        # server -> why the last connection attempt failed (None: connected, or trying)
+        self._failures: list = [None] * len(servers)
+        # Since the last CONNECT_RETRIED: a connect was tried / got through.
+        self._attempted: list = [False] * len(servers)
+        self._reached: list = [False] * len(servers)
+        try:
+            for server in range(len(servers)):
+                self._open(server)
+        except BaseException:
+            self.close()
+            raise
+
+    def socket(self, server: int) -> zmq.Socket:
+        """The socket to server (replaced by `reset`)."""
+        return self._sockets[server]
+
+    def monitor(self, server: int) -> zmq.Socket:
+        """The socket on which server's handshake failures are reported (replaced by `reset`)."""
+        return self._monitors[server]
+
+    def reset(self, server: int) -> None:
+        """A fresh socket, so that a late reply to an abandoned request cannot arrive on it."""
+        self._close(server)
+        self._open(server)
+
+    def close(self) -> None:
+        """Closes every socket (idempotent)."""
+        for server in range(len(self._sockets)):
+            self._close(server)
+
+    def connection_failure(self, server: int) -> Optional[errors.ServerUnavailable]:
+        """The error for server's address refusing connections or not resolving, else None.
+
+        As of the events read by `handshake_error`: None once a connection
+        succeeded again.
+        """
+        return self._failures[server]
+
+    def handshake_error(self, server: int) -> Optional[errors.ServerUnavailable]:
+        """The error for a refused security handshake reported on server's monitor, or None.
+
+        Reads every queued event; connection failures are kept for
+        `connection_failure`.
+        """
+        from zmq.utils.monitor import recv_monitor_message
+
+        monitor, address = self._monitors[server], self.servers[server]
+        while monitor.poll(0):
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failures[server] = None
+            elif kind in (zmq.EVENT_CONNECT_DELAYED, zmq.EVENT_CLOSED):
+                self._attempted[server] = True
+            elif kind == zmq.EVENT_CONNECTED:
+                self._reached[server] = True
+            elif kind == zmq.EVENT_CONNECT_RETRIED:
+                if not self._reached[server]:  # else a connection closed: not a refusal
+                    self._failures[server] = _connect_failure(address, self._attempted[server])
+                self._attempted[server] = self._reached[server] = False
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return errors.ServerUnavailable(
+                    f"server {address} refused this client's CurveZMQ key (authentication "
+                    f"failed, ZAP status {event['value']}): use a key the server accepts "
+                    f"(KVSPARSE_KEYS={self.keys})",
+                    address=address,
+                )
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                need = (
+                    "the server requires CurveZMQ keys: set KVSPARSE_KEYS (kvsparse launch --keys)"
+                    if self.keys is None
+                    else f"the server does not use these CurveZMQ keys ({self.keys})"
+                )
+                return errors.ServerUnavailable(
+                    f"server {address} refused the connection: security handshake failed; {need}",
+                    address=address,
+                )
+        return None
+
+    def _open(self, server: int) -> None:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        # Not starting with a zero byte (ZeroMQ's own ids do); kept across reconnections.
+        generation = next(self._generations).to_bytes(4, "little")
+        sock.setsockopt(zmq.ROUTING_ID, b"kv" + self._client_id + generation)
+        self._sockets[server] = sock
+        self._failures[server] = None
+        self._attempted[server] = self._reached[server] = False
+        if self.keys is not None:
+            from kvsparse.wire import security
+
+            security.secure_client_socket(sock, self.keys)
+        # Handshake failures (a server that wants keys, or refuses ours) are reported only
+        # here; without it a refused client would just time out. Attached before connect:
+        # a refused handshake is not retried, so its one event must not be missed.
+        self._monitors[server] = sock.get_monitor_socket(_MONITORED)
+        sock.connect(self.servers[server])
+
+    def _close(self, server: int) -> None:
+        sock, monitor = self._sockets[server], self._monitors[server]
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(0)
+            self._monitors[server] = None
+        if sock is not None:
+            sock.close(0)
+            self._sockets[server] = None
+
+
+def _connect_failure(address: str, attempted: bool) -> errors.ServerUnavailable:
+    """The error for a failed connection attempt to address (attempted: a connect was tried).
+
+    ZeroMQ tries a tcp connect only once the host name resolved; without one,
+    the name did not resolve, and the resolver says why.
+    """
+    if not attempted and address.startswith("tcp://"):
+        host = address[len("tcp://") :].rpartition(":")[0].strip("[]")
+        try:
+            socket.getaddrinfo(host, None)
+        except (OSError, UnicodeError) as exc:
+            return errors.ServerUnavailable(
+                f"server {address}: cannot resolve host {host!r} ({exc}); check the address "
+                "(KVSPARSE_SERVERS)",
+                address=address,
+            )
+    what = (
+        "no server listens on that socket path"
+        if address.startswith("ipc://")
+        else ("connection refused or host unreachable: is the server running on that port?")
+    )
+    return errors.ServerUnavailable(f"server {address} cannot be reached ({what})", address=address)
+
+
+__all__ = ["ServerSockets"]
