@@ -88,8 +88,13 @@ int64_t EmbeddingTable::MemoryBytes() const {
                               free_rows_.capacity() * sizeof(uint32_t)) +
          values_.Bytes() + slots_.Bytes() + steps_.Bytes() + stamps_.Bytes() +
          static_cast<int64_t>(removed_.capacity() * sizeof(removed_[0])) +
-         touches_.Bytes() + last_step_.Bytes() + CandidateBytes() +
+         touches_.Bytes() + last_step_.Bytes() + CandidateBytes() + ScratchBytes() +
          static_cast<int64_t>(sizeof(EmbeddingTable));
+}
+
+int64_t EmbeddingTable::ScratchBytes() const {
+  return static_cast<int64_t>(push_fresh_state_.bytes() + push_saved_state_.bytes() +
+                              push_saved_meta_.bytes());
 }
 
 size_t EmbeddingTable::HomeBucket(int64_t key) const {
@@ -449,7 +454,7 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
   const int64_t fresh = static_cast<int64_t>(plan.fresh.size());
   for (int64_t k = 0; k < fresh; ++k) {
     const int64_t row = InsertReservedRow(plan.fresh_keys[k]);
-    const float* state = plan.fresh_state.get() + k * stride;
+    const float* state = plan.fresh_state + k * stride;
     std::memcpy(values_.Row(row), state, sizeof(float) * dim);
     if (slot_floats > 0) std::memcpy(slots_.Row(row), state + dim, sizeof(float) * slot_floats);
     TouchRow(row);
@@ -525,8 +530,8 @@ Status EmbeddingTable::PreparePush(const int64_t* keys, int64_t n, const float* 
   }
   const size_t existing = p.existing.size();
   const size_t stride = static_cast<size_t>(dim + dim * optimizer_.num_slots());
-  p.saved_state.reset(AllocateArray<float>(existing * stride));
-  p.saved_meta.reset(AllocateArray<uint32_t>(existing * 4));
+  p.saved_state = push_saved_state_.Get(existing * stride);
+  p.saved_meta = push_saved_meta_.Get(existing * 4);
   p.overflows.assign(existing, 0);
   return Status::Ok();
 }
@@ -612,12 +617,12 @@ int64_t EmbeddingTable::ComputeFreshRows(PushPlan* plan, bool skipping) {
   const int64_t count = static_cast<int64_t>(p.fresh.size());
   p.fresh_keys.resize(static_cast<size_t>(count));
   for (int64_t k = 0; k < count; ++k) p.fresh_keys[k] = p.unique[p.fresh[k]];
-  p.fresh_state.reset(AllocateArray<float>(static_cast<size_t>(count * stride)));
+  p.fresh_state = push_fresh_state_.Get(static_cast<size_t>(count * stride));
   p.fresh_overflows.assign(static_cast<size_t>(count), 0);
   // The step of a row's first update: 1, or this push's table step.
   const int64_t step =
       config_.optimizer.step_mode == StepMode::kPerTable ? table_step_ + 1 : int64_t{1};
-  float* state = p.fresh_state.get();
+  float* state = p.fresh_state;
   ParallelFor(count, std::max<int64_t>(1, kMinInitFloatsPerThread / dim),
               [&](int64_t begin, int64_t end) {
                 float scratch[kMaxDim];
@@ -679,12 +684,12 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
       const int64_t row = p.rows[j];
       float* w = values_.Row(row);
       float* slots = slots_.Row(row);
-      float* saved = p.saved_state.get() + e * stride;
+      float* saved = p.saved_state + e * stride;
       // Plain loops: a libc memmove call per small row cost 15% of a dim-8 push.
       for (int64_t i = 0; i < dim; ++i) saved[i] = w[i];
       for (int64_t i = 0; i < slot_floats; ++i) saved[dim + i] = slots[i];
       uint32_t* step = steps_.Row(row);
-      uint32_t* meta = p.saved_meta.get() + e * 4;
+      uint32_t* meta = p.saved_meta + e * 4;
       meta[0] = *step;
       meta[1] = *stamps_.Row(row);
       meta[2] = TracksTouches() ? *touches_.Row(row) : 0;
@@ -720,7 +725,7 @@ void EmbeddingTable::RestoreExistingRows(const PushPlan& p) {
   const int64_t stride = config_.dim * (1 + optimizer_.num_slots());
   for (size_t e = 0; e < p.existing.size(); ++e) {
     if (p.overflows[e]) continue;  // put back already
-    RestoreRow(p.rows[p.existing[e]], p.saved_state.get() + e * stride, p.saved_meta.get() + e * 4);
+    RestoreRow(p.rows[p.existing[e]], p.saved_state + e * stride, p.saved_meta + e * 4);
   }
 }
 

@@ -187,6 +187,8 @@ class EmbeddingTable {
   int64_t Size() const { return size_; }
   // Bytes this table holds: buckets, row chunks, slot chunks, step counters.
   int64_t MemoryBytes() const;
+  // The part of MemoryBytes that is push scratch (kept for the next push).
+  int64_t ScratchBytes() const;
   // Step counter of the whole table (pushes applied), for StepMode::kPerTable.
   int64_t table_step() const { return table_step_; }
   void set_table_step(int64_t step) { table_step_ = step; }
@@ -376,13 +378,13 @@ class EmbeddingTable {
     std::vector<int64_t> rejected;
     std::vector<int64_t> victims;   // keys
     // Per fresh id: its updated row, dim values then the slot floats.
-    std::unique_ptr<float[], FreeArray> fresh_state;
+    float* fresh_state = nullptr;   // in the table's push scratch
     std::vector<uint8_t> fresh_overflows;
     std::vector<int64_t> fresh_keys;
     // j of the stored rows updated in place, and what they held before.
     std::vector<int64_t> existing;
-    std::unique_ptr<float[], FreeArray> saved_state;
-    std::unique_ptr<uint32_t[], FreeArray> saved_meta;  // step, stamp, touches, last step
+    float* saved_state = nullptr;     // in the table's push scratch
+    uint32_t* saved_meta = nullptr;   // step, stamp, touches, last step
     std::vector<uint8_t> overflows;    // per existing row
   };
   // Builds the plan: sums, checks, admission, the fresh rows' new state; sizes
@@ -415,6 +417,11 @@ class EmbeddingTable {
   int64_t CandidateBytes() const;
   ChunkedRows<uint32_t> touches_;
   ChunkedRows<uint32_t> last_step_;
+  // Reused by every push (ApplyGradients): the fresh rows' new state, and the
+  // stored rows' state saved before their in-place update.
+  ScratchArray<float> push_fresh_state_;
+  ScratchArray<float> push_saved_state_;
+  ScratchArray<uint32_t> push_saved_meta_;
   std::unordered_map<int64_t, Candidate> candidates_;
   PolicyStats policy_stats_;
 };

@@ -266,9 +266,14 @@ cdef class Table:
         return c_table.Size()
 
     def memory_bytes(self):
-        """Bytes held by this table (buckets, rows, slots, step counters)."""
+        """Bytes held by this table (buckets, rows, slots, step counters, push scratch)."""
         cdef EmbeddingTable* c_table = self._table()
         return c_table.MemoryBytes()
+
+    def scratch_bytes(self):
+        """The part of memory_bytes() that pushes reuse as scratch (sized by the largest push)."""
+        cdef EmbeddingTable* c_table = self._table()
+        return c_table.ScratchBytes()
 
     def set_optimizer(self, optimizer):
         """Replaces the optimizer; every row's slots restart from their initial values."""

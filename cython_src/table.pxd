@@ -49,6 +49,7 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         const TableConfig& config()
         int64_t Size()
         int64_t MemoryBytes()
+        int64_t ScratchBytes()
         int64_t table_step()
         void set_table_step(int64_t step)
         Status SetOptimizer(const OptimizerConfig& optimizer) except +

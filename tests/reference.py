@@ -944,18 +944,38 @@ class ReferenceTable:
         if not finite.all() and not skip_nonfinite:
             bad = int(unique[np.flatnonzero(~finite)[0]])
             raise errors.NonFiniteGradient(f"gradient for id {bad} has a NaN or inf value")
+        snapshot = (
+            {k: v.copy() for k, v in self.rows.items()},
+            {k: v.copy() for k, v in self.slots.items()},
+            dict(self.steps),
+            self.table_step,
+        )
         self.table_step += 1
         per_table = self.optimizer.config["step_mode"] == "table"
         applied = 0
         for j, key in enumerate(unique.tolist()):
             if not finite[j]:
                 continue
-            if key not in self.rows:
+            fresh = key not in self.rows
+            if fresh:
                 self._insert(key)
+            before = (self.rows[key].copy(), self.slots[key].copy(), self.steps[key])
             self.steps[key] += 1
             step = self.table_step if per_table else self.steps[key]
-            self.optimizer.update(self.rows[key], self.slots[key], summed[j], step)
-            applied += 1
+            with np.errstate(all="ignore"):
+                self.optimizer.update(self.rows[key], self.slots[key], summed[j], step)
+            if np.isfinite(self.rows[key]).all() and np.isfinite(self.slots[key]).all():
+                applied += 1
+                continue
+            # An update that overflows (inf/NaN from finite values) changes nothing: the
+            # row is put back (skip_nonfinite), or the whole push is undone (issue 11).
+            if fresh:
+                del self.rows[key], self.slots[key], self.steps[key]
+            else:
+                self.rows[key], self.slots[key], self.steps[key] = before
+            if not skip_nonfinite:
+                self.rows, self.slots, self.steps, self.table_step = snapshot
+                raise errors.UpdateOverflow(f"the update of id {key} overflows float32")
         return applied
 
     def assign(self, keys: Any, values: Any) -> None:

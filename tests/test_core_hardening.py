@@ -162,7 +162,9 @@ def state(table):
 # ids evicts 548 rows, reuses their rows and needs a third chunk.
 table = _core.Table(512, {"kind": "constant", "a": 1.0}, {"kind": "adam"},
                     policy={"max_rows": 3000})
-table.apply_gradients(np.arange(2048), np.ones((2048, 512), np.float32))
+# Stored without a push, so that the push below finds no scratch kept from an earlier one
+# (pushes reuse theirs) and must allocate.
+table.lookup_or_insert(np.arange(2048))
 keys = np.arange(10_000, 11_500)
 grads = np.ones((1500, 512), np.float32)
 before = state(table)
