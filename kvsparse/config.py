@@ -324,6 +324,24 @@ def ipc_path(address: str) -> Optional[str]:
     return address[len(IPC_PREFIX) :] if address.startswith(IPC_PREFIX) else None
 
 
+def reachable_only_locally(address: str) -> bool:
+    """True for an ``ipc://`` address or a tcp one bound to a loopback interface. Thread-safe.
+
+    Example:
+        >>> reachable_only_locally("tcp://127.0.0.1:7000"), reachable_only_locally("tcp://*:1")
+        (True, False)
+    """
+    if ipc_path(address) is not None:
+        return True
+    host = address.partition("://")[2].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _parse_address(text, variable: str, bind: bool) -> str:
     """A connect address, or with bind=True a bind address (host '*' and port 0 allowed)."""
     if not isinstance(text, str):

@@ -625,3 +625,31 @@ def test_launch_api_rejects_bad_arguments():
         launch([], num_servers=1)
     with pytest.raises(errors.InvalidArgument, match="KVSPARSE_SERVERS is set by the launcher"):
         launch("python train.py", env={"KVSPARSE_SERVERS": "x"})
+
+
+def test_servers_reachable_from_other_hosts_get_the_checkpoint_dir_as_their_root():
+    """Such a server without keys refuses every CHECKPOINT path outside a root (issue 11,
+    defect 16): the launcher makes the workers' checkpoint directory that root, so that
+    kv.save() works; loopback, ipc and keyed servers keep accepting any path."""
+    root = server_process.checkpoint_root_arguments
+    assert root("tcp://10.0.0.5:0", None, "/ckpt") == ["--checkpoint-root", "/ckpt"]
+    assert root("tcp://*:7000", None, "/ckpt") == ["--checkpoint-root", "/ckpt"]
+    assert root("tcp://127.0.0.1:0", None, "/ckpt") == []
+    assert root("ipc:///tmp/kvs/server-0", None, "/ckpt") == []
+    assert root("tcp://10.0.0.5:0", "/keys", "/ckpt") == []
+    assert root("tcp://10.0.0.5:0", None, None) == []
+
+
+def test_launch_creates_the_checkpoint_dir(tmp_path):
+    checkpoint_dir = tmp_path / "not" / "yet"
+    from kvsparse.cluster.launch import launch
+
+    code = launch(
+        [sys.executable, "-c", "pass"],
+        num_servers=1,
+        num_workers=1,
+        checkpoint_dir=str(checkpoint_dir),
+        stdout=io.StringIO(),
+        stderr=io.StringIO(),
+    )
+    assert code == 0 and checkpoint_dir.is_dir()

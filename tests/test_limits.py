@@ -17,8 +17,9 @@ from conftest import ServerProcess
 
 import kvsparse
 from kvsparse import config, errors
+from kvsparse.config import reachable_only_locally
 from kvsparse.placement import table_id_of
-from kvsparse.server.paths import CheckpointPaths, reachable_only_locally
+from kvsparse.server.paths import CheckpointPaths
 from kvsparse.table import MAX_DIM
 from kvsparse.wire import ops, protocol
 from kvsparse.wire.protocol import Header

@@ -196,7 +196,13 @@ class _Cluster:
         self.startup_timeout = startup_timeout
         for index in range(count):
             self.check_signal()
-            argv = process.server_command(binds[index], keys=self.keys)
+            argv = process.server_command(
+                binds[index],
+                keys=self.keys,
+                extra_args=process.checkpoint_root_arguments(
+                    binds[index], self.keys, self.checkpoint_dir
+                ),
+            )
             self.servers.append(self._server(index, argv))
         deadline = time.monotonic() + startup_timeout
         for index, child in enumerate(self.servers):
@@ -244,8 +250,9 @@ class _Cluster:
         """
         self.restarts[index] = self.restarts.get(index, 0) + 1
         restore = process.restore_arguments(self.checkpoint_dir, index, len(self.servers))
+        root = process.checkpoint_root_arguments(dead.address, self.keys, self.checkpoint_dir)
         argv = process.server_command(
-            dead.address, keys=self.keys, restarted=True, extra_args=restore
+            dead.address, keys=self.keys, restarted=True, extra_args=restore + root
         )
 
         def start() -> process.ServerProcess:
@@ -520,6 +527,8 @@ def launch(
         extra.setdefault(config.KEYS, keys)
     if checkpoint_dir is not None:
         checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+        # It may be a server's checkpoint root, which must exist (and saves go there anyway).
+        os.makedirs(checkpoint_dir, exist_ok=True)
         cluster.checkpoint_dir = checkpoint_dir
         extra.setdefault(config.CHECKPOINT_DIR, checkpoint_dir)
     if restart_servers:

@@ -175,6 +175,28 @@ def restore_arguments(checkpoint_dir: Optional[str], shard_index: int, num_shard
     ]
 
 
+def checkpoint_root_arguments(
+    bind: str, keys: Optional[str], checkpoint_dir: Optional[str]
+) -> list:
+    """``--checkpoint-root DIR`` for a server that would refuse every checkpoint path, else [].
+
+    A server reachable from other hosts without CurveZMQ keys takes CHECKPOINT
+    requests only inside a checkpoint root (`kvsparse.server.paths`); a
+    launcher that gives its workers a checkpoint directory makes it that
+    root, so that ``kv.save()`` works there. Other servers accept any path,
+    as before. Thread-safe.
+
+    Example:
+        >>> checkpoint_root_arguments('tcp://10.0.0.5:0', None, '/ckpt')
+        ['--checkpoint-root', '/ckpt']
+        >>> checkpoint_root_arguments('tcp://127.0.0.1:0', None, '/ckpt')
+        []
+    """
+    if checkpoint_dir is None or keys is not None or config.reachable_only_locally(bind):
+        return []
+    return ["--checkpoint-root", checkpoint_dir]
+
+
 def server_command(
     bind: str,
     *,
@@ -552,6 +574,7 @@ __all__ = [
     "check_transport",
     "has_checkpoint",
     "ipc_bind_address",
+    "checkpoint_root_arguments",
     "restore_arguments",
     "server_command",
     "server_environment",

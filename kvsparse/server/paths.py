@@ -24,28 +24,9 @@ Example:
 
 from __future__ import annotations
 
-import ipaddress
 import os
 
 from kvsparse import config, errors
-
-
-def reachable_only_locally(address: str) -> bool:
-    """True for an ``ipc://`` address or a tcp one bound to a loopback interface. Thread-safe.
-
-    Example:
-        >>> reachable_only_locally("tcp://127.0.0.1:7000"), reachable_only_locally("tcp://*:1")
-        (True, False)
-    """
-    if config.ipc_path(address) is not None:
-        return True
-    host = address.partition("://")[2].rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class CheckpointPaths:
@@ -72,7 +53,9 @@ class CheckpointPaths:
                     f"checkpoint root {root!r} is not an existing directory (--checkpoint-root)"
                 )
             self._root = real
-        self._unconfined = root is None and (authenticated or reachable_only_locally(address))
+        self._unconfined = root is None and (
+            authenticated or config.reachable_only_locally(address)
+        )
 
     @property
     def root(self) -> str | None:
@@ -108,4 +91,4 @@ class CheckpointPaths:
         return resolved
 
 
-__all__ = ["CheckpointPaths", "reachable_only_locally"]
+__all__ = ["CheckpointPaths"]
