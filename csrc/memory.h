@@ -14,6 +14,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdlib>
 #include <new>
@@ -46,10 +47,13 @@ struct FreeArray {
   void operator()(void* p) const { std::free(p); }
 };
 
-// A buffer reused from call to call: grows (never shrinks) to the largest size
-// asked for. Per-push scratch of a table was a fresh huge-page mapping each
-// time, whose page faults and kernel zeroing cost ~20% of a warm Adagrad push
-// (issue 10). Not thread-safe: one owner at a time.
+// A buffer reused from call to call: grows (never shrinks), by at least half
+// its size, to hold the largest size asked for. Per-push scratch of a table
+// was a fresh huge-page mapping each time, whose page faults and kernel
+// zeroing cost ~20% of a warm Adagrad push (issue 10); growing to the exact
+// size still remapped on most pushes while a table filled up (each push
+// updates a few more stored rows than the last). Not thread-safe: one owner
+// at a time.
 //
 // Example:
 //   ScratchArray<float> scratch;
@@ -61,10 +65,11 @@ class ScratchArray {
   // buffer is kept then).
   T* Get(size_t count) {
     if (count > capacity_) {
-      T* grown = AllocateArray<T>(count);
+      const size_t grown_count = std::max(count, capacity_ + capacity_ / 2);
+      T* grown = AllocateArray<T>(grown_count);
       std::free(data_);
       data_ = grown;
-      capacity_ = count;
+      capacity_ = grown_count;
     }
     return data_;
   }

@@ -61,6 +61,7 @@ EmbeddingTable::EmbeddingTable(const TableConfig& config)
   stamps_.Reset(1, log2);
   touches_.Reset(TracksTouches() ? 1 : 0, log2);
   last_step_.Reset(TracksLastStep() ? 1 : 0, log2);
+  initial_rows_.Configure(config.dim);
   Rehash(kMinCapacity);
 }
 
@@ -94,7 +95,8 @@ int64_t EmbeddingTable::MemoryBytes() const {
 
 int64_t EmbeddingTable::ScratchBytes() const {
   return static_cast<int64_t>(push_fresh_state_.bytes() + push_saved_state_.bytes() +
-                              push_saved_meta_.bytes());
+                              push_saved_meta_.bytes()) +
+         initial_rows_.Bytes();
 }
 
 size_t EmbeddingTable::HomeBucket(int64_t key) const {
@@ -280,27 +282,29 @@ void EmbeddingTable::InitialValues(const int64_t* keys, int64_t n, float* out) c
               });
 }
 
-void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out) const {
+void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out,
+                                 uint8_t* missing) const {
   // Fixed row sizes copy with inline moves instead of a memcpy call per row
   // (dim 8: 8% of a lookup was libc's memmove).
   switch (config_.dim) {
     case 4:
-      return LookupRangeFor<4>(keys, n, out);
+      return LookupRangeFor<4>(keys, n, out, missing);
     case 8:
-      return LookupRangeFor<8>(keys, n, out);
+      return LookupRangeFor<8>(keys, n, out, missing);
     case 16:
-      return LookupRangeFor<16>(keys, n, out);
+      return LookupRangeFor<16>(keys, n, out, missing);
     case 32:
-      return LookupRangeFor<32>(keys, n, out);
+      return LookupRangeFor<32>(keys, n, out, missing);
     case 64:
-      return LookupRangeFor<64>(keys, n, out);
+      return LookupRangeFor<64>(keys, n, out, missing);
     default:
-      return LookupRangeFor<0>(keys, n, out);
+      return LookupRangeFor<0>(keys, n, out, missing);
   }
 }
 
 template <int64_t kRowFloats>
-void EmbeddingTable::LookupRangeFor(const int64_t* keys, int64_t n, float* out) const {
+void EmbeddingTable::LookupRangeFor(const int64_t* keys, int64_t n, float* out,
+                                    uint8_t* missing_out) const {
   const int64_t dim = kRowFloats > 0 ? kRowFloats : config_.dim;
   const size_t row_bytes = sizeof(float) * static_cast<size_t>(dim);
   // A pipeline over the keys: key i's bucket is prefetched kBucketAhead keys
@@ -353,6 +357,7 @@ void EmbeddingTable::LookupRangeFor(const int64_t* keys, int64_t n, float* out) 
       if (row >= 0) {
         std::memcpy(dst, values_.Row(row), kRowFloats > 0 ? sizeof(float) * kRowFloats : row_bytes);
       } else {
+        if (missing_out != nullptr) missing_out[c] = 1;
         missing_keys[missing] = keys[c];
         missing_rows[missing++] = dst;
         if (missing == kMissingBatch) {
@@ -366,11 +371,61 @@ void EmbeddingTable::LookupRangeFor(const int64_t* keys, int64_t n, float* out) 
 }
 
 Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const {
+  // Which keys missed, to keep their generated rows for the push that
+  // usually follows; without room for the flags, the lookup just keeps none.
+  std::vector<uint8_t> missing;
+  if (CachesInitialRows()) {
+    try {
+      missing.assign(static_cast<size_t>(n), 0);
+    } catch (const std::bad_alloc&) {
+      missing.clear();
+    }
+  }
+  uint8_t* flags = missing.empty() ? nullptr : missing.data();
   // Read-only: ranges of the batch can be served by different threads.
   ParallelFor(n, kMinKeysPerThread, [&](int64_t begin, int64_t end) {
-    LookupRange(keys + begin, end - begin, out + begin * config_.dim);
+    LookupRange(keys + begin, end - begin, out + begin * config_.dim,
+                flags == nullptr ? nullptr : flags + begin);
   });
+  if (flags != nullptr) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; ++i) count += flags[i];
+    if (count > 0) {
+      initial_rows_.Reserve(count);
+      for (int64_t i = 0; i < n; ++i) {
+        if (flags[i]) initial_rows_.Put(keys[i], out + i * config_.dim);
+      }
+    }
+  }
   return Status::Ok();
+}
+
+void EmbeddingTable::FillInitialRowsCached(const int64_t* keys, int64_t n,
+                                           float* const* targets) const {
+  const int64_t dim = config_.dim;
+  if (!CachesInitialRows()) {
+    FillInitialRows(config_.initializer, keys, n, dim, targets);
+    return;
+  }
+  constexpr int64_t kBlock = 128;
+  int64_t generate_keys[kBlock];
+  float* generate_targets[kBlock];
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const int64_t count = std::min(kBlock, n - i);
+    int64_t generate = 0;
+    for (int64_t k = 0; k < count; ++k) {
+      const float* cached = initial_rows_.Find(keys[i + k]);
+      if (cached != nullptr) {
+        std::memcpy(targets[i + k], cached, sizeof(float) * static_cast<size_t>(dim));
+      } else {
+        generate_keys[generate] = keys[i + k];
+        generate_targets[generate++] = targets[i + k];
+      }
+    }
+    if (generate > 0) {
+      FillInitialRows(config_.initializer, generate_keys, generate, dim, generate_targets);
+    }
+  }
 }
 
 Status EmbeddingTable::LookupOrInsert(const int64_t* keys, int64_t n, float* out) {
@@ -631,8 +686,7 @@ int64_t EmbeddingTable::ComputeFreshRows(PushPlan* plan, bool skipping) {
                 for (int64_t i = begin; i < end; i += kRowsPerCall) {
                   const int64_t rows = std::min(kRowsPerCall, end - i);
                   for (int64_t k = 0; k < rows; ++k) targets[k] = state + (i + k) * stride;
-                  FillInitialRows(config_.initializer, p.fresh_keys.data() + i, rows, dim,
-                                  targets);
+                  FillInitialRowsCached(p.fresh_keys.data() + i, rows, targets);
                   for (int64_t k = 0; k < rows; ++k) {
                     float* w = targets[k];
                     optimizer_.InitSlots(w + dim, dim);

@@ -30,6 +30,7 @@
 #include "initializer.h"
 #include "memory.h"
 #include "optimizer.h"
+#include "row_cache.h"
 #include "status.h"
 
 namespace kvsparse {
@@ -302,10 +303,20 @@ class EmbeddingTable {
   // Rows of keys[0..n) (-1 when missing), probing a block at a time with
   // prefetches so the cache misses of different keys overlap.
   void FindRows(const int64_t* keys, int64_t n, int64_t* rows) const;
-  void LookupRange(const int64_t* keys, int64_t n, float* out) const;
+  // missing (nullable): set to 1 for the keys the table does not store.
+  void LookupRange(const int64_t* keys, int64_t n, float* out, uint8_t* missing) const;
   // LookupRange for rows of kRowFloats floats (0: config_.dim, any).
   template <int64_t kRowFloats>
-  void LookupRangeFor(const int64_t* keys, int64_t n, float* out) const;
+  void LookupRangeFor(const int64_t* keys, int64_t n, float* out, uint8_t* missing) const;
+  // Initial rows of keys[0..n) into targets[i]: copied from initial_rows_
+  // where it holds them, generated otherwise (the same bits either way).
+  void FillInitialRowsCached(const int64_t* keys, int64_t n, float* const* targets) const;
+  // Whether initial rows are worth caching (random initializers only:
+  // Zeros/Constant rows cost less to write than to copy).
+  bool CachesInitialRows() const {
+    return config_.initializer.kind != InitializerKind::kZeros &&
+           config_.initializer.kind != InitializerKind::kConstant;
+  }
   // Returns the row of key, inserting it (initial slots, step 0, policy
   // metadata) when missing; *inserted tells. The value of an inserted row is
   // NOT set: the caller writes it or calls FillNewRows for the batch's new
@@ -422,6 +433,10 @@ class EmbeddingTable {
   ScratchArray<float> push_fresh_state_;
   ScratchArray<float> push_saved_state_;
   ScratchArray<uint32_t> push_saved_meta_;
+  // Initial rows that lookups generated for ids the table does not store,
+  // for the push that usually follows (issue 10: never generate a row twice).
+  // Lookup is const to its callers; the cache changes no result.
+  mutable InitialRowCache initial_rows_;
   std::unordered_map<int64_t, Candidate> candidates_;
   PolicyStats policy_stats_;
 };

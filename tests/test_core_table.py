@@ -118,6 +118,36 @@ def test_lookup_does_not_insert():
         table.read_state(ids([12345]))
 
 
+@pytest.mark.parametrize("initializer", INITIALIZERS, ids=lambda s: s["kind"])
+@pytest.mark.parametrize("dim", [5, 64])
+def test_push_after_lookup_gives_the_same_bits_as_without(initializer, dim):
+    """Issue 10: a lookup keeps the initial rows it generated for unstored ids, and the push
+    that follows copies them instead of generating them again. The cache is direct-mapped
+    and bounded: ids it lost are generated again. Either way, every bit is as without it."""
+    rng = np.random.default_rng(dim)
+    optimizer = {"kind": "adagrad", "learning_rate": 0.1}
+    pulled = _core.Table(dim, initializer, optimizer, seed=7)
+    plain = _core.Table(dim, initializer, optimizer, seed=7)
+    for step in range(4):
+        keys = np.unique(rng.integers(-(2**62), 2**62, 3000 * (step + 1)))
+        rng.shuffle(keys)
+        # Several lookups before the push: the later ones overwrite cache slots.
+        for part in np.array_split(keys, 3):
+            np.testing.assert_array_equal(
+                pulled.lookup(part), reference.initial_rows(initializer, part, dim, 7)
+            )
+        pulled.lookup(rng.integers(0, 2**62, 20000))  # ids never pushed
+        grads = rng.standard_normal((keys.size, dim)).astype(np.float32)
+        assert pulled.apply_gradients(keys, grads) == plain.apply_gradients(keys, grads)
+        for got, expected in zip(pulled.read_state(keys), plain.read_state(keys)):
+            np.testing.assert_array_equal(got, expected)
+    assert pulled.size() == plain.size()
+    if initializer["kind"] in ("zeros", "constant"):
+        assert pulled.scratch_bytes() == plain.scratch_bytes()
+    else:  # the cache is counted, and bounded (16 MiB)
+        assert plain.scratch_bytes() < pulled.scratch_bytes() <= plain.scratch_bytes() + (16 << 20)
+
+
 def test_lookup_into_out_buffer():
     table = _core.Table(4, {"kind": "constant", "a": 2.0})
     out = np.full((3, 4), -1.0, np.float32)
