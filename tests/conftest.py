@@ -214,6 +214,61 @@ def run_workers(
             err.close()
 
 
+def launch_workers(
+    script: str,
+    num_servers: int,
+    num_workers: int,
+    workdir: Path,
+    *,
+    timeout: float = 300.0,
+    launch_args=(),
+) -> list[str]:
+    """Runs script under ``kvsparse launch -s num_servers -n num_workers`` and returns each
+    worker's stdout, by rank.
+
+    The launcher starts the servers and the workers itself (its environment, its ports);
+    every worker's stdout goes to ``worker-<rank>.out`` in workdir (the script is run through
+    a shell redirect, since the launcher relays the workers' output interleaved). A nonzero
+    exit of the launch, or a timeout, raises WorkerFailure with the launch's output and
+    every worker's output.
+    """
+    path = Path(workdir) / "launched_script.py"
+    path.write_text(script)
+    command = f'exec "{sys.executable}" "{path}" > "{workdir}/worker-$KVSPARSE_RANK.out"'
+    launch = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvsparse",
+            "launch",
+            "-s",
+            str(num_servers),
+            "-n",
+            str(num_workers),
+            *launch_args,
+            "--",
+            "sh",
+            "-c",
+            command,
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=str(workdir),
+        timeout=timeout,
+    )
+    outputs = []
+    for rank in range(num_workers):
+        out = Path(workdir) / f"worker-{rank}.out"
+        outputs.append(out.read_text(errors="replace") if out.exists() else "")
+    if launch.returncode != 0:
+        raise WorkerFailure(
+            f"kvsparse launch exited {launch.returncode}:\n{launch.stdout}\n{launch.stderr}\n"
+            + "\n".join(f"--- worker {r} stdout ---\n{o}" for r, o in enumerate(outputs))
+        )
+    return outputs
+
+
 def last_json(stdout: str):
     """The JSON value on the last non-empty line of a worker's stdout."""
     lines = [line for line in stdout.splitlines() if line.strip()]

@@ -1,7 +1,7 @@
 """MXNet's distributed-store semantics through ``mx.kv.create('dist_sparse')`` (issue 12).
 
-The multi-worker checks run 2 workers against 2 real servers (`run_workers`,
-as ``kvsparse launch -s 2 -n 2`` starts them) and compare with what MXNet's own
+The multi-worker checks run under ``kvsparse launch -s 2 -n 2`` (2 real servers, 2
+workers, started by the launcher as a user's job is) and compare with what MXNet's own
 dist-kvstore tests expect (its ``test_dist_sync_kvstore.py`` rules: the "test"
 optimizer's ``weight += rescale_grad * grad``), with a NumPy model of MXNet's
 2-bit quantizer, and with Gluon over MXNet's local store (two CPU contexts
@@ -19,7 +19,7 @@ if "bool" not in vars(np):
 mx = pytest.importorskip("mxnet")
 
 import kvsparse.adapters.mxnet as kam  # noqa: E402
-from conftest import REPO_ROOT, last_json, run_workers  # noqa: E402
+from conftest import REPO_ROOT, last_json, launch_workers  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from mxnet import autograd, gluon, nd  # noqa: E402
@@ -333,10 +333,9 @@ def compressed_grads(rank):
     return [base, base, np.array([0.1, 0.0, 0.0, -0.3], np.float32)]
 
 
-def test_mxnet_dist_store_semantics_with_two_workers_and_two_servers(server_factory, tmp_path):
-    servers = server_factory(2)
+def test_mxnet_dist_store_semantics_with_two_workers_and_two_servers(tmp_path):
     script = WORKER.format(tests=str(REPO_ROOT / "tests"))
-    outputs = run_workers(script, servers, 2, tmp_path, timeout=300)
+    outputs = launch_workers(script, 2, 2, tmp_path, timeout=300)
     results = [last_json(o) for o in outputs]
     # MXNet's test_dist_sync_kvstore rule: (n + 1) n / 2 * rate * repeats + 1.
     expected = 1 + (2 + 1) * 2 / 2 * RATE * 2
@@ -450,10 +449,9 @@ print(json.dumps(t.trained({case!r}, int(os.environ["KVSPARSE_RANK"]))))
 
 
 @pytest.mark.parametrize("case", sorted(GLUON_CASES))
-def test_gluon_trainer_over_dist_sparse_matches_mxnets_local_store(case, server_factory, tmp_path):
-    servers = server_factory(2)
+def test_gluon_trainer_over_dist_sparse_matches_mxnets_local_store(case, tmp_path):
     script = GLUON_WORKER.format(tests=str(REPO_ROOT / "tests"), case=case)
-    results = [last_json(o) for o in run_workers(script, servers, 2, tmp_path, timeout=180)]
+    results = [last_json(o) for o in launch_workers(script, 2, 2, tmp_path, timeout=180)]
     update_on_kvstore, weights, _ = GLUON_CASES[case]
     if weights == "row_sparse" and update_on_kvstore is False:
         with pytest.raises(ValueError, match="update_on_kvstore=False"):
