@@ -374,3 +374,23 @@ def test_local_store_matches_numpy_model(case):
         for k, slots, step in zip(entry["keys"], entry["slots"], entry["steps"]):
             np.testing.assert_allclose(slots, table.slots[int(k)], rtol=1e-5, atol=1e-6)
             assert step == table.steps[int(k)]
+
+
+@pytest.mark.parametrize("call", ["save", "export"])
+def test_a_local_save_to_an_unusable_path_is_a_checkpoint_error_and_loses_nothing(
+    kv, tmp_path, call
+):
+    """As a server answers it: a path under a regular file is the request's problem
+    (CheckpointError naming the path), not a raw OSError; the store goes on, and a save to
+    a good path afterwards restores every row."""
+    kv.init("t", kvsparse.SparseTable(dim=2, initializer=initializers.Zeros()))
+    kv.push("t", (np.array([1, 2]), np.ones((2, 2), np.float32)))
+    (tmp_path / "file").write_text("not a directory")
+    bad = tmp_path / "file" / "ckpt"
+    with pytest.raises(errors.CheckpointError, match=str(tmp_path / "file")):
+        getattr(kv, call)(bad)
+    rows = kv.row_sparse_pull("t", row_ids=np.array([1, 2]))
+    kv.save(tmp_path / "good")
+    kv.push("t", (np.array([1]), np.ones((1, 2), np.float32)))
+    kv.load(tmp_path / "good")
+    np.testing.assert_array_equal(kv.row_sparse_pull("t", row_ids=np.array([1, 2])), rows)

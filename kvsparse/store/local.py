@@ -140,15 +140,20 @@ class LocalBackend:
     def checkpoint(self, requests, gather=False):
         """{shard: request body} -> {shard: reply}, run in this process (`checkpoint.handle`).
 
-        gather: a failed shard's error (a KVSparseError or OSError) is its value.
+        gather: a failed shard's error (a KVSparseError) is its value. A file system error
+        (a path under a file, no permission, a full disk) is the request's problem and
+        becomes a CheckpointError, as a server answers it.
         """
         from kvsparse.shard import checkpoint
 
         replies = {}
         for s, body in requests.items():
             try:
-                replies[s] = checkpoint.handle(self.state, body, 0, 1)
-            except (errors.KVSparseError, OSError) as exc:
+                try:
+                    replies[s] = checkpoint.handle(self.state, body, 0, 1)
+                except OSError as exc:
+                    raise errors.CheckpointError(f"checkpoint: {exc}") from None
+            except errors.KVSparseError as exc:
                 if not gather:
                     raise
                 replies[s] = exc
