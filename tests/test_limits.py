@@ -315,3 +315,26 @@ def test_checkpoint_requests_outside_the_root_are_refused(server_with, tmp_path)
         kv.load(str(root / "ckpt"))
     finally:
         kv.close()
+
+
+def test_optimizer_states_past_the_reply_cap_are_refused_before_they_are_built(
+    server_with, tmp_path
+):
+    """GET_OPTIMIZER_STATES (save_optimizer_states) is a reply like a pull: 2,000 rows of an
+    Adagrad dim-64 table hold 2,000 x (8 + 8 + 256) bytes, past a 200,000-byte cap."""
+    server = server_with("--max-reply-bytes", 200_000)
+    kv = kvsparse.create("dist_sparse", servers=[server.address], timeout=30)
+    try:
+        kv.init("t", kvsparse.SparseTable(dim=64))
+        kv.set_optimizer(kvsparse.optimizers.Adagrad())
+        kv.push("t", (np.arange(500), np.ones((500, 64), np.float32)))
+        kv.save_optimizer_states(tmp_path / "small.states")  # 136,000 bytes: under the cap
+        kv.push("t", (np.arange(2000), np.ones((2000, 64), np.float32)))
+        with pytest.raises(errors.LimitExceeded, match=r"optimizer states .*--max-reply-bytes"):
+            kv.save_optimizer_states(tmp_path / "big.states")
+        assert not (tmp_path / "big.states").exists()
+        # The server goes on serving, the rows as they were.
+        assert kv.stats()["tables"]["t"]["rows"] == 2000
+        assert kv.row_sparse_pull("t", row_ids=np.arange(3)).shape == (3, 64)
+    finally:
+        kv.close()

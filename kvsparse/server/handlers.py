@@ -294,6 +294,13 @@ class Handlers:
 
     def _get_optimizer_states(self, header, payload, pending):
         ops.GetOptimizerStates.decode_request(header, payload)
+        # Bounded like a pull (issue 11, defect 16): checked before the arrays are built.
+        self._limits.check_reply(
+            pending.routing,
+            self._state.optimizer_state_bytes(),
+            "the optimizer states of this shard",
+            hint="save them on the servers instead (kv.save(path) keeps every slot)",
+        )
         return ops.GetOptimizerStates.encode_reply(self._state.optimizer_state())
 
     def _load_optimizer_states(self, header, payload, pending):

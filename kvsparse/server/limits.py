@@ -146,14 +146,16 @@ class RequestLimits:
                 "request (kvsparse server --max-rows-per-request); split it into smaller batches"
             )
 
-    def check_reply(self, routing: bytes, reply_bytes: int, what: str) -> None:
+    def check_reply(
+        self, routing: bytes, reply_bytes: int, what: str, hint: str = "pull fewer ids per call"
+    ) -> None:
         """Raises LimitExceeded for a reply over max_reply_bytes or over routing's budget."""
         limit = self.limits.max_reply_bytes
         if reply_bytes > limit:
             raise errors.LimitExceeded(
                 f"{what} needs a reply of {human_bytes(reply_bytes)}, more than the server's "
                 f"limit of {human_bytes(limit)} per reply (kvsparse server --max-reply-bytes); "
-                "pull fewer ids per call"
+                f"{hint}"
             )
         if self._budget is not None:
             self._budget.check(routing, reply_bytes)

@@ -361,6 +361,16 @@ class ShardState:
 
     # -- optimizer state and stats ---------------------------------------------------------
 
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the arrays optimizer_state() would build, without building them."""
+        total = 0
+        for entry in self.sparse.values():
+            table = entry.table
+            total += len(table) * (8 + 8 + 4 * table.num_slots * table.dim)  # keys, steps, slots
+        for entry in self.dense.values():
+            total += entry.slots_array().nbytes
+        return total
+
     def optimizer_state(self) -> dict:
         """{table_id: {"keys", "slots", "steps"} | {"slots", "step"}} of this shard."""
         state = {}
