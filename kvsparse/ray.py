@@ -217,7 +217,11 @@ class ServerShard:
         if record is not None:
             restore = server_process.restore_arguments(checkpoint_dir, index, num_shards)
         self.restored = bool(restore)
-        command = server_process.server_command(bind, extra_args=[*restore, *server_args])
+        # A restarted shard replaces a server that died (its BSP rounds recover as under
+        # kvsparse launch --restart-servers).
+        command = server_process.server_command(
+            bind, restarted=record is not None, extra_args=[*restore, *server_args]
+        )
         self.stopping = False
         self._server = self._start(command, bind, retry=port != 0)
         self.process = self._server.process

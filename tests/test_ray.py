@@ -167,6 +167,11 @@ def _wait_for(condition, seconds: float = 30.0) -> bool:
     return True
 
 
+def _cmdline(pid: int) -> list:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode().split("\0")
+
+
 def test_servers_workers_restart_from_checkpoint_and_shutdown(ray_cluster, tmp_path):
     checkpoints = tmp_path / "checkpoints"
     group = kvsparse_ray.start_servers(
@@ -209,6 +214,8 @@ def test_servers_workers_restart_from_checkpoint_and_shutdown(ray_cluster, tmp_p
         assert [i["restored"] for i in infos] == [False, True]
         assert [i["address"] for i in infos] == group.addresses
         assert infos[1]["pid"] != old["pid"] and infos[1]["actor_pid"] != old["actor_pid"]
+        # The replacement knows it replaces a dead server (its BSP rounds recover).
+        assert ["--restarted" in _cmdline(i["pid"]) for i in infos] == [False, True]
         # Shard 1 holds the checkpoint's 3 steps (the 4th came after it; with no
         # checkpoint it would hold zeros); shard 0 kept its 4.
         expected = np.full((NUM_IDS, 4), 3 * step, np.float32)
