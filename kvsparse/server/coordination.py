@@ -225,22 +225,36 @@ def apply_pushes(state, kind: PushKind, table_id: int, parts: list) -> None:
     parts: sparse (keys, rows, step) or dense (grad,) tuples, in the order
     they are summed (rank order in BSP: the same sum on every run).
     """
+    apply_tables(state, kind, [(table_id, parts)])
+
+
+def apply_tables(state, kind: PushKind, tables: list) -> None:
+    """Applies each table's summed pushes: all the tables or none (issue 11).
+
+    tables: (table_id, parts) pairs, parts as in `apply_pushes`. One
+    request's tables on this shard: if one table's update fails (an overflow,
+    say), no table changes (`ShardState.push_sparse_tables`,
+    `ShardState.push_dense_keys`).
+    """
     if kind is PushKind.SPARSE:
-        # The core sums duplicate keys before it applies the optimizer.
-        keys = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
-        rows = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
-        if keys.size:
-            state.push_sparse(table_id, keys, rows)
-        elif any(p[2] for p in parts):
-            # The push had keys on other shards: count it here too (Adam's per-table step).
-            state.advance_sparse_step(table_id)
+        pushes = []
+        for table_id, parts in tables:
+            # The core sums duplicate keys before it applies the optimizer.
+            keys = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
+            rows = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
+            # A push with keys on other shards only counts here (Adam's per-table step).
+            pushes.append((table_id, keys, rows, any(p[2] for p in parts)))
+        state.push_sparse_tables(pushes)
         return
-    total = parts[0][0]
-    if len(parts) > 1:
-        total = total.copy()
-        for part in parts[1:]:
-            total += part[0]
-    state.push_dense(table_id, total)
+    pushes = []
+    for table_id, parts in tables:
+        total = parts[0][0]
+        if len(parts) > 1:
+            total = total.copy()
+            for part in parts[1:]:
+                total += part[0]
+        pushes.append((table_id, total))
+    state.push_dense_keys(pushes)
 
 
 class _Push:
@@ -295,6 +309,9 @@ class BspRounds:
         if not groups:
             return False
         push = _Push(request, clock, len(groups))
+        # The rounds this push completes, applied together (all or nothing on this shard):
+        # waves[i] holds each table's i-th completed round.
+        waves: list[list] = []
         for table_id, parts in groups.items():
             key = (kind, table_id)
             round_ = self._rounds.setdefault(key, Round())
@@ -305,10 +322,14 @@ class BspRounds:
                 completed = round_.add(rank, (push, parts), num_workers)
             if not round_:
                 del self._rounds[key]
-            for contributions in completed:
-                if recovering:
-                    self._settled.add(key)
-                self._apply(kind, table_id, contributions)
+            if completed and recovering:
+                self._settled.add(key)
+            for i, contributions in enumerate(completed):
+                if i == len(waves):
+                    waves.append([])
+                waves[i].append((table_id, contributions))
+        for wave in waves:
+            self._apply_wave(kind, wave)
         return True
 
     def _orphaned(self, kind, table_id, round_: Round, push: _Push, parts) -> bool:
@@ -331,15 +352,23 @@ class BspRounds:
         return False
 
     def _apply(self, kind: PushKind, table_id: int, contributions: list) -> None:
+        self._apply_wave(kind, [(table_id, contributions)])
+
+    def _apply_wave(self, kind: PushKind, rounds: list) -> None:
+        """Applies complete rounds [(table_id, contributions)] together: all or none."""
         # Contributions come in rank order: the same sum on every run.
-        parts = [part for _, group in contributions for part in group]
+        tables = [
+            (table_id, [part for _, group in contributions for part in group])
+            for table_id, contributions in rounds
+        ]
         error = None
         try:
-            apply_pushes(self._state, kind, table_id, parts)
-        except Exception as exc:  # noqa: BLE001 - reported to every worker of the round
+            apply_tables(self._state, kind, tables)
+        except Exception as exc:  # noqa: BLE001 - reported to every worker of the rounds
             error = exc
-        for push, _ in contributions:
-            push.table_done(error)
+        for _, contributions in rounds:
+            for push, _ in contributions:
+                push.table_done(error)
 
     def fail_waiting_for(self, left: dict) -> int:
         """Fails every round that waits for a rank in left (rank -> why); returns pushes failed.

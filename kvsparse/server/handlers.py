@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvsparse import errors
-from kvsparse.server.coordination import PushKind, apply_pushes
+from kvsparse.server.coordination import PushKind, apply_tables
 from kvsparse.server.dispatch import DEFERRED
 from kvsparse.server.limits import RequestLimits
 from kvsparse.server.metrics import table_names
@@ -281,8 +281,8 @@ class Handlers:
                 pending, header.rank, header.clock, kind, parsed, self._job.num_workers
             )
             return DEFERRED if held else []
-        for table_id, *part in parsed:
-            apply_pushes(self._state, kind, table_id, [part])
+        # All the request's tables or none (issue 11).
+        apply_tables(self._state, kind, [(table_id, [part]) for table_id, *part in parsed])
         return []
 
     def _barrier(self, header, payload, pending):
