@@ -12,6 +12,8 @@ to -1e39, past float32; a gradient of 1e-30 moves it by 1e8, which is finite.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,7 @@ import kvsparse
 from kvsparse import errors
 from kvsparse.initializers import Zeros
 from kvsparse.optimizers import SGD
+from tests.conftest import ServerProcess
 
 HUGE_LR = 1e38
 SMALL, OVERFLOWING = 1e-30, 10.0
@@ -108,3 +111,119 @@ def test_dense_update_overflow_raises_and_keeps_the_values(kind, optimizer, serv
     fresh.push("w", np.full(5, 1e-3, np.float32))
     np.testing.assert_array_equal(kv.pull("w"), fresh.pull("w"))
     kv.close()
+
+
+# -- what a restarted server needs is in its checkpoint -------------------------------------------
+
+
+def _restart_from(server: ServerProcess, ckpt: str):
+    """Kills server and starts its replacement on the same port from checkpoint ckpt."""
+    server.kill()
+    args = ("--restore", ckpt, "--shard-index", "0", "--num-shards", "1", "--restarted")
+    return ServerProcess(bind=server.address, extra_args=args)
+
+
+def _stop(*servers) -> None:
+    for server in servers:
+        if server is not None:
+            server.stop()
+            server.stderr.close()
+
+
+def test_per_table_optimizer_survives_a_restart_with_its_slots(tmp_path):
+    """A table's own optimizer (set_optimizer(opt, key=...)) and its Adagrad sums after a restart.
+
+    Rank 0's session replays its set_optimizer calls to the restarted server; the
+    server knows them from its checkpoint and keeps what it restored, so the next
+    pushes give what they give on a server that never stopped.
+    """
+    ckpt = str(tmp_path / "ckpt")
+    server, replacement = ServerProcess(), None
+    reference = kvsparse.create("local")
+    try:
+        kv = kvsparse.create(
+            "dist_async", servers=[server.address], rank=0, num_workers=1, retry_window=30
+        )
+        for store in (kv, reference):
+            store.init("t", kvsparse.SparseTable(dim=2, initializer=Zeros()))
+            store.init("w", np.ones(3, np.float32))
+            store.set_optimizer(SGD(learning_rate=1.0))
+            store.set_optimizer(kvsparse.optimizers.Adagrad(learning_rate=0.5), key=["t", "w"])
+            store.push("t", (np.array([1, 2]), _rows(1.0, 2)))
+            store.push("w", np.full(3, 2.0, np.float32))
+        kv.save(ckpt)
+        replacement = _restart_from(server, ckpt)
+        for store in (kv, reference):
+            store.push("t", (np.array([1, 3]), _rows(3.0, 2)))
+            store.push("w", np.full(3, 1.0, np.float32))
+        assert kv._backend.restarts == 1
+        ids = np.array([1, 2, 3])
+        np.testing.assert_array_equal(
+            kv.row_sparse_pull("t", row_ids=ids), reference.row_sparse_pull("t", row_ids=ids)
+        )
+        np.testing.assert_array_equal(kv.pull("w"), reference.pull("w"))
+        kv.close()
+    finally:
+        _stop(server, replacement)
+
+
+def _call_in_thread(function, timeout: float):
+    """function()'s result or exception, or a TimeoutError if it did not return in time."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = function()
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return TimeoutError(f"still waiting after {timeout} s")
+    return outcome.get("error", outcome.get("value"))
+
+
+def test_a_late_rank_set_optimizer_after_a_restart_is_answered_and_checked(tmp_path):
+    """Late ranks' set_optimizer after a restart: rank 0's call is in the checkpoint.
+
+    Without it the restarted server holds a late rank's call until rank 0
+    replays its own, which rank 0 does only once it talks to that server again.
+    """
+    ckpt = str(tmp_path / "ckpt")
+    server, replacement = ServerProcess(), None
+    try:
+        ranks = [
+            kvsparse.create(
+                "dist_async", servers=[server.address], rank=r, num_workers=3, retry_window=30
+            )
+            for r in range(3)
+        ]
+        adagrad = kvsparse.optimizers.Adagrad(learning_rate=0.5)
+        for kv in ranks:
+            kv.init("t", kvsparse.SparseTable(dim=2, initializer=Zeros()))
+        ranks[0].set_optimizer(adagrad)
+        ranks[0].push("t", (np.array([1]), _rows(1.0, 1)))
+        ranks[0].save(ckpt)
+        replacement = _restart_from(server, ckpt)
+        # Rank 0 stays quiet. The same optimizer is accepted, a different one refused.
+        assert _call_in_thread(lambda: ranks[1].set_optimizer(adagrad), 10) is None
+        outcome = _call_in_thread(lambda: ranks[2].set_optimizer(SGD(learning_rate=1.0)), 10)
+        assert isinstance(outcome, errors.InvalidArgument), outcome
+        assert "rank 0 set" in str(outcome)
+        # The restored Adagrad sum of id 1 is still there.
+        ranks[1].push("t", (np.array([1]), _rows(1.0, 1)))
+        reference = kvsparse.create("local")
+        reference.init("t", kvsparse.SparseTable(dim=2, initializer=Zeros()))
+        reference.set_optimizer(adagrad)
+        for _ in range(2):
+            reference.push("t", (np.array([1]), _rows(1.0, 1)))
+        ids = np.array([1])
+        np.testing.assert_array_equal(
+            ranks[1].row_sparse_pull("t", row_ids=ids), reference.row_sparse_pull("t", row_ids=ids)
+        )
+        for kv in ranks:
+            kv.close()
+    finally:
+        _stop(server, replacement)

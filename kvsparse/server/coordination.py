@@ -99,6 +99,7 @@ class JobConfig:
 
     def __init__(self):
         self._config: dict | None = None
+        self._restored = False  # from a checkpoint, and no HELLO since
 
     @property
     def configured(self) -> bool:
@@ -111,9 +112,11 @@ class JobConfig:
         Raises:
             InvalidArgument: it differs from the first one.
         """
-        if self._config is None:
+        if self._config is None or (self._restored and config != self._config):
+            self._restored = False
             self._config = dict(config)
             return True
+        self._restored = False
         if config != self._config:
             differences = ", ".join(
                 f"{name}={config[name]!r} (server has {self._config[name]!r})"
@@ -125,6 +128,24 @@ class JobConfig:
                 f"with by the first client: {differences}"
             )
         return False
+
+    def saved(self) -> dict | None:
+        """The configuration as a checkpoint keeps it (None before the first HELLO)."""
+        return None if self._config is None else dict(self._config)
+
+    def restore(self, config: dict | None) -> bool:
+        """Takes a checkpoint's configuration (a server restored from it); True if taken.
+
+        A server that was never greeted takes it, so a client whose request
+        it answers from a restored resend record can go on without a new
+        HELLO. The first HELLO after that may still set another
+        configuration (a new job started from the checkpoint).
+        """
+        if self._config is not None or not config:
+            return False
+        self._config = {name: config[name] for name in self.FIELDS}
+        self._restored = True
+        return True
 
     def _field(self, name: str):
         if self._config is None:
@@ -435,6 +456,21 @@ class OptimizerEpochs:
     def __init__(self):
         self._history: list = []  # rank 0's specs, one per call
         self._waiting: list[tuple] = []
+
+    def saved(self) -> list:
+        """Rank 0's calls as a checkpoint keeps them: [{"spec": ...} or None (unknown)]."""
+        return [None if spec is self._UNKNOWN else {"spec": spec} for spec in self._history]
+
+    def restore(self, calls: list) -> None:
+        """Takes rank 0's calls from a checkpoint (`saved`'s form), before any call here.
+
+        The calls restored are what the restored tables run: rank 0's replay
+        of one keeps them (their slots), and a follower's call of one is
+        answered at once, checked against it.
+        """
+        if self._history:
+            return
+        self._history = [self._UNKNOWN if call is None else call["spec"] for call in calls]
 
     def recorded(self, epoch: int) -> bool:
         """True if rank 0's call epoch is known here."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvsparse import errors
+from kvsparse.server import restart
 from kvsparse.server.coordination import PushKind, apply_tables
 from kvsparse.server.dispatch import DEFERRED
 from kvsparse.server.limits import RequestLimits
@@ -394,8 +395,10 @@ class Handlers:
         else:
             seq, parent = int(body["seq"]), body.get("parent")
             since, epoch = checkpoint.begin_save(state, bool(body.get("incremental")), path, parent)
+            # Taken at the moment of the tables' snapshot (issue 11).
+            server = restart.snapshot(self._resend, self._coordination)
             job = lambda: checkpoint.save_shard(  # noqa: E731
-                state, path, seq, shard_index, num_shards, since, parent
+                state, path, seq, shard_index, num_shards, since, parent, server
             )
             done = lambda: checkpoint.end_save(state, path, seq, epoch)  # noqa: E731
 

@@ -54,6 +54,13 @@ class SparseEntry:
     spec: dict
     table: _core.Table
     own_optimizer: bool
+    # The spec its INIT_SPARSE gave (spec also records an own optimizer set later): an
+    # identical INIT_SPARSE sent again (another rank's, a replay after a restart) matches it.
+    init_spec: dict | None = None
+
+    def __post_init__(self):
+        if self.init_spec is None:
+            self.init_spec = dict(self.spec)
 
 
 @dataclass
@@ -208,12 +215,10 @@ class ShardState:
         if existing is not None or table_id in self.dense:
             # A spec that names no stream version matches a table of any version: the
             # same init after loading an old checkpoint adopts its (v1) table.
-            if existing is not None and (
-                existing.spec == spec
-                or (
-                    not pinned
-                    and _without_stream_version(existing.spec) == _without_stream_version(spec)
-                )
+            if existing is not None and any(
+                known == spec
+                or (not pinned and _without_stream_version(known) == _without_stream_version(spec))
+                for known in (existing.spec, existing.init_spec)
             ):
                 return False
             raise errors.DuplicateKey(f"key {name!r} is already initialized differently")
