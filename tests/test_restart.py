@@ -12,7 +12,9 @@ to -1e39, past float32; a gradient of 1e-30 moves it by 1e8, which is finite.
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -227,3 +229,143 @@ def test_a_late_rank_set_optimizer_after_a_restart_is_answered_and_checked(tmp_p
             kv.close()
     finally:
         _stop(server, replacement)
+
+
+class _Relay:
+    """A TCP relay on a free 127.0.0.1 port to a server's port, that can lose replies.
+
+    hold(): what the server sends is dropped from then on (the requests still
+    get through): a reply lost on the way. cut(): every connection is closed
+    and relaying resumes; a client's ZeroMQ socket then connects again, to
+    whatever listens on the server's port by then.
+    """
+
+    def __init__(self, target: str):
+        self._target = ("127.0.0.1", int(target.rsplit(":", 1)[1]))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._holding = threading.Event()
+        self._lock = threading.Lock()
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold(self) -> None:
+        self._holding.set()
+
+    def cut(self) -> None:
+        with self._lock:
+            for sock in self._open:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+            self._open = []
+        self._holding.clear()
+
+    def close(self) -> None:
+        self.cut()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                upstream = socket.create_connection(self._target, timeout=1)
+            except OSError:
+                client.close()  # the server is down: the client will try again
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._open += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, replies: bool) -> None:
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                if not (replies and self._holding.is_set()):
+                    sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_a_push_whose_reply_was_lost_is_applied_once_by_the_restarted_server(
+    tmp_path, checkpointed
+):
+    """A push applied, its reply lost, its server killed and restored from a checkpoint.
+
+    The worker resends it (`kvsparse.client.recovery`): under its request id
+    if the restored server's resend record has it (applied before the save:
+    answered from the record), else under a new one (applied after the save,
+    so not in the restored tables: applied there once).
+    """
+    ckpt = str(tmp_path / "ckpt")
+    server, replacement = ServerProcess(), None
+    relay = _Relay(server.address)
+    try:
+        # Rank 0 reaches the server through the relay; rank 1 directly, and saves.
+        worker = kvsparse.create(
+            "dist_async",
+            servers=[relay.address],
+            rank=0,
+            num_workers=2,
+            timeout=1,
+            retry_window=30,
+        )
+        saver = kvsparse.create("dist_async", servers=[server.address], rank=1, num_workers=2)
+        table = kvsparse.SparseTable(dim=1, initializer=Zeros(), optimizer=SGD(learning_rate=1.0))
+        for kv in (worker, saver):
+            kv.init("t", table)
+        worker.push("t", (np.array([5]), -np.ones((1, 1), np.float32)))
+        if not checkpointed:
+            saver.save(ckpt)
+        relay.hold()
+        pusher = threading.Thread(
+            target=lambda: outcome.update(result=_call_in_thread(push_seven, 60)), daemon=True
+        )
+        outcome: dict = {}
+
+        def push_seven():
+            worker.push("t", (np.array([7]), -np.ones((1, 1), np.float32)))
+            return "ok"
+
+        pusher.start()
+        _wait_for(lambda: saver._backend.stats()[0]["pushes"] >= 2, "the push to arrive")
+        if checkpointed:
+            saver.save(ckpt)  # holds the push to 7, and its resend record
+        server.kill()
+        relay.cut()  # the reply is lost with the connection
+        replacement = _restart_from(server, ckpt)
+        pusher.join(60)
+        assert outcome.get("result") == "ok", outcome
+        assert worker._backend.restarts == 1
+        rows = worker.row_sparse_pull("t", row_ids=np.array([5, 7]))
+        np.testing.assert_array_equal(rows, [[1.0], [1.0]])  # each push applied once
+        assert worker._backend.stats()[0]["duplicate_pushes"] == 0
+        for kv in (worker, saver):
+            kv.close()
+    finally:
+        relay.close()
+        _stop(server, replacement)
+
+
+def _wait_for(condition, what: str, seconds: float = 30.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
