@@ -369,3 +369,75 @@ def _wait_for(condition, what: str, seconds: float = 30.0):
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize(
+    "policy, pushes, after",
+    [
+        # TTL 3: ids last touched at steps 1, 2, 3; at step 4 only id 1 is 3 steps old.
+        (dict(ttl_steps=3), [[1], [2], [3]], [4]),
+        # LFU under a cap of 3 rows: id 3 has the fewest touches, so id 4 takes its row.
+        (dict(max_rows=3, eviction="lfu"), [[1, 2, 3], [1, 2], [1, 2]], [4]),
+        # LRU under a cap of 3 rows: id 2 was touched longest ago (a tie would take id 1).
+        (dict(max_rows=3, eviction="lru"), [[1, 2, 3], [1, 3], [1]], [4]),
+    ],
+    ids=["ttl", "lfu", "lru"],
+)
+def test_eviction_after_a_restart_picks_the_rows_it_would_have_picked(
+    tmp_path, policy, pushes, after
+):
+    ckpt = str(tmp_path / "ckpt")
+    server, replacement = ServerProcess(), None
+    reference = kvsparse.create("local")
+    try:
+        kv = kvsparse.create(
+            "dist_async", servers=[server.address], rank=0, num_workers=1, retry_window=30
+        )
+        table = kvsparse.SparseTable(
+            dim=1, initializer=Zeros(), optimizer=SGD(learning_rate=1.0), **policy
+        )
+        for store in (kv, reference):
+            store.init("t", table)
+            for ids in pushes:
+                store.push("t", (np.array(ids), -np.ones((len(ids), 1), np.float32)))
+        kv.save(ckpt)
+        replacement = _restart_from(server, ckpt)
+        for store in (kv, reference):
+            store.push("t", (np.array(after), -np.ones((len(after), 1), np.float32)))
+            store.evict()
+        assert kv._backend.restarts == 1
+        ids = np.arange(1, 5)
+        expected = reference.row_sparse_pull("t", row_ids=ids)
+        assert (expected == 0).sum() == 1  # exactly one row went
+        np.testing.assert_array_equal(kv.row_sparse_pull("t", row_ids=ids), expected)
+        kv.close()
+    finally:
+        _stop(server, replacement)
+
+
+def test_a_format_3_checkpoint_still_loads_its_rows_without_their_ages(tmp_path):
+    from kvsparse.shard import checkpoint
+    from tests.test_checkpoint import _rewrite_as_format
+
+    kv = kvsparse.create("local")
+    kv.init("t", kvsparse.SparseTable(dim=1, initializer=Zeros(), ttl_steps=3))
+    kv.set_optimizer(SGD(learning_rate=1.0))
+    for ids in ([1], [2], [3]):
+        kv.push("t", (np.array(ids), -np.ones((1, 1), np.float32)))
+    kv.save(tmp_path / "new")
+    name = checkpoint.shard_file_name(1, 0, 1)
+    index = checkpoint.read_shard_file(str(tmp_path / "new" / name)).index
+    assert index["version"] == checkpoint.VERSION == 4
+    assert all("meta" in block for block in index["sparse"][0]["blocks"])
+    kv.save(tmp_path / "old")
+    _rewrite_as_format(tmp_path / "old", 3)
+    assert checkpoint.read_shard_file(str(tmp_path / "old" / name)).version == 3
+    for path, evicted in (("new", 0), ("old", 3)):
+        loaded = kvsparse.create("local")
+        assert loaded.load(tmp_path / path) == 1
+        np.testing.assert_array_equal(
+            loaded.row_sparse_pull("t", row_ids=np.array([1, 2, 3])), [[1.0]] * 3
+        )
+        # At step 3 no row is 3 steps old; version 3 kept no ages: its rows count as touched
+        # at step 0, all expired.
+        assert loaded.evict() == {"t": evicted}
