@@ -441,3 +441,37 @@ def test_a_format_3_checkpoint_still_loads_its_rows_without_their_ages(tmp_path)
         # At step 3 no row is 3 steps old; version 3 kept no ages: its rows count as touched
         # at step 0, all expired.
         assert loaded.evict() == {"t": evicted}
+
+
+# -- the core's two-step push, through its Cython wrapper -------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_core_push_cancelled_after_begin_leaves_the_table_as_it_was(optimizer):
+    from kvsparse import _core
+
+    spec = {"kind": optimizer, "learning_rate": 0.1}
+    table = _core.Table(4, {"kind": "normal", "b": 0.1}, spec, 7, {"max_rows": 50, "ttl_steps": 9})
+    rng = np.random.default_rng(0)
+    ids = np.arange(40, dtype=np.int64)
+    table.apply_gradients(ids, rng.standard_normal((40, 4)).astype(np.float32))
+    before = (table.read_state(ids), table.read_row_meta(ids), table.table_step, len(table))
+    push_ids = np.arange(20, 60, dtype=np.int64)  # 20 stored, 20 new (10 over the cap)
+    table.begin_push(push_ids, rng.standard_normal((40, 4)).astype(np.float32))
+    with pytest.raises(errors.InvalidArgument, match="begun"):
+        table.apply_gradients(ids[:1], np.ones((1, 4), np.float32))
+    table.cancel_push()
+    after = (table.read_state(ids), table.read_row_meta(ids), table.table_step, len(table))
+    for a, b in zip([*before[0], *before[1]], [*after[0], *after[1]]):
+        np.testing.assert_array_equal(a, b)
+    assert before[2:] == after[2:]
+    # Begun then finished is apply_gradients.
+    twin = _core.Table(4, {"kind": "normal", "b": 0.1}, spec, 7, {"max_rows": 50, "ttl_steps": 9})
+    twin.write_state(ids, *before[0])
+    twin.write_row_meta(ids, *before[1])
+    twin.table_step = before[2]
+    grads = rng.standard_normal((40, 4)).astype(np.float32)
+    table.begin_push(push_ids, grads)
+    assert table.finish_push() == twin.apply_gradients(push_ids, grads)
+    every = np.arange(60, dtype=np.int64)
+    np.testing.assert_array_equal(table.lookup(every), twin.lookup(every))
