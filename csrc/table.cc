@@ -466,30 +466,84 @@ Status EmbeddingTable::LookupOrInsert(const int64_t* keys, int64_t n, float* out
 Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const float* grads,
                                       NonFinitePolicy policy, int64_t* applied) {
   *applied = 0;
+  if (pending_push_ != nullptr) {
+    return Status(StatusCode::kInvalidArgument, "a push of this table is begun and not finished");
+  }
   // Three steps, so that a push that fails changes nothing (issue 11, defects
   // 4 and 8): (1) plan and compute what can be computed aside, and allocate
   // everything the commit needs; (2) update the stored rows in place, each
   // saved first, checking every result; (3) commit, which cannot fail but
   // for the candidates' map, which it puts back on failure.
   PushPlan plan;
+  const int64_t saved_table_step = table_step_;
+  Status s = BeginPlan(keys, n, grads, policy, &plan);
+  if (!s.ok()) return s;
+  return FinishPlan(plan, saved_table_step, applied);
+}
+
+Status EmbeddingTable::BeginPush(const int64_t* keys, int64_t n, const float* grads,
+                                 NonFinitePolicy policy) {
+  if (pending_push_ != nullptr) {
+    return Status(StatusCode::kInvalidArgument, "a push of this table is begun and not finished");
+  }
+  std::unique_ptr<PushPlan> plan;
   try {
-    Status s = PreparePush(keys, n, grads, policy, &plan);
+    plan.reset(new PushPlan());
+  } catch (const std::bad_alloc&) {
+    return Status(StatusCode::kOutOfMemory, "out of memory preparing a push (nothing applied)");
+  }
+  const int64_t saved_table_step = table_step_;
+  Status s = BeginPlan(keys, n, grads, policy, plan.get());
+  if (!s.ok()) return s;
+  // Commit reads no gradient: the caller's array may go.
+  plan->grads = nullptr;
+  plan->summed.clear();
+  pending_push_ = std::move(plan);
+  pending_table_step_ = saved_table_step;
+  return Status::Ok();
+}
+
+Status EmbeddingTable::FinishPush(int64_t* applied) {
+  *applied = 0;
+  if (pending_push_ == nullptr) {
+    return Status(StatusCode::kInvalidArgument, "no push of this table is begun");
+  }
+  std::unique_ptr<PushPlan> plan = std::move(pending_push_);
+  return FinishPlan(*plan, pending_table_step_, applied);
+}
+
+void EmbeddingTable::CancelPush() {
+  if (pending_push_ == nullptr) return;
+  std::unique_ptr<PushPlan> plan = std::move(pending_push_);
+  RestoreExistingRows(*plan);
+  table_step_ = pending_table_step_;
+}
+
+Status EmbeddingTable::BeginPlan(const int64_t* keys, int64_t n, const float* grads,
+                                 NonFinitePolicy policy, PushPlan* plan) {
+  try {
+    Status s = PreparePush(keys, n, grads, policy, plan);
     if (!s.ok()) return s;
   } catch (const std::bad_alloc&) {
     return Status(StatusCode::kOutOfMemory, "out of memory preparing a push (nothing applied)");
   }
   const int64_t saved_table_step = table_step_;
   ++table_step_;  // the step of this push: Adam's per-table step, rows' last step
-  if (UpdateExistingRows(&plan)) {
+  if (UpdateExistingRows(plan)) {
     int64_t first = 0;
-    while (!plan.overflows[first]) ++first;
+    while (!plan->overflows[first]) ++first;
     if (policy == NonFinitePolicy::kReject) {
-      RestoreExistingRows(plan);
+      RestoreExistingRows(*plan);
       table_step_ = saved_table_step;
-      return OverflowStatus(plan.unique[plan.existing[first]]);
+      return OverflowStatus(plan->unique[plan->existing[first]]);
     }
     // kSkip: the rows that overflowed are back as they were; the rest stays.
   }
+  return Status::Ok();
+}
+
+Status EmbeddingTable::FinishPlan(const PushPlan& plan, int64_t saved_table_step,
+                                  int64_t* applied) {
   try {
     CommitCandidates(plan, static_cast<uint32_t>(table_step_));
   } catch (const std::bad_alloc&) {
@@ -1108,5 +1162,40 @@ Status EmbeddingTable::WriteCandidates(const int64_t* keys, const int64_t* count
 }
 
 void EmbeddingTable::ClearCandidates() { candidates_.clear(); }
+
+Status EmbeddingTable::ReadRowMeta(const int64_t* keys, int64_t n, int64_t* touches,
+                                   int64_t* last_steps) const {
+  std::vector<int64_t> rows(static_cast<size_t>(n));
+  FindRows(keys, n, rows.data());
+  for (int64_t i = 0; i < n; ++i) {
+    if (rows[i] < 0) {
+      return Status(StatusCode::kInvalidArgument, "id " + KeyText(keys[i]) + " is not stored");
+    }
+    touches[i] = TracksTouches() ? static_cast<int64_t>(*touches_.Row(rows[i])) : 0;
+    last_steps[i] = TracksLastStep() ? static_cast<int64_t>(*last_step_.Row(rows[i])) : 0;
+  }
+  return Status::Ok();
+}
+
+Status EmbeddingTable::WriteRowMeta(const int64_t* keys, int64_t n, const int64_t* touches,
+                                    const int64_t* last_steps) {
+  std::vector<int64_t> rows(static_cast<size_t>(n));
+  FindRows(keys, n, rows.data());
+  for (int64_t i = 0; i < n; ++i) {
+    if (rows[i] < 0) {
+      return Status(StatusCode::kInvalidArgument, "id " + KeyText(keys[i]) + " is not stored");
+    }
+    if (touches[i] < 0 || touches[i] > static_cast<int64_t>(UINT32_MAX) || last_steps[i] < 0 ||
+        last_steps[i] > static_cast<int64_t>(UINT32_MAX)) {
+      return Status(StatusCode::kInvalidArgument,
+                    "touch count or last step of id " + KeyText(keys[i]) + " is out of range");
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (TracksTouches()) *touches_.Row(rows[i]) = static_cast<uint32_t>(touches[i]);
+    if (TracksLastStep()) *last_step_.Row(rows[i]) = static_cast<uint32_t>(last_steps[i]);
+  }
+  return Status::Ok();
+}
 
 }  // namespace kvsparse

@@ -212,6 +212,20 @@ class EmbeddingTable {
   // updated.
   Status ApplyGradients(const int64_t* keys, int64_t n, const float* grads,
                         NonFinitePolicy policy, int64_t* applied);
+  // ApplyGradients in two steps, so that one request's pushes to several
+  // tables are applied all or nothing (issue 11): BeginPush checks, plans and
+  // updates the stored rows in place (each saved first), and fails changing
+  // nothing; then either FinishPush applies the rest (new rows, candidates,
+  // evictions) or CancelPush puts every row back. Nothing else may run on the
+  // table in between (grads need not stay alive after BeginPush).
+  //   for (t : tables) if (!(s = t->BeginPush(...)).ok()) { cancel the begun; return s; }
+  //   for (t : tables) t->FinishPush(&applied);
+  // FinishPush fails only for lack of memory (counting candidates), and then
+  // changed nothing of this table.
+  Status BeginPush(const int64_t* keys, int64_t n, const float* grads, NonFinitePolicy policy);
+  Status FinishPush(int64_t* applied);
+  void CancelPush();
+  bool push_pending() const { return pending_push_ != nullptr; }
   // Sets rows to values (n * dim), inserting missing keys; duplicates: last
   // wins. Slots and step counters of the rows are left as they are, except
   // that inserted rows get initial slots.
@@ -273,6 +287,18 @@ class EmbeddingTable {
   //   n = table->ReadCandidates(keys.data(), counts.data(), steps.data(), n);
   //   other->ClearCandidates();
   //   s = other->WriteCandidates(keys.data(), counts.data(), steps.data(), n);
+  // Per-row policy metadata for checkpoints (issue 11): the touch count
+  // (kLfu with max_rows) and last step (TTL, kLru) of stored ids, so that a
+  // restarted server evicts the rows it would have evicted. An array the
+  // policy does not keep reads as zeros and is ignored on write.
+  //   s = table->ReadRowMeta(keys, n, touches, last_steps);  // every key stored
+  //   s = other->WriteRowMeta(keys, n, touches, last_steps);
+  bool TracksRowMeta() const { return TracksTouches() || TracksLastStep(); }
+  Status ReadRowMeta(const int64_t* keys, int64_t n, int64_t* touches, int64_t* last_steps) const;
+  // Values must be in [0, 2^32) and every key stored: else nothing is written.
+  Status WriteRowMeta(const int64_t* keys, int64_t n, const int64_t* touches,
+                      const int64_t* last_steps);
+
   int64_t CandidateCount() const;
   // Copies up to capacity candidates (in map order); returns how many it copied.
   int64_t ReadCandidates(int64_t* keys, int64_t* counts, int64_t* last_steps,
@@ -426,6 +452,11 @@ class EmbeddingTable {
   void EnsureRowsUpTo(int64_t row);
   void MaybeEvictAutomatically();
   int64_t CandidateBytes() const;
+  // The two halves of ApplyGradients (see BeginPush): on failure nothing of
+  // the table changed.
+  Status BeginPlan(const int64_t* keys, int64_t n, const float* grads, NonFinitePolicy policy,
+                   PushPlan* plan);
+  Status FinishPlan(const PushPlan& plan, int64_t saved_table_step, int64_t* applied);
   ChunkedRows<uint32_t> touches_;
   ChunkedRows<uint32_t> last_step_;
   // Reused by every push (ApplyGradients): the fresh rows' new state, and the
@@ -439,6 +470,9 @@ class EmbeddingTable {
   mutable InitialRowCache initial_rows_;
   std::unordered_map<int64_t, Candidate> candidates_;
   PolicyStats policy_stats_;
+  // The push begun by BeginPush and not finished or cancelled yet.
+  std::unique_ptr<PushPlan> pending_push_;
+  int64_t pending_table_step_ = 0;  // table_step_ before it
 };
 
 }  // namespace kvsparse

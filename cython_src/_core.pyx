@@ -355,6 +355,54 @@ cdef class Table:
         _check(c_status)
         return c_applied
 
+    def begin_push(self, keys_arg, grads_arg, bint skip_nonfinite=False):
+        """First half of apply_gradients: checks the push and updates the stored rows.
+
+        Raises what apply_gradients raises, and then changes nothing. After
+        it, finish_push() applies the rest or cancel_push() puts every row
+        back; nothing else may touch the table in between. One request's
+        pushes to several tables are applied all or nothing this way (issue
+        11): begin each, cancel the begun ones if one fails, else finish all.
+
+        Example:
+            >>> t = Table(1, {"kind": "zeros"}, {"kind": "sgd", "learning_rate": 1.0})
+            >>> t.begin_push(np.array([3], np.int64), np.ones((1, 1), np.float32))
+            >>> t.cancel_push(); len(t)
+            0
+        """
+        cdef EmbeddingTable* c_table = self._table()
+        cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
+        cdef const float[:, ::1] grads = _arg(grads_arg, np.float32, 2, "grads")
+        cdef int64_t c_n = keys.shape[0]
+        self._check_rows(grads, c_n, "gradients")
+        cdef Status c_status
+        cdef NonFinitePolicy c_policy = (NonFinitePolicy.kSkip if skip_nonfinite
+                                         else NonFinitePolicy.kReject)
+        cdef const int64_t* c_keys = &keys[0] if c_n else NULL
+        cdef const float* c_grads = &grads[0, 0] if c_n else NULL
+        with nogil:
+            c_status = c_table.BeginPush(c_keys, c_n, c_grads, c_policy)
+        _check(c_status)
+
+    def finish_push(self):
+        """Second half of apply_gradients (after begin_push): returns the rows updated.
+
+        Raises MemoryError (and puts this table back) only for lack of memory.
+        """
+        cdef EmbeddingTable* c_table = self._table()
+        cdef int64_t c_applied = 0
+        cdef Status c_status
+        with nogil:
+            c_status = c_table.FinishPush(&c_applied)
+        _check(c_status)
+        return c_applied
+
+    def cancel_push(self):
+        """Puts back every row begin_push changed (no push begun: nothing)."""
+        cdef EmbeddingTable* c_table = self._table()
+        with nogil:
+            c_table.CancelPush()
+
     def assign(self, keys_arg, values_arg):
         """Sets the rows of keys to values, inserting missing ids."""
         cdef EmbeddingTable* c_table = self._table()
@@ -621,6 +669,60 @@ cdef class Table:
         if c_n:
             with nogil:
                 c_status = c_table.WriteCandidates(&keys[0], &counts[0], &steps[0], c_n)
+            _check(c_status)
+
+    @property
+    def tracks_row_meta(self):
+        """True if the policy keeps per-row touch counts or last steps (read_row_meta)."""
+        cdef EmbeddingTable* c_table = self._table()
+        return c_table.TracksRowMeta()
+
+    def read_row_meta(self, keys_arg):
+        """(touches, last_steps), int64, of stored ids: what eviction ranks rows by.
+
+        Zeros where the policy keeps none. For checkpoints (issue 11). Raises
+        InvalidArgument for an id that is not stored.
+
+        Example:
+            >>> t = Table(1, policy={"ttl_steps": 5})
+            >>> t.apply_gradients(np.array([4], np.int64), np.ones((1, 1), np.float32))
+            1
+            >>> [a.tolist() for a in t.read_row_meta(np.array([4], np.int64))]
+            [[0], [1]]
+        """
+        cdef EmbeddingTable* c_table = self._table()
+        cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
+        cdef int64_t c_n = keys.shape[0]
+        touches = np.zeros(c_n, np.int64)
+        last_steps = np.zeros(c_n, np.int64)
+        cdef int64_t[::1] c_touches = touches
+        cdef int64_t[::1] c_steps = last_steps
+        cdef Status c_status
+        if c_n:
+            with nogil:
+                c_status = c_table.ReadRowMeta(&keys[0], c_n, &c_touches[0], &c_steps[0])
+            _check(c_status)
+        return touches, last_steps
+
+    def write_row_meta(self, keys_arg, touches_arg, last_steps_arg):
+        """Sets the touch counts and last steps of stored ids (read_row_meta's form).
+
+        Raises InvalidArgument (nothing written) for an id not stored or a
+        value outside [0, 2^32); ShapeError for arrays of other lengths.
+        """
+        cdef EmbeddingTable* c_table = self._table()
+        cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
+        cdef const int64_t[::1] touches = _arg(touches_arg, np.int64, 1, "touches")
+        cdef const int64_t[::1] steps = _arg(last_steps_arg, np.int64, 1, "last_steps")
+        cdef int64_t c_n = keys.shape[0]
+        if touches.shape[0] != c_n or steps.shape[0] != c_n:
+            raise errors.ShapeError(
+                f"touches and last_steps must have {c_n} entries, got {touches.shape[0]} "
+                f"and {steps.shape[0]}")
+        cdef Status c_status
+        if c_n:
+            with nogil:
+                c_status = c_table.WriteRowMeta(&keys[0], c_n, &touches[0], &steps[0])
             _check(c_status)
 
     def clear_candidates(self):

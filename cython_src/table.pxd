@@ -58,6 +58,11 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         void InitialValues(const int64_t* keys, int64_t n, float* out) except +
         Status ApplyGradients(const int64_t* keys, int64_t n, const float* grads,
                               NonFinitePolicy policy, int64_t* applied) except +
+        Status BeginPush(const int64_t* keys, int64_t n, const float* grads,
+                         NonFinitePolicy policy) except +
+        Status FinishPush(int64_t* applied) except +
+        void CancelPush()
+        bint push_pending()
         Status Assign(const int64_t* keys, int64_t n, const float* values) except +
         int64_t Remove(const int64_t* keys, int64_t n) except +
         Status ReadState(const int64_t* keys, int64_t n, float* values, float* slots,
@@ -85,3 +90,9 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         Status WriteCandidates(const int64_t* keys, const int64_t* counts,
                                const int64_t* last_steps, int64_t n) except +
         void ClearCandidates()
+        # Per-row policy metadata for checkpoints (issue 11).
+        bint TracksRowMeta()
+        Status ReadRowMeta(const int64_t* keys, int64_t n, int64_t* touches,
+                           int64_t* last_steps) except +
+        Status WriteRowMeta(const int64_t* keys, int64_t n, const int64_t* touches,
+                            const int64_t* last_steps) except +

@@ -528,8 +528,9 @@ def _rewrite_as_format_1(path) -> None:
 
 def _rewrite_as_format(path, version: int) -> None:
     """Turns a saved checkpoint into what an older kvsparse wrote (the index is rewritten
-    and its crc32 recomputed): format 2 has no admission candidates, and format 1 (kvsparse
-    0.1.0) no initializer stream version either. The candidates' bytes stay, unreferenced."""
+    and its crc32 recomputed): format 3 has no rows' eviction metadata, no INIT_SPARSE spec
+    and no server section, format 2 no admission candidates either, and format 1 (kvsparse
+    0.1.0) no initializer stream version either. Their bytes stay, unreferenced."""
     from kvsparse.shard.checkpoint.format import HEADER, TRAILER
 
     for name in os.listdir(path):
@@ -549,8 +550,15 @@ def _rewrite_as_format(path, version: int) -> None:
         body_end = len(data) - TRAILER.size
         index = json.loads(data[body_end - index_len : body_end])
         index["version"] = version
+        if version < 4:
+            index.pop("server", None)
         for section in index["sparse"]:
-            section.pop("candidates", None)
+            if version < 4:
+                section.pop("init_spec", None)
+                for block in section["blocks"]:
+                    block.pop("meta", None)
+            if version < 3:
+                section.pop("candidates", None)
             if version < 2:
                 section["spec"]["initializer"].pop("version")
         new_index = json.dumps(index).encode()

@@ -61,6 +61,18 @@ class AppliedState:
     def push_dense(self, table_id, grad):
         self.calls.append(("dense", table_id, grad.tolist()))
 
+    # One request's (or one BSP wave's) tables, all or nothing (issue 11).
+    def push_sparse_tables(self, pushes):
+        for table_id, keys, rows, step in pushes:
+            if keys.size:
+                self.push_sparse(table_id, keys, rows)
+            elif step:
+                self.advance_sparse_step(table_id)
+
+    def push_dense_keys(self, pushes):
+        for table_id, grad in pushes:
+            self.push_dense(table_id, grad)
+
 
 # -- resend cache ---------------------------------------------------------------------------
 

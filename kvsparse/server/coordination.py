@@ -99,6 +99,7 @@ class JobConfig:
 
     def __init__(self):
         self._config: dict | None = None
+        self._restored = False  # from a checkpoint, and no HELLO since
 
     @property
     def configured(self) -> bool:
@@ -111,9 +112,11 @@ class JobConfig:
         Raises:
             InvalidArgument: it differs from the first one.
         """
-        if self._config is None:
+        if self._config is None or (self._restored and config != self._config):
+            self._restored = False
             self._config = dict(config)
             return True
+        self._restored = False
         if config != self._config:
             differences = ", ".join(
                 f"{name}={config[name]!r} (server has {self._config[name]!r})"
@@ -125,6 +128,24 @@ class JobConfig:
                 f"with by the first client: {differences}"
             )
         return False
+
+    def saved(self) -> dict | None:
+        """The configuration as a checkpoint keeps it (None before the first HELLO)."""
+        return None if self._config is None else dict(self._config)
+
+    def restore(self, config: dict | None) -> bool:
+        """Takes a checkpoint's configuration (a server restored from it); True if taken.
+
+        A server that was never greeted takes it, so a client whose request
+        it answers from a restored resend record can go on without a new
+        HELLO. The first HELLO after that may still set another
+        configuration (a new job started from the checkpoint).
+        """
+        if self._config is not None or not config:
+            return False
+        self._config = {name: config[name] for name in self.FIELDS}
+        self._restored = True
+        return True
 
     def _field(self, name: str):
         if self._config is None:
@@ -225,22 +246,36 @@ def apply_pushes(state, kind: PushKind, table_id: int, parts: list) -> None:
     parts: sparse (keys, rows, step) or dense (grad,) tuples, in the order
     they are summed (rank order in BSP: the same sum on every run).
     """
+    apply_tables(state, kind, [(table_id, parts)])
+
+
+def apply_tables(state, kind: PushKind, tables: list) -> None:
+    """Applies each table's summed pushes: all the tables or none (issue 11).
+
+    tables: (table_id, parts) pairs, parts as in `apply_pushes`. One
+    request's tables on this shard: if one table's update fails (an overflow,
+    say), no table changes (`ShardState.push_sparse_tables`,
+    `ShardState.push_dense_keys`).
+    """
     if kind is PushKind.SPARSE:
-        # The core sums duplicate keys before it applies the optimizer.
-        keys = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
-        rows = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
-        if keys.size:
-            state.push_sparse(table_id, keys, rows)
-        elif any(p[2] for p in parts):
-            # The push had keys on other shards: count it here too (Adam's per-table step).
-            state.advance_sparse_step(table_id)
+        pushes = []
+        for table_id, parts in tables:
+            # The core sums duplicate keys before it applies the optimizer.
+            keys = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
+            rows = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
+            # A push with keys on other shards only counts here (Adam's per-table step).
+            pushes.append((table_id, keys, rows, any(p[2] for p in parts)))
+        state.push_sparse_tables(pushes)
         return
-    total = parts[0][0]
-    if len(parts) > 1:
-        total = total.copy()
-        for part in parts[1:]:
-            total += part[0]
-    state.push_dense(table_id, total)
+    pushes = []
+    for table_id, parts in tables:
+        total = parts[0][0]
+        if len(parts) > 1:
+            total = total.copy()
+            for part in parts[1:]:
+                total += part[0]
+        pushes.append((table_id, total))
+    state.push_dense_keys(pushes)
 
 
 class _Push:
@@ -295,6 +330,9 @@ class BspRounds:
         if not groups:
             return False
         push = _Push(request, clock, len(groups))
+        # The rounds this push completes, applied together (all or nothing on this shard):
+        # waves[i] holds each table's i-th completed round.
+        waves: list[list] = []
         for table_id, parts in groups.items():
             key = (kind, table_id)
             round_ = self._rounds.setdefault(key, Round())
@@ -305,10 +343,14 @@ class BspRounds:
                 completed = round_.add(rank, (push, parts), num_workers)
             if not round_:
                 del self._rounds[key]
-            for contributions in completed:
-                if recovering:
-                    self._settled.add(key)
-                self._apply(kind, table_id, contributions)
+            if completed and recovering:
+                self._settled.add(key)
+            for i, contributions in enumerate(completed):
+                if i == len(waves):
+                    waves.append([])
+                waves[i].append((table_id, contributions))
+        for wave in waves:
+            self._apply_wave(kind, wave)
         return True
 
     def _orphaned(self, kind, table_id, round_: Round, push: _Push, parts) -> bool:
@@ -331,15 +373,23 @@ class BspRounds:
         return False
 
     def _apply(self, kind: PushKind, table_id: int, contributions: list) -> None:
+        self._apply_wave(kind, [(table_id, contributions)])
+
+    def _apply_wave(self, kind: PushKind, rounds: list) -> None:
+        """Applies complete rounds [(table_id, contributions)] together: all or none."""
         # Contributions come in rank order: the same sum on every run.
-        parts = [part for _, group in contributions for part in group]
+        tables = [
+            (table_id, [part for _, group in contributions for part in group])
+            for table_id, contributions in rounds
+        ]
         error = None
         try:
-            apply_pushes(self._state, kind, table_id, parts)
-        except Exception as exc:  # noqa: BLE001 - reported to every worker of the round
+            apply_tables(self._state, kind, tables)
+        except Exception as exc:  # noqa: BLE001 - reported to every worker of the rounds
             error = exc
-        for push, _ in contributions:
-            push.table_done(error)
+        for _, contributions in rounds:
+            for push, _ in contributions:
+                push.table_done(error)
 
     def fail_waiting_for(self, left: dict) -> int:
         """Fails every round that waits for a rank in left (rank -> why); returns pushes failed.
@@ -406,6 +456,21 @@ class OptimizerEpochs:
     def __init__(self):
         self._history: list = []  # rank 0's specs, one per call
         self._waiting: list[tuple] = []
+
+    def saved(self) -> list:
+        """Rank 0's calls as a checkpoint keeps them: [{"spec": ...} or None (unknown)]."""
+        return [None if spec is self._UNKNOWN else {"spec": spec} for spec in self._history]
+
+    def restore(self, calls: list) -> None:
+        """Takes rank 0's calls from a checkpoint (`saved`'s form), before any call here.
+
+        The calls restored are what the restored tables run: rank 0's replay
+        of one keeps them (their slots), and a follower's call of one is
+        answered at once, checked against it.
+        """
+        if self._history:
+            return
+        self._history = [self._UNKNOWN if call is None else call["spec"] for call in calls]
 
     def recorded(self, epoch: int) -> bool:
         """True if rank 0's call epoch is known here."""

@@ -28,7 +28,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvsparse import errors
-from kvsparse.server.coordination import PushKind, apply_pushes
+from kvsparse.server import restart
+from kvsparse.server.coordination import PushKind, apply_tables
 from kvsparse.server.dispatch import DEFERRED
 from kvsparse.server.limits import RequestLimits
 from kvsparse.server.metrics import table_names
@@ -281,8 +282,8 @@ class Handlers:
                 pending, header.rank, header.clock, kind, parsed, self._job.num_workers
             )
             return DEFERRED if held else []
-        for table_id, *part in parsed:
-            apply_pushes(self._state, kind, table_id, [part])
+        # All the request's tables or none (issue 11).
+        apply_tables(self._state, kind, [(table_id, [part]) for table_id, *part in parsed])
         return []
 
     def _barrier(self, header, payload, pending):
@@ -401,8 +402,10 @@ class Handlers:
         else:
             seq, parent = int(body["seq"]), body.get("parent")
             since, epoch = checkpoint.begin_save(state, bool(body.get("incremental")), path, parent)
+            # Taken at the moment of the tables' snapshot (issue 11).
+            server = restart.snapshot(self._resend, self._coordination)
             job = lambda: checkpoint.save_shard(  # noqa: E731
-                state, path, seq, shard_index, num_shards, since, parent
+                state, path, seq, shard_index, num_shards, since, parent, server
             )
             done = lambda: checkpoint.end_save(state, path, seq, epoch)  # noqa: E731
 

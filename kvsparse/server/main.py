@@ -287,10 +287,8 @@ def main(argv=None) -> int:
 def _serve(server: Server, args: argparse.Namespace) -> int:
     """Restores, starts the metrics endpoint, prints the listening line and serves; closes."""
     if args.restore is not None:
-        from kvsparse.shard import checkpoint
-
         try:
-            checkpoint.restore_shard(server.state, args.restore, args.shard_index, args.num_shards)
+            server.restore(args.restore, args.shard_index, args.num_shards)
         except errors.KVSparseError as exc:
             server.close()
             print(f"kvsparse server: cannot restore: {exc}", file=sys.stderr)

@@ -125,6 +125,34 @@ class ResendCache:
             if reply is not None:
                 record.reply = reply
 
+    def answered(self) -> list[tuple[int, int, int, list]]:
+        """(client_id, request_id, last_push, reply frames) of every record with a kept reply.
+
+        What a checkpoint keeps (`kvsparse.server.restart`): a request answered
+        before the snapshot is not run again by a server restored from it.
+        Requests still waiting have no reply yet and are left out.
+        """
+        return [
+            (client_id, record.request_id, record.last_push, record.reply)
+            for client_id, record in self._records.items()
+            if record.pending is None and record.reply is not None
+        ]
+
+    def restore(self, records) -> None:
+        """Takes records of `answered`'s form (a restored checkpoint's) as answered requests.
+
+        A record this cache holds for a later request of the client is kept.
+        """
+        for client_id, request_id, last_push, reply in records:
+            record = self._records.get(client_id)
+            if record is not None and record.request_id >= request_id:
+                continue
+            record = record if record is not None else self._new_record(client_id)
+            record.request_id = int(request_id)
+            record.last_push = int(last_push)
+            record.pending = None
+            record.reply = list(reply)
+
     def _new_record(self, client_id: int) -> _ClientRecord:
         if len(self._records) >= self.max_clients:
             for old_id, old in self._records.items():

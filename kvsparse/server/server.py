@@ -43,6 +43,8 @@ blocks in zmq_poll without the GIL.
 - `kvsparse.server.liveness.Liveness`: which workers are still connected; a rank that
   left (connection closed, or silent past the heartbeats) fails what waits for it.
 - `kvsparse.server.snapshots.ForkedWriter`: checkpoint saves and exports in a forked child.
+- `kvsparse.server.restart`: what a save keeps besides the tables (resend records, rank 0's
+  set_optimizer calls, the job's configuration), and `Server.restore` takes back.
 - `kvsparse.server.metrics`: counters, and the Prometheus endpoint.
 """
 
@@ -54,6 +56,7 @@ import zmq
 
 from kvsparse import config, errors
 from kvsparse.config import ServerLimits
+from kvsparse.server import restart
 from kvsparse.server.coordination import Coordination
 from kvsparse.server.dispatch import Dispatcher
 from kvsparse.server.handlers import Handlers
@@ -149,8 +152,8 @@ class Server:
         # Counted on the serving thread; read by a metrics thread only through snapshots.
         self.metrics = ServerMetrics()
         self.metrics_channel = SnapshotChannel(self._loop.wake)
-        resend = ResendCache(max_clients)
-        coordination = Coordination(self.state, restarted=restarted)
+        resend = self._resend = ResendCache(max_clients)
+        coordination = self._coordination = Coordination(self.state, restarted=restarted)
         self._liveness = Liveness(
             coordination, self._loop.routable, self._loop.call_later, self.incarnation
         )
@@ -174,6 +177,21 @@ class Server:
             self.incarnation,
             liveness=self._liveness,
         )
+
+    def restore(self, path: str, shard_index: int, num_shards: int) -> None:
+        """Loads shard shard_index of num_shards of the latest checkpoint in path, before serving.
+
+        The tables, and what this server's save kept beside them
+        (`kvsparse.server.restart`): resend records, rank 0's set_optimizer
+        calls, the job's configuration. Serving thread only, before serve().
+
+        Raises:
+            CheckpointError: no complete checkpoint, or a corrupt file.
+        """
+        from kvsparse.shard import checkpoint
+
+        section = checkpoint.restore_shard(self.state, path, shard_index, num_shards)
+        restart.restore(section, self._resend, self._coordination)
 
     @property
     def socket(self) -> zmq.Socket:

@@ -54,6 +54,13 @@ class SparseEntry:
     spec: dict
     table: _core.Table
     own_optimizer: bool
+    # The spec its INIT_SPARSE gave (spec also records an own optimizer set later): an
+    # identical INIT_SPARSE sent again (another rank's, a replay after a restart) matches it.
+    init_spec: dict | None = None
+
+    def __post_init__(self):
+        if self.init_spec is None:
+            self.init_spec = dict(self.spec)
 
 
 @dataclass
@@ -81,6 +88,25 @@ class DenseEntry:
         else:
             self.optimizer = _core.Optimizer(spec)
             self.slots = self.optimizer.initial_slots(self.values.size)
+
+    def updated(self, grad: np.ndarray) -> tuple:
+        """(values, slots, step) after applying grad, computed aside (the entry unchanged).
+
+        No optimizer: the gradient replaces the values. Raises UpdateOverflow
+        when a value or slot of the result is not finite.
+        """
+        if self.optimizer is None:
+            return grad, None, self.step
+        values = self.values.copy()
+        slots = self.slots.copy()
+        self.optimizer.update(values, slots, grad, self.step + 1)
+        if not (np.isfinite(values).all() and np.isfinite(slots).all()):
+            raise errors.UpdateOverflow(
+                f"key {self.name!r}: the update overflows float32 (its gradient and values "
+                "are finite; the result is inf or NaN): nothing of this push was applied; "
+                "lower the learning rate or clip the gradients"
+            )
+        return values, slots, self.step + 1
 
     def check_size(self, size: int, got: str) -> None:
         """Raises ShapeError unless size is this slice's size; got says what came instead."""
@@ -189,12 +215,10 @@ class ShardState:
         if existing is not None or table_id in self.dense:
             # A spec that names no stream version matches a table of any version: the
             # same init after loading an old checkpoint adopts its (v1) table.
-            if existing is not None and (
-                existing.spec == spec
-                or (
-                    not pinned
-                    and _without_stream_version(existing.spec) == _without_stream_version(spec)
-                )
+            if existing is not None and any(
+                known == spec
+                or (not pinned and _without_stream_version(known) == _without_stream_version(spec))
+                for known in (existing.spec, existing.init_spec)
             ):
                 return False
             raise errors.DuplicateKey(f"key {name!r} is already initialized differently")
@@ -274,6 +298,66 @@ class ShardState:
         skip = entry.spec.get("nonfinite") == "skip"
         return entry.table.apply_gradients(keys, grads, skip_nonfinite=skip)
 
+    def push_sparse_tables(self, pushes: list) -> None:
+        """Applies one request's pushes to several tables: all of them or none (issue 11).
+
+        pushes: (table_id, keys, grads, step) tuples, one per table (a table
+        twice: its keys and rows are concatenated; duplicate ids are summed).
+        A table with no keys here counts a step when step is true (the push
+        had keys of it on other shards: `advance_sparse_step`).
+
+        Every table's update is begun (checked, stored rows updated with
+        their old state saved); if one fails (UpdateOverflow, NonFiniteGradient,
+        a shape error...) the begun ones are put back and its error raised,
+        with no table changed. Only then are they all finished. One table: the
+        one-call path (`push_sparse`). Not atomic against a lack of memory
+        while finishing (a MemoryError then leaves the tables finished before
+        it applied).
+
+        Raises:
+            what push_sparse raises; nothing is changed then.
+        """
+        grouped: dict[int, list] = {}
+        for table_id, keys, grads, step in pushes:
+            grouped.setdefault(int(table_id), []).append((keys, grads, bool(step)))
+        work = []
+        for table_id, parts in grouped.items():
+            entry = self.sparse_entry(table_id)
+            keys = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
+            grads = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
+            work.append((table_id, entry, keys, grads, any(p[2] for p in parts)))
+        updates = [w for w in work if w[2].size]
+        if len(updates) <= 1:
+            for table_id, _, keys, grads, step in work:
+                if keys.size:
+                    self.push_sparse(table_id, keys, grads)
+                elif step:
+                    self.advance_sparse_step(table_id)
+            return
+        begun = []
+        try:
+            for _, entry, keys, grads, _ in updates:
+                skip = entry.spec.get("nonfinite") == "skip"
+                entry.table.begin_push(keys, grads, skip_nonfinite=skip)
+                begun.append(entry)
+        except BaseException:
+            for entry in reversed(begun):
+                entry.table.cancel_push()
+            raise
+        try:
+            for i, (_, entry, keys, _, _) in enumerate(updates):
+                self.counters.keys += keys.size
+                entry.table.finish_push()
+                begun[i] = None
+        except BaseException:
+            for entry in begun:
+                if entry is not None:
+                    entry.table.cancel_push()
+            raise
+        for table_id, _, keys, _, step in work:
+            if not keys.size and step:
+                self.advance_sparse_step(table_id)
+
     def advance_sparse_step(self, table_id: int) -> None:
         """Counts a push of the table that brought this shard none of its ids.
 
@@ -342,16 +426,36 @@ class ShardState:
             raise errors.NonFiniteGradient(f"key {entry.name!r}: gradient has a NaN or inf value")
 
     def push_dense(self, table_id: int, grad: np.ndarray) -> None:
-        """Applies the optimizer to the slice, or replaces it when there is none."""
-        self.check_dense_push(table_id, grad)
-        entry = self.dense[table_id]
-        self.counters.keys += 1
-        grad = np.ascontiguousarray(grad, dtype=np.float32).reshape(-1)
-        if entry.optimizer is None:
-            entry.values[...] = grad
-            return
-        entry.step += 1
-        entry.optimizer.update(entry.values, entry.slots, grad, entry.step)
+        """Applies the optimizer to the slice, or replaces it when there is none.
+
+        Raises:
+            NonFiniteGradient, ShapeError: a bad gradient. UpdateOverflow: a
+            finite gradient whose update is not finite (inf or NaN in the new
+            values or slots), as sparse tables do. The slice is unchanged then.
+        """
+        self.push_dense_keys([(table_id, grad)])
+
+    def push_dense_keys(self, pushes: list) -> None:
+        """Applies one request's pushes to several dense keys: all of them or none (issue 11).
+
+        pushes: (table_id, gradient) pairs (a key twice: its gradients are
+        summed). Every update is computed on copies and checked first; only
+        when all are finite are they written. Raises what push_dense raises,
+        changing nothing.
+        """
+        grouped: dict[int, np.ndarray] = {}
+        for table_id, grad in pushes:
+            self.check_dense_push(table_id, grad)
+            grad = np.ascontiguousarray(grad, dtype=np.float32).reshape(-1)
+            table_id = int(table_id)
+            grouped[table_id] = grad if table_id not in grouped else grouped[table_id] + grad
+        updates = [(self.dense[t], *self.dense[t].updated(g)) for t, g in grouped.items()]
+        for entry, values, slots, step in updates:
+            self.counters.keys += 1
+            entry.values[...] = values
+            if slots is not None:
+                entry.slots[...] = slots
+            entry.step = step
 
     def assign_dense(self, table_id: int, values: np.ndarray) -> None:
         """Replaces this shard's slice of a dense key with values (no optimizer)."""

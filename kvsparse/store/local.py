@@ -93,7 +93,7 @@ class LocalBackend:
 
     def push_sparse(self, items):
         """items: [(table_id, keys, offsets, summed rows[, wire_dtype])]; rows of a 16-bit
-        wire dtype are widened as a server widens them. All checked before any applies."""
+        wire dtype are widened as a server widens them. All of them or none (issue 11)."""
         pushes = []
         for table_id, keys, _, rows, *wire in items:
             if wire and wire[0] != FLOAT32:
@@ -106,8 +106,8 @@ class LocalBackend:
         self.state.counters.requests += 1
         for table_id, keys, rows in pushes:
             self.state.check_sparse_push(table_id, keys, rows)
-        for table_id, keys, rows in pushes:
-            self.state.push_sparse(table_id, keys, rows)
+        # All the tables or none, as a server applies a request (issue 11).
+        self.state.push_sparse_tables([(t, keys, rows, False) for t, keys, rows in pushes])
 
     @_serialized
     def pull_dense(self, items):
@@ -118,12 +118,9 @@ class LocalBackend:
 
     @_serialized
     def push_dense(self, items):
-        """items: [(table_id, flat gradient)]; all checked before any applies."""
+        """items: [(table_id, flat gradient)]: all of them or none (issue 11)."""
         self.state.counters.requests += 1
-        for table_id, grad in items:
-            self.state.check_dense_push(table_id, grad)
-        for table_id, grad in items:
-            self.state.push_dense(table_id, grad)
+        self.state.push_dense_keys(items)  # all checked and computed before any is written
 
     @_serialized
     def optimizer_states(self):

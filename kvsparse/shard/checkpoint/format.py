@@ -32,8 +32,12 @@ FORMAT = "kvsparse-checkpoint"
 # streams give unseen ids other rows than v1). Version 1 files are read as stream v1.
 # 3: sparse tables carry their admission candidates (issue 11, defect 12); files of
 # versions 1 and 2 have none, and load with none.
-VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 4: sparse blocks of tables with an eviction policy carry each row's touch count and last
+# step ("meta"); sections record the spec the table was created with ("init_spec") when a
+# set_optimizer(key=...) gave it its own optimizer since; a server's file holds its resend
+# records, rank 0's set_optimizer calls and the job's configuration ("server") (issue 11).
+VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 MAGIC = b"KVSPCKPT"
 END_MAGIC = b"KVSPEND1"
 # magic (8) + version (u32) + flags (u32)
@@ -100,9 +104,16 @@ class BlockWriter:
             self._progress.update(rows)
         return {"offset": start, "length": self._offset - start, "crc32": crc}
 
-    def sparse_block(self, keys, values, slots, steps) -> dict:
-        """Writes rows of a sparse table; the entry `ShardFile.sparse_blocks` reads."""
-        return {"rows": int(keys.size), **self.block([keys, values, slots, steps], rows=keys.size)}
+    def sparse_block(self, keys, values, slots, steps, meta=None) -> dict:
+        """Writes rows of a sparse table; the entry `ShardFile.sparse_blocks` reads.
+
+        meta: None, or the rows' (touches, last_steps) (`_core.Table.read_row_meta`),
+        written as a section of its own (`ShardFile.row_meta` reads it).
+        """
+        entry = {"rows": int(keys.size), **self.block([keys, values, slots, steps], rows=keys.size)}
+        if meta is not None:
+            entry["meta"] = self.block([m.astype(np.uint32) for m in meta])
+        return entry
 
     def removed_block(self, ids: np.ndarray) -> dict:
         """Writes the ids removed from a table; the entry `ShardFile.removed` reads."""
@@ -182,6 +193,22 @@ class ShardFile:
             slots = np.frombuffer(raw[b:c], np.float32).reshape(n, num_slots, dim)
             steps = np.frombuffer(raw[c:], np.int64)
             yield keys, values, slots, steps
+
+    def row_meta(self, block: dict) -> tuple[np.ndarray, np.ndarray] | None:
+        """(touches, last_steps), int64, of a sparse block's rows; None if it has none.
+
+        Version 4 files hold them for tables whose eviction policy keeps them.
+        """
+        entry = block.get("meta")
+        if not entry:
+            return None
+        n = int(block["rows"])
+        if int(entry["length"]) != 8 * n:
+            raise CheckpointError(f"{self.path}: row metadata section has the wrong length")
+        raw = self.section(entry)
+        touches = np.frombuffer(raw[: 4 * n], np.uint32).astype(np.int64)
+        last_steps = np.frombuffer(raw[4 * n :], np.uint32).astype(np.int64)
+        return touches, last_steps
 
     def removed(self, section: dict) -> np.ndarray:
         """The ids a delta's sparse table section removed (empty for a full checkpoint)."""

@@ -88,8 +88,12 @@ def write_shard_file(state: ShardState, final_path: str, *, since: int | None, i
             section["candidates"] = writer.candidates_block(*entry.table.candidates())
             # Rows are stamped with epochs >= 1: since 0 is every row.
             # Buffers reused: each block is written out before the next is read.
+            # The rows' touch counts and last steps, for a table whose eviction ranks by them:
+            # a restarted server evicts what the old one would have (issue 11).
+            tracks_meta = entry.table.tracks_row_meta
             for keys, values, slots, steps in entry.table.iter_state(since or 0, BLOCK_ROWS, True):
-                section["blocks"].append(writer.sparse_block(keys, values, slots, steps))
+                meta = entry.table.read_row_meta(keys) if tracks_meta else None
+                section["blocks"].append(writer.sparse_block(keys, values, slots, steps, meta))
                 rows_written += int(keys.size)
             index["sparse"].append(section)
         for table_id, entry in state.dense.items():
@@ -121,6 +125,9 @@ def _sparse_section(state: ShardState, table_id: int, entry: SparseEntry) -> dic
         "table_id": table_id,
         "name": entry.name,
         "spec": entry.spec,
+        # What its INIT_SPARSE said, when a set_optimizer(key=...) changed the spec since:
+        # an init sent again after a restart must still find the table identical.
+        "init_spec": entry.init_spec if entry.init_spec != entry.spec else None,
         "own_optimizer": entry.own_optimizer,
         "optimizer": table_optimizer_spec(state, entry),
         "dim": table.dim,
@@ -211,13 +218,23 @@ def abort_save(state: ShardState, path: str, seq: int, shard_index: int, num_sha
     return {"removed": True}
 
 
-def save_shard(state: ShardState, path, seq, shard_index, num_shards, since, parent) -> dict:
+def save_shard(
+    state: ShardState, path, seq, shard_index, num_shards, since, parent, server=None
+) -> dict:
     """Writes this shard's file of checkpoint seq; returns {"file", "bytes", "rows"}.
 
+    server: a server's own state at the same moment (`kvsparse.server.restart.snapshot`),
+    which `restore_shard` gives back; None (the local store): none.
     Reads state only; it must not change meanwhile (see write_shard_file).
     """
     final = os.path.join(path, shard_file_name(seq, shard_index, num_shards))
-    info = {"seq": seq, "shard_index": shard_index, "num_shards": num_shards, "parent": parent}
+    info = {
+        "seq": seq,
+        "shard_index": shard_index,
+        "num_shards": num_shards,
+        "parent": parent,
+        "server": server,
+    }
     return write_shard_file(state, final, since=since, info=info)
 
 
@@ -244,12 +261,17 @@ class Resharding:
         """The old shard files this shard reads."""
         return [self.index] if self.same else list(range(self.old_count))
 
-    def sparse_rows(self, keys, values, slots, steps) -> tuple:
-        """The rows of a block that belong to this shard."""
+    def sparse_rows(self, keys, values, slots, steps, meta=None) -> tuple:
+        """(keys, values, slots, steps, meta) of a block's rows that belong to this shard.
+
+        meta: None, or the rows' (touches, last_steps).
+        """
         if self.same:
-            return keys, values, slots, steps
+            return keys, values, slots, steps, meta
         mine = _core.shard_of(keys, self.count) == self.index
-        return keys[mine], values[mine], slots[mine], steps[mine]
+        if meta is not None:
+            meta = (meta[0][mine], meta[1][mine])
+        return keys[mine], values[mine], slots[mine], steps[mine], meta
 
     def dense_slice(self, values: np.ndarray, slots: np.ndarray) -> tuple:
         """This shard's slice of a dense key's whole (values, slots)."""
@@ -385,6 +407,8 @@ def _load_sparse_section(
             )
         state.create_sparse(table_id, section["name"], spec)
         entry = state.sparse[table_id]
+        if section.get("init_spec") is not None:
+            entry.init_spec = section["init_spec"]
         if not entry.own_optimizer:
             entry.table.set_optimizer(section["optimizer"])
     table = entry.table
@@ -393,13 +417,19 @@ def _load_sparse_section(
     removed = f.removed(section)
     if removed.size:
         table.remove(removed)
-    # Views of the file: no copy.
-    blocks = [reshard.sparse_rows(*block) for block in f.sparse_blocks(section)]
+    # Views of the file: no copy. Each block with its rows' eviction metadata (or None).
+    blocks = [
+        reshard.sparse_rows(*rows, meta=f.row_meta(entry))
+        for entry, rows in zip(section["blocks"], f.sparse_blocks(section))
+    ]
     # All at once: rows come in the saved map's bucket order, and a map growing meanwhile
     # would make linear probing cluster (see EmbeddingTable::ReserveRows).
     table.reserve(len(table) + sum(b[0].size for b in blocks))
-    for keys, values, slots, steps in blocks:
+    tracks_meta = table.tracks_row_meta
+    for keys, values, slots, steps, meta in blocks:
         table.write_state(keys, values, slots, steps)
+        if meta is not None and tracks_meta:
+            table.write_row_meta(keys, *meta)
         if progress is not None:
             progress.update(int(keys.size) if reshard.same else 0)
     if progress is not None and not reshard.same:
@@ -434,7 +464,7 @@ def _dense_entry(path: str, parts: dict, reshard: Resharding) -> DenseEntry:
     return entry
 
 
-def restore_shard(state: ShardState, path: str, shard_index: int, num_shards: int) -> None:
+def restore_shard(state: ShardState, path: str, shard_index: int, num_shards: int) -> dict | None:
     """Loads the latest complete checkpoint in path (base + deltas) into state.
 
     For a server restarting after a crash (``kvsparse server --restore PATH
@@ -443,6 +473,11 @@ def restore_shard(state: ShardState, path: str, shard_index: int, num_shards: in
     included, resharded by key hash if the checkpoint had another shard count.
     Not thread-safe: it replaces every table of state.
 
+    Returns:
+        The ``server`` section of this shard's newest file: what a server
+        keeps besides the tables (`kvsparse.server.restart`), or None (a
+        local store's checkpoint, a file of format < 4, another shard count).
+
     Raises:
         CheckpointError: no complete checkpoint, or a corrupt/truncated file.
 
@@ -450,4 +485,8 @@ def restore_shard(state: ShardState, path: str, shard_index: int, num_shards: in
         >>> state = ShardState()                                   # doctest: +SKIP
         >>> restore_shard(state, "/ckpt", shard_index=1, num_shards=3)  # doctest: +SKIP
     """
-    load_shard_state(state, path, shard_index, num_shards)
+    manifest = load_shard_state(state, path, shard_index, num_shards)
+    if int(manifest["num_shards"]) != num_shards:
+        return None  # the records are of other shards' requests
+    f = read_shard_file(os.path.join(path, manifest["shards"][shard_index]["file"]))
+    return f.index.get("server")
