@@ -135,6 +135,9 @@ class ShardState:
         # A store-wide load in two steps: every shard loads into a new ShardState (kept
         # here), and only once all of them succeeded does each take it over.
         self.staged_load: ShardState | None = None
+        # Wall time (time.time()) of the newest push or assign applied, None before the
+        # first: checkpoints record it, serving replicas measure freshness by it (issue 13).
+        self.newest_push: float | None = None
 
     def clear(self) -> None:
         """Drops every table and dense key and the store-wide optimizer (before a load)."""
@@ -272,6 +275,7 @@ class ShardState:
         entry = self.sparse_entry(table_id)
         self.counters.keys += keys.size
         skip = entry.spec.get("nonfinite") == "skip"
+        self.newest_push = time.time()
         return entry.table.apply_gradients(keys, grads, skip_nonfinite=skip)
 
     def advance_sparse_step(self, table_id: int) -> None:
@@ -324,6 +328,7 @@ class ShardState:
         """
         self.check_sparse_assign(table_id, keys, rows)
         self.counters.keys += keys.size
+        self.newest_push = time.time()
         self.sparse[table_id].table.assign(keys, rows)
 
     # -- dense -------------------------------------------------------------------------------
@@ -346,6 +351,7 @@ class ShardState:
         self.check_dense_push(table_id, grad)
         entry = self.dense[table_id]
         self.counters.keys += 1
+        self.newest_push = time.time()
         grad = np.ascontiguousarray(grad, dtype=np.float32).reshape(-1)
         if entry.optimizer is None:
             entry.values[...] = grad
