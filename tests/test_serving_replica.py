@@ -489,3 +489,80 @@ def test_serve_an_export_and_refuse_bad_directories(tmp_path, replicas):
         )
         assert result.returncode == 1
         assert result.stderr.decode().startswith("kvsparse serve: error:"), result.stderr
+
+
+def test_periodic_saver_bounds_the_chain_and_deletes_old_checkpoints(tmp_path):
+    from kvsparse.store.periodic import PeriodicSaver
+
+    kv, ids = _constant_store(20)
+    now = [0.0]
+    saver = PeriodicSaver(kv, 5.0, keep=2, path=tmp_path, clock=lambda: now[0])
+    kinds = []
+    for step in range(1, 11):
+        _set_all(kv, ids, float(step))
+        assert saver.maybe_save() is None  # not due: no save between two due times
+        now[0] += 5.0
+        seq = saver.maybe_save()
+        kinds.append(json.loads((tmp_path / f"ckpt-{seq:06d}.manifest.json").read_text())["kind"])
+    # keep=2: two deltas at most on a full checkpoint.
+    assert kinds == ["full", "delta", "delta"] * 3 + ["full"]
+    # Checkpoints before the previous full one (7) are gone, manifests and shard files.
+    left = sorted({int(name[5:11]) for name in os.listdir(tmp_path)})
+    assert left == [7, 8, 9, 10]
+    with pytest.raises(errors.InvalidArgument):
+        PeriodicSaver(kv, 0)
+    with pytest.raises(errors.InvalidArgument):
+        PeriodicSaver(kv, 1.0, keep=-1)
+
+
+TRAIN_FOR_SECONDS = r"""
+import sys, time
+import numpy as np
+import kvsparse
+
+kv = kvsparse.create("dist_sparse")
+kv.init("emb", kvsparse.SparseTable(dim=4, optimizer=None))
+ids = np.arange(1000, dtype=np.int64)
+start, step = time.monotonic(), 0
+while time.monotonic() - start < float(sys.argv[1]):
+    step += 1
+    kv.push("emb", (ids, np.full((ids.size, 4), step, np.float32)))
+    time.sleep(0.01)
+print("steps", step)
+"""
+
+
+def test_launch_save_every_feeds_a_following_replica(tmp_path, replicas):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_FOR_SECONDS)
+    checkpoints = tmp_path / "ckpt"
+    checkpoints.mkdir()
+    # Started before the first checkpoint exists: it serves once one arrives.
+    replica = replicas(checkpoints, "--follow", "--poll-interval", "0.05")
+    assert requests.get(replica.url + "/healthz", timeout=10).status_code == 503
+    command = [sys.executable, "-m", "kvsparse", "launch", "--checkpoint-dir", str(checkpoints)]
+    command += ["--save-every", "0.4", "--keep", "2", "--", sys.executable, str(script), "4"]
+    job = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env(), cwd=tmp_path
+    )
+    seqs, freshness, values = set(), [], []
+    with Client([replica.address]) as client:
+        deadline = time.monotonic() + 60
+        while job.poll() is None and time.monotonic() < deadline:
+            health = replica.health()
+            if health["version"] is not None:
+                seqs.add(health["version"]["seq"])
+                freshness.append(health["freshness_seconds"])
+                rows = client.lookup("emb", np.arange(1000))
+                values.append(np.unique(rows).size)
+            time.sleep(0.05)
+    out, err = job.communicate(timeout=30)
+    assert job.returncode == 0, err.decode()
+    assert len(seqs) >= 4, seqs  # it followed the saves as they came
+    assert max(freshness) < 0.4 + 2.0, freshness  # the issue's bound: interval + 2 s
+    assert set(values) == {1}  # every answer one step of the job, never a mix
+    manifests = sorted(checkpoints.glob("ckpt-*.manifest.json"))
+    kinds = [json.loads(m.read_text())["kind"] for m in manifests]
+    # --keep 2: chains of at most 1 full + 2 deltas, and only the last two chains kept.
+    assert kinds.count("full") <= 2 and kinds[0] == "full", kinds
+    assert "delta, delta, delta" not in ", ".join(kinds), kinds

@@ -182,6 +182,22 @@ def _launch_parser() -> argparse.ArgumentParser:
         "restarted servers restore from it",
     )
     parser.add_argument(
+        "--save-every",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="rank 0 saves into --checkpoint-dir on this interval while training runs (full "
+        "first, then deltas), for serving replicas (kvsparse serve --follow)",
+    )
+    parser.add_argument(
+        "--keep",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --save-every: at most N deltas on a full checkpoint, then a full one; "
+        "older checkpoints are deleted",
+    )
+    parser.add_argument(
         "--keys",
         default=None,
         metavar="DIR",
@@ -221,6 +237,8 @@ def _launch(argv: list) -> int:
             retry_window=args.retry_window,
             checkpoint_dir=args.checkpoint_dir,
             keys=args.keys,
+            save_every=args.save_every,
+            keep=args.keep,
         )
     except errors.KVSparseError as exc:
         print(f"kvsparse launch: error: {exc}", file=sys.stderr)
