@@ -75,6 +75,9 @@ SERVER_ID = "KVSPARSE_SERVER_ID"
 KEYS = "KVSPARSE_KEYS"  # CurveZMQ key directory (`kvsparse keys DIR`)
 RETRY_WINDOW = "KVSPARSE_RETRY_WINDOW"  # seconds a worker keeps retrying a restarted server
 CHECKPOINT_DIR = "KVSPARSE_CHECKPOINT_DIR"
+# kvsparse launch --save-every / --keep (issue 13): rank 0 saves into CHECKPOINT_DIR.
+SAVE_EVERY = "KVSPARSE_SAVE_EVERY"
+SAVE_KEEP = "KVSPARSE_SAVE_KEEP"
 NUM_THREADS = "KVSPARSE_NUM_THREADS"  # threads a batch of the C++ core may use
 # What one peer may make a server do (`ServerLimits`, `kvsparse server --max-*`).
 MAX_REPLY_BYTES = "KVSPARSE_MAX_REPLY_BYTES"
@@ -791,6 +794,33 @@ def checkpoint_dir(environ: Optional[Mapping] = None) -> Optional[str]:
     """
     environ = os.environ if environ is None else environ
     return _get(environ, CHECKPOINT_DIR)
+
+
+def periodic_save(environ: Optional[Mapping] = None) -> Optional[tuple]:
+    """(seconds, keep or None) of ``kvsparse launch --save-every S [--keep N]``, or None.
+
+    Read from ``KVSPARSE_SAVE_EVERY`` (seconds, > 0) and ``KVSPARSE_SAVE_KEEP``
+    (deltas at most on a full checkpoint, >= 0). Thread-safe.
+
+    Raises:
+        InvalidArgument: a value that is not a number in range.
+
+    Example:
+        >>> periodic_save({"KVSPARSE_SAVE_EVERY": "5", "KVSPARSE_SAVE_KEEP": "10"})
+        (5.0, 10)
+    """
+    environ = os.environ if environ is None else environ
+    text = _get(environ, SAVE_EVERY)
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise InvalidArgument(f"{SAVE_EVERY}={text!r} is not a number of seconds") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise InvalidArgument(f"{SAVE_EVERY}={text!r} must be a number of seconds > 0")
+    keep = _get(environ, SAVE_KEEP)
+    return seconds, None if keep is None else _parse_int(keep, SAVE_KEEP, minimum=0)
 
 
 # -- server limits ----------------------------------------------------------------------------

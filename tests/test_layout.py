@@ -147,7 +147,7 @@ MAY_IMPORT = {
     "shard": set(),
     "store": {"client", "shard"},
     "server": {"shard", "wire"},
-    "serving": {"shard"},
+    "serving": {"shard", "wire"},
     # "package": process.py finds the installed kvsparse to put it on a server's PYTHONPATH.
     "cluster": {"kvsparse.server.listening", "client", "shard", "wire", "package"},
     "ray": {"cluster", "client", "kvsparse.server.listening"},

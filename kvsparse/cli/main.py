@@ -7,6 +7,7 @@ Usage::
     kvsparse server --bind tcp://0.0.0.0:7000       # one server (shard)
     kvsparse server                                 # bind address from the environment
     kvsparse stats --once                           # every shard's tables and traffic
+    kvsparse serve --checkpoint-dir DIR --follow --http-port 8080   # a serving replica
 
 ``kvsparse server`` with no ``--bind`` takes its address from
 `kvsparse.config.server_bind_address` (``KVSPARSE_BIND``,
@@ -31,6 +32,7 @@ from kvsparse import errors
 _COMMANDS = {
     "launch": "start servers and workers on this host and run a training job",
     "server": "run one server (shard); options are those of python -m kvsparse.server",
+    "serve": "serve lookups from a checkpoint directory over ZeroMQ and HTTP (--follow)",
     "stats": "show a live table of every server's tables and traffic (--once: one snapshot)",
     "keys": "make CurveZMQ key pairs in DIR for --keys (kvsparse keys DIR)",
 }
@@ -180,6 +182,22 @@ def _launch_parser() -> argparse.ArgumentParser:
         "restarted servers restore from it",
     )
     parser.add_argument(
+        "--save-every",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="rank 0 saves into --checkpoint-dir on this interval while training runs (full "
+        "first, then deltas), for serving replicas (kvsparse serve --follow)",
+    )
+    parser.add_argument(
+        "--keep",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --save-every: at most N deltas on a full checkpoint, then a full one; "
+        "older checkpoints are deleted",
+    )
+    parser.add_argument(
         "--keys",
         default=None,
         metavar="DIR",
@@ -219,6 +237,8 @@ def _launch(argv: list) -> int:
             retry_window=args.retry_window,
             checkpoint_dir=args.checkpoint_dir,
             keys=args.keys,
+            save_every=args.save_every,
+            keep=args.keep,
         )
     except errors.KVSparseError as exc:
         print(f"kvsparse launch: error: {exc}", file=sys.stderr)
@@ -319,6 +339,10 @@ def _run(argv: list) -> int:
         return _server(rest)
     if command == "keys":
         return _keys(rest)
+    if command == "serve":
+        from kvsparse.serving import main as serve
+
+        return serve.main(rest)
     from kvsparse.cli import stats as stats_cli  # the one command left: stats
 
     return stats_cli.main(rest)

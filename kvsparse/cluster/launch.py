@@ -38,6 +38,10 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   ends. A restarted server binds the same socket path. tcp stays the
   default because, measured on 2 cores (docs/operations.md), a whole
   pull/push step was no faster over ipc, although the bare transport is.
+- ``save_every`` (``--save-every S``, with ``--checkpoint-dir``): rank 0
+  saves on that interval while training runs, full then deltas
+  (`kvsparse.store.periodic`), for serving replicas that follow the
+  directory; ``keep`` (``--keep N``) bounds the delta chain.
 - ``checkpoint_dir`` (``--checkpoint-dir``) reaches the workers as
   ``KVSPARSE_CHECKPOINT_DIR``; ``keys`` (``--keys``, a ``kvsparse keys``
   directory) makes the servers CurveZMQ-only and reaches the workers as
@@ -421,6 +425,25 @@ def _transport_and_host(transport: Optional[str], host: Optional[str]) -> tuple:
     return transport, DEFAULT_HOST if host is None else host
 
 
+def _check_periodic_save(save_every, keep, checkpoint_dir, extra: dict) -> None:
+    """Checks --save-every / --keep and puts them in the workers' variables (extra)."""
+    if save_every is None:
+        if keep is not None:
+            raise errors.InvalidArgument("keep goes with save_every (--keep with --save-every)")
+        return
+    if isinstance(save_every, bool) or not isinstance(save_every, (int, float)):
+        raise errors.InvalidArgument(f"save_every must be seconds > 0, got {save_every!r}")
+    if not 0 < save_every < float("inf"):
+        raise errors.InvalidArgument(f"save_every must be seconds > 0, got {save_every!r}")
+    if checkpoint_dir is None:
+        raise errors.InvalidArgument("save_every needs checkpoint_dir (--checkpoint-dir DIR)")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+        raise errors.InvalidArgument(f"keep must be an integer >= 0, got {keep!r}")
+    extra.setdefault(config.SAVE_EVERY, repr(float(save_every)))
+    if keep is not None:
+        extra.setdefault(config.SAVE_KEEP, str(keep))
+
+
 def _check_counts(num_servers, num_workers) -> None:
     for name, value in (("num_servers", num_servers), ("num_workers", num_workers)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -447,6 +470,8 @@ def launch(
     retry_window: Optional[float] = None,
     checkpoint_dir: Optional[str] = None,
     keys: Optional[str] = None,
+    save_every: Optional[float] = None,
+    keep: Optional[int] = None,
 ) -> int:
     """Runs a job on this host: servers, then workers; stops everything at the end.
 
@@ -480,6 +505,12 @@ def launch(
             ``kv.save()`` writes by default) and what restarted servers restore.
         keys: a ``kvsparse keys`` directory: CurveZMQ for the servers, and
             ``KVSPARSE_KEYS`` for the workers.
+        save_every: seconds: rank 0's store saves into checkpoint_dir on
+            this interval while training runs (full first, then deltas:
+            `kvsparse.store.periodic`), for serving replicas that follow it
+            (``kvsparse serve --follow``). The workers get ``KVSPARSE_SAVE_EVERY``.
+        keep: with save_every, at most this many deltas on a full checkpoint
+            (then a full one; older chains are deleted). ``KVSPARSE_SAVE_KEEP``.
 
     Returns:
         The exit code: 0 if all workers succeeded, else the first failing
@@ -525,6 +556,7 @@ def launch(
         security.check_keys(keys)
         cluster.keys = keys
         extra.setdefault(config.KEYS, keys)
+    _check_periodic_save(save_every, keep, checkpoint_dir, extra)
     if checkpoint_dir is not None:
         checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
         # It may be a server's checkpoint root, which must exist (and saves go there anyway).

@@ -99,9 +99,15 @@ class Handlers:
 
     def run(self, header: protocol.Header, payload: list, pending):
         """Runs the op's handler (after HELLO, for a rank in range); raises what it raises."""
+        handler = self._table.get(header.op)
+        if handler is None:  # LOOKUP, SERVING_STATUS: a serving replica's (issue 13)
+            raise errors.ProtocolError(
+                f"op {Op(header.op).name} is answered by a serving replica (kvsparse serve), "
+                "not by a training server"
+            )
         if header.op != Op.HELLO:
             self._check_configured(header)
-        return self._table[header.op](header, payload, pending)
+        return handler(header, payload, pending)
 
     def answer_outside_session(self, header: protocol.Header) -> list | None:
         """The reply frames of a request outside any client session, else None.

@@ -161,6 +161,9 @@ class ShardState:
         # A store-wide load in two steps: every shard loads into a new ShardState (kept
         # here), and only once all of them succeeded does each take it over.
         self.staged_load: ShardState | None = None
+        # Wall time (time.time()) of the newest push or assign applied, None before the
+        # first: checkpoints record it, serving replicas measure freshness by it (issue 13).
+        self.newest_push: float | None = None
 
     def clear(self) -> None:
         """Drops every table and dense key and the store-wide optimizer (before a load)."""
@@ -296,6 +299,7 @@ class ShardState:
         entry = self.sparse_entry(table_id)
         self.counters.keys += keys.size
         skip = entry.spec.get("nonfinite") == "skip"
+        self.newest_push = time.time()
         return entry.table.apply_gradients(keys, grads, skip_nonfinite=skip)
 
     def push_sparse_tables(self, pushes: list) -> None:
@@ -354,6 +358,7 @@ class ShardState:
                 if entry is not None:
                     entry.table.cancel_push()
             raise
+        self.newest_push = time.time()
         for table_id, _, keys, _, step in work:
             if not keys.size and step:
                 self.advance_sparse_step(table_id)
@@ -408,6 +413,7 @@ class ShardState:
         """
         self.check_sparse_assign(table_id, keys, rows)
         self.counters.keys += keys.size
+        self.newest_push = time.time()
         self.sparse[table_id].table.assign(keys, rows)
 
     # -- dense -------------------------------------------------------------------------------
@@ -450,6 +456,8 @@ class ShardState:
             table_id = int(table_id)
             grouped[table_id] = grad if table_id not in grouped else grouped[table_id] + grad
         updates = [(self.dense[t], *self.dense[t].updated(g)) for t, g in grouped.items()]
+        if updates:
+            self.newest_push = time.time()
         for entry, values, slots, step in updates:
             self.counters.keys += 1
             entry.values[...] = values

@@ -92,12 +92,17 @@ class Checkpoints:
         }
         # A save that failed on any shard leaves no shard file behind (issue 11, defect 15).
         replies = self._everywhere(body, undo={"action": CheckpointAction.ABORT, "seq": seq})
+        pushes = [replies[s].get("newest_push") for s in range(n)]
+        pushes = [p for p in pushes if p is not None]
         manifest = {
             "seq": seq,
             "kind": "delta" if incremental else "full",
             "parent": parent,
             "num_shards": n,
             "created": time.time(),
+            # Wall time of the newest push any shard file holds (issue 13: a serving
+            # replica's freshness is now minus this); None if no shard saw a push.
+            "newest_push": max(pushes) if pushes else None,
             "shards": [replies[s] for s in range(n)],
             "keys": [info.to_record() for info in self._keys.infos()],
             "optimizer": None if optimizer is None else optimizer.to_dict(),

@@ -148,7 +148,11 @@ def create_remote_store(
         retry_window=cluster_config.retry_window() if retry_window is None else retry_window,
         keys=cluster_config.curve_keys() if keys is None else keys,
     )
-    return KVStore(backend, kind, wire_dtype)
+    store = KVStore(backend, kind, wire_dtype)
+    periodic = cluster_config.periodic_save()
+    if periodic is not None and config.rank == 0:
+        store.save_every(*periodic)  # kvsparse launch --save-every S [--keep N] (issue 13)
+    return store
 
 
 __all__ = ["LOCAL_KINDS", "create", "create_remote_store"]

@@ -122,6 +122,7 @@ class KVStore(StoreFront):
         # init, set_optimizer and load change what every later call reads (the keys, the
         # optimizer): one at a time. Pushes and pulls only read those.
         self._lock = threading.RLock()
+        self._saver = None  # a PeriodicSaver (save_every): saves after a push when due
 
     # The checkpoint code (and the shard's file format under it) loads on the first save,
     # load or export: `import kvsparse` stays light for launchers and for workers that
@@ -320,6 +321,8 @@ class KVStore(StoreFront):
             self._backend.push_sparse(sparse_items)
         if dense_items:
             self._backend.push_dense(dense_items)
+        if self._saver is not None and self._saver.due():
+            self._saver.save()
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Pulls dense key(s) into out (an array of the key's shape, or a list of them).
@@ -502,6 +505,36 @@ class KVStore(StoreFront):
             2
         """
         return self._checkpoints.save(path, self._optimizer, incremental)
+
+    def save_every(self, seconds, keep=None, path=None) -> None:
+        """Saves into path every `seconds` while training runs: full first, then deltas.
+
+        A save is made after a push once `seconds` passed since the last one
+        (in the pushing thread, between steps: what ``kv.save`` there would
+        give). ``kvsparse launch --save-every S --keep N`` calls it on rank 0.
+        Call it on one worker only (rank 0); None as seconds stops it.
+
+        Args:
+            seconds: the interval (> 0), or None to stop saving.
+            keep: at most this many deltas on a full checkpoint; the next save
+                is full, and checkpoints before the previous full one are
+                deleted (see `kvsparse.store.periodic`). None: no limit.
+            path: the directory (None: the launcher's ``--checkpoint-dir``).
+
+        Raises:
+            InvalidArgument: a bad interval or keep, or no path and no
+                ``--checkpoint-dir``.
+
+        Example:
+            >>> kv.save_every(5.0, keep=10)   # doctest: +SKIP
+        """
+        if seconds is None:
+            self._saver = None
+            return
+        from kvsparse.store.periodic import PeriodicSaver
+
+        self._checkpoints.resolve(path)  # fails now without a directory
+        self._saver = PeriodicSaver(self, seconds, keep, path)
 
     def load(self, path=None) -> int:
         """Restores the latest complete checkpoint in path (base + deltas); returns its number.

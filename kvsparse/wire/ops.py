@@ -900,6 +900,97 @@ class Checkpoint(_Codec):
         return protocol.decode_json(payload[0], what="CHECKPOINT reply")
 
 
+class LookupRequest(NamedTuple):
+    """A decoded LOOKUP request (immutable)."""
+
+    table: str
+    default: str  # 'zeros' or 'initializer': what an id the replica does not hold gets
+    shape: tuple  # the ids' shape; the reply's rows are shape + (dim,)
+    keys: np.ndarray  # int64, flat, prod(shape) of them (a view of the frame)
+
+
+LOOKUP_DEFAULTS = ("zeros", "initializer")
+
+
+class Lookup(_Codec):
+    """LOOKUP: rows of ids from a serving replica (`kvsparse serve`, issue 13).
+
+    Request: JSON {"table", "default", "shape"} and the ids, int64, flat.
+    Reply: JSON {"dim", "version"} (the checkpoint the rows come from) and
+    the rows, float32, prod(shape) x dim. Answered without HELLO.
+    """
+
+    op = Op.LOOKUP
+
+    @classmethod
+    def encode_request(cls, table: str, keys: np.ndarray, shape, default: str) -> Request:
+        """The request for keys (int64, flat) of ids of the given shape."""
+        meta = {"table": str(table), "default": default, "shape": [int(d) for d in shape]}
+        return Request(cls.op, [protocol.encode_json(meta), np.ascontiguousarray(keys, np.int64)])
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> LookupRequest:
+        """The request's table, default, shape and keys, every field checked."""
+        if len(payload) != 2:
+            raise errors.ProtocolError(f"LOOKUP takes 2 payload frames, got {len(payload)}")
+        meta = protocol.decode_json(payload[0], what="LOOKUP")
+        if not isinstance(meta, dict):
+            raise errors.ProtocolError("LOOKUP: the JSON frame must be an object")
+        table, default, shape = meta.get("table"), meta.get("default"), meta.get("shape")
+        if not isinstance(table, str) or not table:
+            raise errors.ProtocolError("LOOKUP: table must be a non-empty str")
+        if default not in LOOKUP_DEFAULTS:
+            raise errors.ProtocolError(f"LOOKUP: default must be one of {LOOKUP_DEFAULTS}")
+        if not isinstance(shape, list) or len(shape) > 32:
+            raise errors.ProtocolError("LOOKUP: shape must be a list of at most 32 sizes")
+        shape = tuple(check_int(d, "LOOKUP shape size", 0, 1 << 40) for d in shape)
+        count = int(np.prod(shape, dtype=object)) if shape else 1
+        keys = protocol.frame_array(payload[1], np.int64, count, what="LOOKUP keys")
+        return LookupRequest(table, default, shape, keys)
+
+    @classmethod
+    def encode_reply(cls, rows: np.ndarray, version) -> Reply:
+        """The reply: rows (n x dim float32) and the version they come from."""
+        meta = {"dim": int(rows.shape[1]), "version": version}
+        return Reply([protocol.encode_json(meta), np.ascontiguousarray(rows, np.float32)])
+
+    @classmethod
+    def decode_reply(cls, header: Header, payload, count: int) -> tuple:
+        """(rows count x dim float32, version) of a reply to a request of count ids."""
+        if len(payload) != 2:
+            raise errors.ProtocolError(f"LOOKUP reply takes 2 payload frames, got {len(payload)}")
+        meta = _json_object(payload[:1], "LOOKUP reply")
+        dim = check_int(meta.get("dim"), "LOOKUP reply dim", 1, protocol.MAX_DIM)
+        rows = protocol.frame_array(payload[1], np.float32, count * dim, what="LOOKUP rows")
+        return rows.reshape(count, dim), meta.get("version")
+
+
+class ServingStatus(_Codec):
+    """SERVING_STATUS: a serving replica's tables, version and freshness (no HELLO)."""
+
+    op = Op.SERVING_STATUS
+
+    @classmethod
+    def encode_request(cls) -> Request:
+        """The request (no payload)."""
+        return Request(cls.op, [])
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> None:
+        """Checks that there is no payload."""
+        _no_payload(payload, cls.op.name)
+
+    @classmethod
+    def encode_reply(cls, status: dict) -> Reply:
+        """The reply: the status as JSON."""
+        return Reply([protocol.encode_json(status)])
+
+    @classmethod
+    def decode_reply(cls, header: Header, payload) -> dict:
+        """The status."""
+        return _json_object(payload, "SERVING_STATUS reply")
+
+
 CODECS = {
     codec.op: codec
     for codec in (
@@ -919,6 +1010,8 @@ CODECS = {
         Stats,
         Evict,
         Checkpoint,
+        Lookup,
+        ServingStatus,
     )
 }
 """Every op's codec class, by op."""
@@ -940,7 +1033,10 @@ __all__ = [
     "InitDenseRequest",
     "InitSparse",
     "InitSparseRequest",
+    "LOOKUP_DEFAULTS",
     "LoadOptimizerStates",
+    "Lookup",
+    "LookupRequest",
     "Mode",
     "Ping",
     "PullDense",
@@ -952,6 +1048,7 @@ __all__ = [
     "PushSparseRequest",
     "Reply",
     "Request",
+    "ServingStatus",
     "SetOptimizer",
     "SetOptimizerRequest",
     "SparsePush",

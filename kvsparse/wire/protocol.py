@@ -89,6 +89,11 @@ both ends call:
                                                                    evicted} (TTL, now)
     CHECKPOINT (30)        JSON {action, path, ...} (the actions   JSON: the action's
                            of kvsparse.shard.checkpoint)           result
+    LOOKUP (40)            JSON {table, default, shape}, keys      JSON {dim, version},
+                           (i64, prod(shape) of them): a serving   rows (count x dim, f32)
+                           replica (`kvsparse serve`), no HELLO
+    SERVING_STATUS (41)    none: a serving replica, no HELLO       JSON: its tables,
+                                                                   version, freshness
     =====================  ======================================  =====================
 
 A *tree* is a JSON frame in which every array is replaced by
@@ -186,6 +191,10 @@ class Op(enum.IntEnum):
     EVICT = 20
     # Checkpoints, loads and inference export (issue 5): a JSON body with an "action".
     CHECKPOINT = 30
+    # A serving replica's lookups and status (issue 13, `kvsparse serve`): answered
+    # without HELLO by the serving process; a training server refuses them.
+    LOOKUP = 40
+    SERVING_STATUS = 41
 
 
 OP_VALUES = frozenset(int(op) for op in Op)

@@ -75,6 +75,8 @@ def write_shard_file(state: ShardState, final_path: str, *, since: int | None, i
             **info,
             "kind": "full" if since is None else "delta",
             "default_optimizer": state.default_optimizer,
+            # Wall time of the newest push this file holds (issue 13: freshness), or None.
+            "newest_push": state.newest_push,
             "sparse": [],
             "dense": [],
         }
@@ -115,7 +117,12 @@ def write_shard_file(state: ShardState, final_path: str, *, since: int | None, i
     except BaseException:
         writer.abort()
         raise
-    return {"file": os.path.basename(final_path), "bytes": size, "rows": rows_written}
+    return {
+        "file": os.path.basename(final_path),
+        "bytes": size,
+        "rows": rows_written,
+        "newest_push": state.newest_push,
+    }
 
 
 def _sparse_section(state: ShardState, table_id: int, entry: SparseEntry) -> dict:
