@@ -389,7 +389,7 @@ def read_checkpoints(
                 change.removed.append(np.array(f.removed(section)))
                 for keys, values, slots, steps_ in f.sparse_blocks(section):
                     if reshard is not None and not reshard.same:
-                        keys, values, _, _ = reshard.sparse_rows(keys, values, slots, steps_)
+                        keys, values, *_ = reshard.sparse_rows(keys, values, slots, steps_)
                     change.blocks.append((keys, values))
                 changes.append(change)
     return Update(reset, changes, checkpoint_version(steps[-1]))
