@@ -311,9 +311,11 @@ def optimizer_from_mxnet(optimizer, *, lr: float | None = None, wd: float | None
     MXNet's where they differ (Adam: epsilon outside the bias correction; AdaGrad and
     RMSProp: epsilon inside the square root; AdaGrad: wd outside the history; Adam and
     RMSProp: wd added before clipping). Adam's ``t`` counts updates of the key in both
-    (``step_mode='table'``). ``multi_precision`` is accepted and changes nothing: MXNet
-    keeps a float32 master copy of float16 weights only, and the servers' tables are
-    float32.
+    (``step_mode='table'``). ``multi_precision=True`` is honoured as MXNet does for
+    float16 (and bfloat16) dense keys: the servers keep a float32 master copy that the
+    optimizer updates, and the key's value is that copy rounded. float32 keys ignore it,
+    and so do 16-bit sparse tables (they exist to halve table memory; give them
+    slot_dtype / dtype='float32' instead).
 
     Refused, with an error naming them: the registered MXNet optimizers with no server
     formula (`UNSUPPORTED_MXNET_OPTIMIZERS`: AdaDelta, Adamax, DCASGD, FTML,
@@ -373,10 +375,16 @@ def _map_optimizer(optimizer, *, warn: bool, lr=None, wd=None) -> optimizers.Opt
     if kind == "test":
         # MXNet's Test: weight += rescale_grad * grad. The servers' SGD computes
         # w -= 1 * (grad * -rescale_grad): the same float32 result (negation is exact).
-        return optimizers.SGD(learning_rate=1.0, rescale_grad=-float(optimizer.rescale_grad))
+        return optimizers.SGD(
+            learning_rate=1.0,
+            rescale_grad=-float(optimizer.rescale_grad),
+            multi_precision=bool(getattr(optimizer, "multi_precision", False)),
+        )
     common = {
         "rescale_grad": float(optimizer.rescale_grad),
         "clip_gradient": _clip(optimizer),
+        # A float32 master copy of float16 / bfloat16 dense keys on the servers (issue 12).
+        "multi_precision": bool(getattr(optimizer, "multi_precision", False)),
     }
     lr = float(optimizer.lr if lr is None else lr)
     wd = float(optimizer.wd if wd is None else wd)

@@ -52,6 +52,8 @@ _OPTIMIZER_FIELDS = (
     "learning_rate", "weight_decay", "rescale_grad", "clip_gradient", "momentum", "nesterov",
     "lr_decay", "epsilon", "initial_accumulator_value", "beta1", "beta2", "lr_power", "l1",
     "l2", "beta", "alpha", "centered", "step_mode", "kind", "formula",
+    # Read by the shard (a float32 master copy of 16-bit dense keys, issue 12), not the core.
+    "multi_precision",
 )
 
 
