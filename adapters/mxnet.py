@@ -133,6 +133,10 @@ def mxnet_error_class(cls: type) -> type:
     return mapped
 
 
+# What a pull of a key of each table dtype gives in MXNet (NumPy dtypes; issue 12).
+_MX_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.float32}
+
+
 def _as_mxnet_error(exc: errors.KVSparseError) -> errors.KVSparseError:
     """exc as an instance of its `mxnet_error_class` (same args and attributes)."""
     cls = mxnet_error_class(type(exc))
@@ -705,7 +709,13 @@ class KVSparseStore(StoreFront, _NativeKVStore):
                 raise errors.ShapeError(
                     f"key {k!r}: a sparse weight must be 2-D (rows, dim), got {value.shape}"
                 )
-            table = kvsparse.SparseTable(dim=int(value.shape[1]), initializer=initializers.Zeros())
+            # A float16 weight makes a float16 table (issue 12), as MXNet keeps its dtype.
+            dtype = np.dtype(value.dtype).name
+            table = kvsparse.SparseTable(
+                dim=int(value.shape[1]),
+                initializer=initializers.Zeros(),
+                dtype=dtype if dtype in ("float16", "bfloat16") else "float32",
+            )
             self._store.init(k, table)
             self._keys.append(k)
             if value.stype == "row_sparse":
@@ -716,7 +726,8 @@ class KVSparseStore(StoreFront, _NativeKVStore):
         else:
             if value.stype != "default":
                 raise errors.DTypeError(f"key {k!r}: {value.stype} values are not supported")
-            self._store.init(k, as_numpy(value))  # kvsparse keeps rank 0's values of a dense key
+            # kvsparse keeps rank 0's values of a dense key; a float16 one stays float16.
+            self._store.init(k, as_numpy(value))
             self._keys.append(k)
         self._server_optimizer.added([k])
 
@@ -972,7 +983,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
                 raise errors.InvalidArgument(f"key {k!r} is dense; use pull")
             ids = _row_ids(ids, key=k)
             if outs is None:
-                outs = mx.nd.empty(ids.shape + (info.dim,))
+                outs = mx.nd.empty(ids.shape + (info.dim,), dtype=_MX_DTYPES[info.dtype])
             results.append(outs)
             requests.append((k, ids, _values_of(outs)))
         with mx.autograd.pause():
