@@ -198,8 +198,9 @@ class RowArray {
     type_ = type;
     width_ = width;
     f32_.Reset(type == StorageType::kFloat32 ? width : 0, rows_per_chunk_log2);
-    // Same bytes per chunk as float32 rows: twice the rows.
-    f16_.Reset(type == StorageType::kFloat32 ? 0 : width, rows_per_chunk_log2 + 1);
+    // The same rows per chunk as the table's other arrays (1 MiB chunks): a chunk of
+    // twice the rows would leave up to twice the unused rows in the last one.
+    f16_.Reset(type == StorageType::kFloat32 ? 0 : width, rows_per_chunk_log2);
   }
   void EnsureRow(int64_t row) {
     if (is_f32()) {
