@@ -382,14 +382,15 @@ def _map_optimizer(optimizer, *, warn: bool, lr=None, wd=None) -> optimizers.Opt
         return optimizers.SGD(
             learning_rate=1.0,
             rescale_grad=-float(optimizer.rescale_grad),
-            multi_precision=bool(getattr(optimizer, "multi_precision", False)),
+            **({"multi_precision": True} if getattr(optimizer, "multi_precision", False) else {}),
         )
     common = {
         "rescale_grad": float(optimizer.rescale_grad),
         "clip_gradient": _clip(optimizer),
-        # A float32 master copy of float16 / bfloat16 dense keys on the servers (issue 12).
-        "multi_precision": bool(getattr(optimizer, "multi_precision", False)),
     }
+    if getattr(optimizer, "multi_precision", False):
+        # A float32 master copy of float16 / bfloat16 dense keys on the servers (issue 12).
+        common["multi_precision"] = True
     lr = float(optimizer.lr if lr is None else lr)
     wd = float(optimizer.wd if wd is None else wd)
     if warn and getattr(optimizer, "lazy_update", True) is False:
@@ -628,6 +629,9 @@ class KVSparseStore(StoreFront, _NativeKVStore):
         self._server_optimizer = _ServerOptimizer(store)
         self._keys: list = []  # in init order
         self._compression = None  # a GradientCompression, after set_gradient_compression
+        # Storage dtype of the sparse tables init() makes from now on (issue 12); None:
+        # the weight's own (float16 weights make float16 tables).
+        self.table_dtype = None
 
     def __del__(self):
         pass  # no native handle to free; close() releases the kvsparse store
@@ -709,8 +713,12 @@ class KVSparseStore(StoreFront, _NativeKVStore):
                 raise errors.ShapeError(
                     f"key {k!r}: a sparse weight must be 2-D (rows, dim), got {value.shape}"
                 )
-            # A float16 weight makes a float16 table (issue 12), as MXNet keeps its dtype.
+            # A float16 weight makes a float16 table (issue 12), as MXNet keeps its dtype;
+            # kv.table_dtype = 'float16' stores float32 weights' tables in float16 (pulls
+            # into the float32 weights widen, exactly).
             dtype = np.dtype(value.dtype).name
+            if self.table_dtype is not None:
+                dtype = arrays.table_dtype(self.table_dtype, "table_dtype")
             table = kvsparse.SparseTable(
                 dim=int(value.shape[1]),
                 initializer=initializers.Zeros(),

@@ -237,7 +237,9 @@ class Embedding(keras.layers.Layer):
     def _pull_eager(self, ids: tf.Tensor) -> tf.Tensor:
         host_ids = tensor_to_numpy(ids)
         half = self.table_dtype == tf.float16
-        out = aligned_empty(host_ids.shape + (self.embedding_dim,), np.float16 if half else np.float32)
+        out = aligned_empty(
+            host_ids.shape + (self.embedding_dim,), np.float16 if half else np.float32
+        )
         with store_lock(self.kv):
             self.kv.row_sparse_pull(self.key, out=out, row_ids=host_ids)
         rows = numpy_to_tensor(out)
