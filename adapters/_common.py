@@ -10,6 +10,7 @@ import weakref
 from dataclasses import dataclass
 
 from kvsparse import errors
+from kvsparse.arrays import table_dtype
 from kvsparse.table import SparseTable
 
 # One lock per store, shared by all adapters. A KVStore is safe to call from
@@ -116,6 +117,8 @@ class TableOptions:
     seed: int = 0
     partitioner: object = None
     nonfinite: str = "raise"
+    # The table's storage dtype (issue 12): a name or a framework dtype; None: float32.
+    dtype: object = None
 
     def ensure(self, kv, key, embedding_dim=None) -> int:
         """Creates sparse table `key` on `kv` with these settings unless it exists; its dim.
@@ -132,6 +135,10 @@ class TableOptions:
                         f"table {key!r} has dim {info.dim}, "
                         f"but embedding_dim={embedding_dim} was asked"
                     )
+                if self.dtype is not None and table_dtype(self.dtype) != info.dtype:
+                    raise errors.InvalidArgument(
+                        f"table {key!r} holds {info.dtype}, but dtype={self.dtype} was asked"
+                    )
                 return info.dim
             if embedding_dim is None:
                 raise errors.UnknownKey(
@@ -141,6 +148,8 @@ class TableOptions:
             settings = {"dim": int(embedding_dim), "optimizer": self.optimizer, "seed": self.seed}
             if self.initializer is not None:
                 settings["initializer"] = self.initializer
+            if self.dtype is not None:
+                settings["dtype"] = table_dtype(self.dtype)
             table = SparseTable(partitioner=self.partitioner, nonfinite=self.nonfinite, **settings)
             kv.init(key, table)
             return int(embedding_dim)

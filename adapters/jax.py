@@ -72,6 +72,8 @@ class _Table:
         self.kv = kv
         self.key = key
         self.dim = dim
+        # The table's dtype (issue 12): jnp.float32, float16 or bfloat16 rows.
+        self.dtype = jnp.dtype(kv.key_info(key).dtype)
 
     # JAX may run callbacks on a thread of its own, while the caller's thread
     # goes on (asynchronous dispatch): the store is only called under its lock.
@@ -86,7 +88,7 @@ class _Table:
 
 
 def _pull_callback(table: _Table, ids):
-    shape = jax.ShapeDtypeStruct(tuple(ids.shape) + (table.dim,), jnp.float32)
+    shape = jax.ShapeDtypeStruct(tuple(ids.shape) + (table.dim,), table.dtype)
     return jax.pure_callback(table.pull, shape, ids, vmap_method="expand_dims")
 
 
@@ -121,7 +123,7 @@ class _HostIds:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _lookup_host(table, host, anchor):
     del anchor
-    shape = jax.ShapeDtypeStruct(host.ids.shape + (table.dim,), jnp.float32)
+    shape = jax.ShapeDtypeStruct(host.ids.shape + (table.dim,), table.dtype)
     return jax.pure_callback(lambda: table.pull(host.ids), shape)
 
 
@@ -149,6 +151,7 @@ def embedding_lookup(
     seed: int = 0,
     partitioner=None,
     nonfinite: str = "raise",
+    dtype=None,
 ):
     """The rows of `ids` in table `key`; differentiating pushes their gradient.
 
@@ -162,12 +165,15 @@ def embedding_lookup(
             `make_anchor`); without it no gradient is pushed.
         initializer, optimizer, seed, partitioner, nonfinite: the table's
             settings (kvsparse.SparseTable) when this creates it.
+        dtype: the table's storage dtype when this creates it: jnp.float32
+            (default), jnp.float16 or jnp.bfloat16 (an existing table of another
+            dtype is refused).
 
     Safe to call from several threads at once: the pull and push callbacks
     call the store under `store_lock(kv)`.
 
     Returns:
-        float32 array of shape ids.shape + (dim,).
+        array of the table's dtype, shape ids.shape + (dim,).
 
     Raises:
         kvsparse.errors.UnknownKey: no table and no embedding_dim.
@@ -179,7 +185,7 @@ def embedding_lookup(
         >>> rows.shape
         (2, 2, 8)
     """
-    options = TableOptions(initializer, optimizer, seed, partitioner, nonfinite)
+    options = TableOptions(initializer, optimizer, seed, partitioner, nonfinite, dtype)
     dim = options.ensure(kv, key, embedding_dim)
     if anchor is None:
         anchor = make_anchor()

@@ -133,6 +133,10 @@ def mxnet_error_class(cls: type) -> type:
     return mapped
 
 
+# What a pull of a key of each table dtype gives in MXNet (NumPy dtypes; issue 12).
+_MX_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.float32}
+
+
 def _as_mxnet_error(exc: errors.KVSparseError) -> errors.KVSparseError:
     """exc as an instance of its `mxnet_error_class` (same args and attributes)."""
     cls = mxnet_error_class(type(exc))
@@ -311,9 +315,11 @@ def optimizer_from_mxnet(optimizer, *, lr: float | None = None, wd: float | None
     MXNet's where they differ (Adam: epsilon outside the bias correction; AdaGrad and
     RMSProp: epsilon inside the square root; AdaGrad: wd outside the history; Adam and
     RMSProp: wd added before clipping). Adam's ``t`` counts updates of the key in both
-    (``step_mode='table'``). ``multi_precision`` is accepted and changes nothing: MXNet
-    keeps a float32 master copy of float16 weights only, and the servers' tables are
-    float32.
+    (``step_mode='table'``). ``multi_precision=True`` is honoured as MXNet does for
+    float16 (and bfloat16) dense keys: the servers keep a float32 master copy that the
+    optimizer updates, and the key's value is that copy rounded. float32 keys ignore it,
+    and so do 16-bit sparse tables (they exist to halve table memory; give them
+    slot_dtype / dtype='float32' instead).
 
     Refused, with an error naming them: the registered MXNet optimizers with no server
     formula (`UNSUPPORTED_MXNET_OPTIMIZERS`: AdaDelta, Adamax, DCASGD, FTML,
@@ -373,11 +379,18 @@ def _map_optimizer(optimizer, *, warn: bool, lr=None, wd=None) -> optimizers.Opt
     if kind == "test":
         # MXNet's Test: weight += rescale_grad * grad. The servers' SGD computes
         # w -= 1 * (grad * -rescale_grad): the same float32 result (negation is exact).
-        return optimizers.SGD(learning_rate=1.0, rescale_grad=-float(optimizer.rescale_grad))
+        return optimizers.SGD(
+            learning_rate=1.0,
+            rescale_grad=-float(optimizer.rescale_grad),
+            **({"multi_precision": True} if getattr(optimizer, "multi_precision", False) else {}),
+        )
     common = {
         "rescale_grad": float(optimizer.rescale_grad),
         "clip_gradient": _clip(optimizer),
     }
+    if getattr(optimizer, "multi_precision", False):
+        # A float32 master copy of float16 / bfloat16 dense keys on the servers (issue 12).
+        common["multi_precision"] = True
     lr = float(optimizer.lr if lr is None else lr)
     wd = float(optimizer.wd if wd is None else wd)
     if warn and getattr(optimizer, "lazy_update", True) is False:
@@ -616,6 +629,9 @@ class KVSparseStore(StoreFront, _NativeKVStore):
         self._server_optimizer = _ServerOptimizer(store)
         self._keys: list = []  # in init order
         self._compression = None  # a GradientCompression, after set_gradient_compression
+        # Storage dtype of the sparse tables init() makes from now on (issue 12); None:
+        # the weight's own (float16 weights make float16 tables).
+        self.table_dtype = None
 
     def __del__(self):
         pass  # no native handle to free; close() releases the kvsparse store
@@ -697,7 +713,17 @@ class KVSparseStore(StoreFront, _NativeKVStore):
                 raise errors.ShapeError(
                     f"key {k!r}: a sparse weight must be 2-D (rows, dim), got {value.shape}"
                 )
-            table = kvsparse.SparseTable(dim=int(value.shape[1]), initializer=initializers.Zeros())
+            # A float16 weight makes a float16 table (issue 12), as MXNet keeps its dtype;
+            # kv.table_dtype = 'float16' stores float32 weights' tables in float16 (pulls
+            # into the float32 weights widen, exactly).
+            dtype = np.dtype(value.dtype).name
+            if self.table_dtype is not None:
+                dtype = arrays.table_dtype(self.table_dtype, "table_dtype")
+            table = kvsparse.SparseTable(
+                dim=int(value.shape[1]),
+                initializer=initializers.Zeros(),
+                dtype=dtype if dtype in ("float16", "bfloat16") else "float32",
+            )
             self._store.init(k, table)
             self._keys.append(k)
             if value.stype == "row_sparse":
@@ -708,7 +734,8 @@ class KVSparseStore(StoreFront, _NativeKVStore):
         else:
             if value.stype != "default":
                 raise errors.DTypeError(f"key {k!r}: {value.stype} values are not supported")
-            self._store.init(k, as_numpy(value))  # kvsparse keeps rank 0's values of a dense key
+            # kvsparse keeps rank 0's values of a dense key; a float16 one stays float16.
+            self._store.init(k, as_numpy(value))
             self._keys.append(k)
         self._server_optimizer.added([k])
 
@@ -964,7 +991,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
                 raise errors.InvalidArgument(f"key {k!r} is dense; use pull")
             ids = _row_ids(ids, key=k)
             if outs is None:
-                outs = mx.nd.empty(ids.shape + (info.dim,))
+                outs = mx.nd.empty(ids.shape + (info.dim,), dtype=_MX_DTYPES[info.dtype])
             results.append(outs)
             requests.append((k, ids, _values_of(outs)))
         with mx.autograd.pause():

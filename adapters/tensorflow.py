@@ -171,7 +171,11 @@ class Embedding(keras.layers.Layer):
             kvsparse.SparseTable created when the table does not exist yet;
             `optimizer` (a kvsparse.optimizers object) runs on the servers.
             Ignored for an existing table.
-        **kwargs: keras.layers.Layer arguments (name, ...).
+        table_dtype: the table's storage dtype when this creates it: tf.float32
+            (default), tf.float16 or tf.bfloat16 (kvsparse.SparseTable's dtype;
+            an existing table of another dtype is refused). Pulled rows are
+            cast to the layer's compute dtype (Keras' dtype policy).
+        **kwargs: keras.layers.Layer arguments (name, dtype policy, ...).
 
     Call:
         ids: an integer tensor of any shape (int64 is used as it is, other
@@ -204,13 +208,17 @@ class Embedding(keras.layers.Layer):
         seed: int = 0,
         partitioner=None,
         nonfinite: str = "raise",
+        table_dtype=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.kv = kv
         self.key = key
-        options = TableOptions(initializer, optimizer, seed, partitioner, nonfinite)
+        options = TableOptions(initializer, optimizer, seed, partitioner, nonfinite, table_dtype)
         self.embedding_dim = options.ensure(kv, key, embedding_dim)
+        # The table's storage dtype (issue 12); rows come out in it (bfloat16 is pulled as
+        # float32 and cast, exactly: NumPy has no bfloat16 TF could adopt through DLPack).
+        self.table_dtype = tf.as_dtype(kv.key_info(key).dtype)
         # py_function cannot be compiled by XLA.
         self.supports_jit = False
         self.push_trigger = self.add_weight(
@@ -228,10 +236,14 @@ class Embedding(keras.layers.Layer):
 
     def _pull_eager(self, ids: tf.Tensor) -> tf.Tensor:
         host_ids = tensor_to_numpy(ids)
-        out = aligned_empty(host_ids.shape + (self.embedding_dim,))
+        half = self.table_dtype == tf.float16
+        out = aligned_empty(
+            host_ids.shape + (self.embedding_dim,), np.float16 if half else np.float32
+        )
         with store_lock(self.kv):
             self.kv.row_sparse_pull(self.key, out=out, row_ids=host_ids)
-        return numpy_to_tensor(out)
+        rows = numpy_to_tensor(out)
+        return tf.cast(rows, tf.bfloat16) if self.table_dtype == tf.bfloat16 else rows
 
     def _push_eager(self, ids: tf.Tensor, gradient: tf.Tensor) -> tf.Tensor:
         host_ids = tensor_to_numpy(ids)
@@ -259,7 +271,9 @@ class Embedding(keras.layers.Layer):
             if tf.executing_eagerly():
                 rows = self._pull_eager(ids)
             else:
-                rows = tf.py_function(self._pull_eager, [ids], tf.float32, name="kvsparse_pull")
+                rows = tf.py_function(
+                    self._pull_eager, [ids], self.table_dtype, name="kvsparse_pull"
+                )
                 rows.set_shape(out_shape)
 
             def push(upstream):
@@ -275,7 +289,7 @@ class Embedding(keras.layers.Layer):
             return rows, push
 
         rows = lookup(tf.convert_to_tensor(self.push_trigger))
-        if self.compute_dtype != "float32":
+        if self.compute_dtype != self.table_dtype.name:
             rows = tf.cast(rows, self.compute_dtype)
         return rows
 

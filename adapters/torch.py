@@ -130,7 +130,7 @@ def _pull_tables(lookups: list, ids: list) -> list:
     kv = lookups[0].kv
     host_ids = [i if i.device.type == "cpu" else i.cpu() for i in ids]
     outs = [
-        torch.empty(tuple(i.shape) + (lookup.dim,), dtype=torch.float32)
+        torch.empty(tuple(i.shape) + (lookup.dim,), dtype=lookup.dtype)
         for lookup, i in zip(lookups, host_ids)
     ]
     with store_lock(kv):
@@ -166,24 +166,35 @@ class _SparseRows(torch.autograd.Function):
         return None, None, None
 
 
+# The torch dtype of each table dtype (issue 12), and back (`torch_dtype`, `TORCH_DTYPES`).
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(kv, key) -> torch.dtype:
+    """The torch dtype of the values of `key` on kv (what its pulls give)."""
+    return TORCH_DTYPES[kv.key_info(key).dtype]
+
+
 class _Lookup:
     """Pull/push of one table, shared by Embedding and EmbeddingBag."""
 
-    def __init__(self, kv, key, dim: int, padding_idx):
+    def __init__(self, kv, key, dim: int, padding_idx, dtype: torch.dtype = torch.float32):
         self.kv = kv
         self.key = key
         self.dim = dim
         self.padding_idx = padding_idx
+        self.dtype = dtype  # the table's: rows come out in it (issue 12)
         self.prefetched: _Prefetch | None = None
         self.prefetch_hits = 0
         self.prefetch_misses = 0
 
     def __deepcopy__(self, memo):
         # A copied module (an EMA copy, say) uses the same table on the same store.
-        return _Lookup(self.kv, self.key, self.dim, self.padding_idx)
+        return _Lookup(self.kv, self.key, self.dim, self.padding_idx, self.dtype)
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
-        """table[ids] as a new float32 tensor of shape ids.shape + (dim,), on ids' device."""
+        """table[ids] as a new tensor of the table's dtype, shape ids.shape + (dim,), on
+        ids' device."""
         return _pull_tables([self], [ids])[0]
 
     def rows_for(self, ids: torch.Tensor) -> torch.Tensor:
@@ -358,7 +369,7 @@ class _TableModule(nn.Module):
         self.embedding_dim = dim
         self.padding_idx = padding_idx
         # Not a submodule or buffer: the store travels with the module, no table does.
-        self._lookup = _Lookup(kv, key, dim, padding_idx)
+        self._lookup = _Lookup(kv, key, dim, padding_idx, torch_dtype(kv, key))
 
     @property
     def kv(self):
@@ -416,6 +427,11 @@ class Embedding(_TableModule):
         embedding_dim: row width (needed to create the table).
         padding_idx: an id whose output is all zeros and whose gradient is
             never pushed (nn.Embedding's padding row, never stored).
+        dtype: the table's storage dtype when this creates it: torch.float32
+            (default), torch.half or torch.bfloat16 (kvsparse.SparseTable's
+            dtype; an existing table of another dtype is refused). Rows come
+            out in the table's dtype, as nn.Embedding(dtype=...) gives them;
+            gradients of any float dtype are pushed (summed in float32).
         initializer, optimizer, seed, partitioner, nonfinite: the table's
             settings (kvsparse.SparseTable) when this creates it. Give the
             table its optimizer here: it runs on the servers. A table with
@@ -424,7 +440,7 @@ class Embedding(_TableModule):
             InvalidArgument instead of replacing rows by gradients.
 
     forward(ids): ids is an integer tensor of any shape (int64 values of any
-    size); returns float32 of shape ids.shape + (embedding_dim,).
+    size); returns the table's dtype, shape ids.shape + (embedding_dim,).
 
     Threads: one module is not meant to run forward from several threads at
     once (its prefetch slot is its own); modules of one store may run in
@@ -454,8 +470,9 @@ class Embedding(_TableModule):
         seed: int = 0,
         partitioner=None,
         nonfinite: str = "raise",
+        dtype=None,
     ):
-        options = TableOptions(initializer, optimizer, seed, partitioner, nonfinite)
+        options = TableOptions(initializer, optimizer, seed, partitioner, nonfinite, dtype)
         super().__init__(kv, key, embedding_dim, padding_idx, options)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -467,7 +484,7 @@ class EmbeddingBag(_TableModule):
 
     Args:
         kv, key, embedding_dim, initializer, optimizer, seed, partitioner,
-            nonfinite: as for `Embedding`.
+            nonfinite, dtype: as for `Embedding`.
         mode: 'sum', 'mean' or 'max' reduction of each bag.
         padding_idx: an id left out of every bag (and of a mean's count);
             its gradient is never pushed.
@@ -477,7 +494,7 @@ class EmbeddingBag(_TableModule):
     nn.EmbeddingBag: `input` (batch, bag) holds fixed-length bags, or a 1-D
     `input` with the start `offsets` of each bag; `per_sample_weights` (same
     shape as input, mode 'sum' only) scales each row. Returns
-    (batch, embedding_dim) float32; an empty bag gives zeros.
+    (batch, embedding_dim) in the table's dtype; an empty bag gives zeros.
 
     Threads: as `Embedding`.
 
@@ -501,10 +518,11 @@ class EmbeddingBag(_TableModule):
         seed: int = 0,
         partitioner=None,
         nonfinite: str = "raise",
+        dtype=None,
     ):
         if mode not in _BAG_MODES:
             raise errors.InvalidArgument(f"mode must be one of {_BAG_MODES}, got {mode!r}")
-        options = TableOptions(initializer, optimizer, seed, partitioner, nonfinite)
+        options = TableOptions(initializer, optimizer, seed, partitioner, nonfinite, dtype)
         super().__init__(kv, key, embedding_dim, padding_idx, options)
         self.mode = mode
         self.include_last_offset = include_last_offset

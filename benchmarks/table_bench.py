@@ -23,6 +23,13 @@ KVSPARSE_NUM_THREADS=1 for the single-thread figures.
 
 Run: python benchmarks/table_bench.py [--rows 1000000] [--batch 100000] [--repeat 7]
 Writes benchmarks/results/table_bench.json.
+
+Half-precision tables (issue 12): ``--half-only`` times, for each dim, with
+no optimizer and with Adagrad, tables of float32 / float16 / bfloat16 values
+and float32 or 16-bit slots: their bytes (memory_bytes without push scratch)
+against the float32 table's, and lookup / apply_gradients rates beside the
+float32 table's, the same ids and gradients for each. Writes
+benchmarks/results/table_bench_half.json.
 """
 
 from __future__ import annotations
@@ -176,16 +183,117 @@ def bench_pull_push(dim: int, batch: int, repeat: int, rng) -> float:
     return best
 
 
+# (value dtype, slot dtype) of the --half-only tables; the first is the baseline.
+HALF_CONFIGS = [
+    ("float32", "float32"),
+    ("float16", "float32"),
+    ("bfloat16", "float32"),
+    ("float16", "bfloat16"),
+    ("bfloat16", "bfloat16"),
+]
+
+
+def bench_half(dim: int, rows: int, batch: int, repeat: int, optimizer, rng) -> list:
+    """One row per HALF_CONFIGS entry: bytes and rates of a table of `rows` random ids."""
+    keys = np.unique(
+        rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=rows, dtype=np.int64)
+    )
+    pick = rng.choice(keys.size, size=batch, replace=False)
+    batch_keys = np.ascontiguousarray(keys[pick])
+    grads = rng.standard_normal((batch, dim)).astype(np.float32) * 0.01
+    out = np.empty((batch, dim), np.float32)
+    results = []
+    for dtype, slot_dtype in HALF_CONFIGS:
+        if optimizer is None and slot_dtype != "float32":
+            continue  # no slots
+        table = _core.Table(
+            dim,
+            {"kind": "uniform", "a": -0.05, "b": 0.05},
+            optimizer,
+            seed=1,
+            dtype=dtype,
+            slot_dtype=slot_dtype,
+        )
+        scratch = np.empty((batch, dim), np.float32)
+        for start in range(0, keys.size, batch):
+            part = keys[start : start + batch]
+            table.lookup_or_insert(part, scratch[: part.size])
+        t_lookup = best_time(lambda t=table: t.lookup(batch_keys, out), repeat)
+        t_apply = best_time(lambda t=table: t.apply_gradients(batch_keys, grads), repeat)
+        results.append(
+            {
+                "dim": dim,
+                "optimizer": None if optimizer is None else optimizer["kind"],
+                "dtype": dtype,
+                "slot_dtype": slot_dtype,
+                "rows": int(keys.size),
+                "table_bytes": table.memory_bytes() - table.scratch_bytes(),
+                "lookup_keys_per_second": batch / t_lookup,
+                "apply_keys_per_second": batch / t_apply,
+            }
+        )
+        del table
+    base = results[0]
+    for r in results:
+        r["bytes_vs_float32"] = r["table_bytes"] / base["table_bytes"]
+        r["lookup_vs_float32"] = r["lookup_keys_per_second"] / base["lookup_keys_per_second"]
+        r["apply_vs_float32"] = r["apply_keys_per_second"] / base["apply_keys_per_second"]
+    return results
+
+
+def main_half(args) -> list:
+    rng = np.random.default_rng(0)
+    adagrad = {"kind": "adagrad", "learning_rate": 0.1, "epsilon": 1e-10}
+    results = []
+    for dim in args.dims:
+        for optimizer in (None, adagrad):
+            results += bench_half(dim, args.rows, args.batch, args.repeat, optimizer, rng)
+    print(
+        f"{'dim':>4} {'optimizer':<9} {'values':<9} {'slots':<9} {'MiB':>8} {'bytes/f32':>9} "
+        f"{'lookup Mk/s':>11} {'vs f32':>7} {'apply Mk/s':>10} {'vs f32':>7}"
+    )
+    for r in results:
+        print(
+            f"{r['dim']:>4} {str(r['optimizer']):<9} {r['dtype']:<9} {r['slot_dtype']:<9} "
+            f"{r['table_bytes'] / 2**20:>8.1f} {r['bytes_vs_float32']:>8.3f}x "
+            f"{r['lookup_keys_per_second'] / 1e6:>11.2f} {r['lookup_vs_float32']:>6.2f}x "
+            f"{r['apply_keys_per_second'] / 1e6:>10.2f} {r['apply_vs_float32']:>6.2f}x"
+        )
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", "table_bench_half.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(
+            {
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "threads": os.environ.get("KVSPARSE_NUM_THREADS", "all cores"),
+                "rows": args.rows,
+                "batch": args.batch,
+                "results": results,
+            },
+            f,
+            indent=2,
+        )
+    print(f"wrote {out}")
+    return results
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--batch", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--dims", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--out", default=None)
     parser.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "results", "table_bench.json")
+        "--half-only",
+        action="store_true",
+        help="only the half-precision tables against float32 (issue 12)",
     )
     args = parser.parse_args(argv)
+    if args.half_only:
+        return main_half(args)
+    args.out = args.out or os.path.join(os.path.dirname(__file__), "results", "table_bench.json")
     rng = np.random.default_rng(0)
     results = [bench_dim(d, args.rows, args.batch, args.repeat, rng) for d in args.dims]
     init = [bench_init(d, args.batch, args.repeat, rng) for d in args.dims]

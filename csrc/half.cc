@@ -227,6 +227,14 @@ void WidenHalves(HalfKind kind, const uint16_t* halves, int64_t n, float* out) {
               [&](int64_t b, int64_t e) { WidenRange(kind, halves + b, e - b, out + b); });
 }
 
+void NarrowFloatsSerial(HalfKind kind, const float* values, int64_t n, uint16_t* out) {
+  NarrowRange(kind, values, n, out);
+}
+
+void WidenHalvesSerial(HalfKind kind, const uint16_t* halves, int64_t n, float* out) {
+  WidenRange(kind, halves, n, out);
+}
+
 int64_t FirstNonFiniteHalfRow(HalfKind kind, const uint16_t* rows, int64_t n, int64_t dim) {
   // An all-ones exponent is inf or NaN.
   const uint16_t exponent = kind == HalfKind::kFloat16 ? 0x7c00u : 0x7f80u;

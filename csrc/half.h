@@ -33,6 +33,11 @@ void NarrowFloats(HalfKind kind, const float* values, int64_t n, uint16_t* out);
 // out[i] = the float32 value of the 16-bit pattern halves[i] (exact), i < n.
 void WidenHalves(HalfKind kind, const uint16_t* halves, int64_t n, float* out);
 
+// NarrowFloats / WidenHalves on the calling thread only: for one table row at
+// a time (issue 12: half-precision tables convert a row per read or write).
+void NarrowFloatsSerial(HalfKind kind, const float* values, int64_t n, uint16_t* out);
+void WidenHalvesSerial(HalfKind kind, const uint16_t* halves, int64_t n, float* out);
+
 // Index of the first row (n rows of dim values) holding an inf or NaN, or -1.
 int64_t FirstNonFiniteHalfRow(HalfKind kind, const uint16_t* rows, int64_t n, int64_t dim);
 

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "batch.h"
+#include "half.h"
 #include "hash.h"
 #include "parallel.h"
 
@@ -50,13 +51,34 @@ bool AllFinite(const float* x, int64_t n) {
   return (any & 0x80000000u) == 0;
 }
 
+// Values and slots of one row as float32, for tables that store 16-bit rows:
+// the most slots an optimizer keeps is 3 (centered RMSProp with momentum).
+constexpr int64_t kMaxRowStateFloats = kMaxDim * 4;
+
+const char* StorageName(StorageType type) {
+  switch (type) {
+    case StorageType::kFloat16:
+      return "float16";
+    case StorageType::kBFloat16:
+      return "bfloat16";
+    default:
+      return "float32";
+  }
+}
+
+bool ValidStorage(StorageType type) {
+  return type == StorageType::kFloat32 || type == StorageType::kFloat16 ||
+         type == StorageType::kBFloat16;
+}
+
 }  // namespace
 
 EmbeddingTable::EmbeddingTable(const TableConfig& config)
     : config_(config), optimizer_(config.optimizer) {
   const int64_t log2 = RowsPerChunkLog2(config.dim);
-  values_.Reset(config.dim, log2);
-  slots_.Reset(config.dim * optimizer_.num_slots(), log2);
+  values_.Reset(config.value_type, config.dim, log2);
+  slots_.Reset(config.slot_type, config.dim * optimizer_.num_slots(), log2);
+  half_ = !values_.is_f32() || !slots_.is_f32();
   steps_.Reset(1, log2);
   stamps_.Reset(1, log2);
   touches_.Reset(TracksTouches() ? 1 : 0, log2);
@@ -76,6 +98,10 @@ Status EmbeddingTable::Create(const TableConfig& config, std::unique_ptr<Embeddi
   if (!s.ok()) return s;
   s = ValidatePolicy(config.policy);
   if (!s.ok()) return s;
+  if (!ValidStorage(config.value_type) || !ValidStorage(config.slot_type)) {
+    return Status(StatusCode::kInvalidArgument,
+                  "a table stores float32, float16 or bfloat16 values and slots");
+  }
   try {
     out->reset(new EmbeddingTable(config));
   } catch (const std::bad_alloc&) {
@@ -173,7 +199,15 @@ Status EmbeddingTable::Reserve(int64_t rows_needed) {
 }
 
 void EmbeddingTable::InitRowSlots(int64_t row) {
-  if (optimizer_.num_slots() > 0) optimizer_.InitSlots(slots_.Row(row), config_.dim);
+  if (optimizer_.num_slots() > 0) {
+    if (slots_.is_f32()) {
+      optimizer_.InitSlots(slots_.F32Row(row), config_.dim);
+    } else {
+      float initial[kMaxRowStateFloats];
+      optimizer_.InitSlots(initial, config_.dim);
+      slots_.Write(row, initial);
+    }
+  }
   *steps_.Row(row) = 0;
   *stamps_.Row(row) = change_epoch_;
 }
@@ -186,9 +220,19 @@ void EmbeddingTable::FillNewRows(const int64_t* keys, const int64_t* rows, int64
               [&](int64_t begin, int64_t end) {
                 constexpr int64_t kRowsPerCall = 128;
                 float* targets[kRowsPerCall];
+                if (!values_.is_f32()) {
+                  // Generated in float32, then rounded into the 16-bit rows.
+                  float generated[kMaxDim];
+                  for (int64_t i = begin; i < end; ++i) {
+                    float* target = generated;
+                    FillInitialRows(config_.initializer, keys + i, 1, dim, &target);
+                    values_.Write(rows[i], generated);
+                  }
+                  return;
+                }
                 for (int64_t i = begin; i < end; i += kRowsPerCall) {
                   const int64_t count = std::min(kRowsPerCall, end - i);
-                  for (int64_t k = 0; k < count; ++k) targets[k] = values_.Row(rows[i + k]);
+                  for (int64_t k = 0; k < count; ++k) targets[k] = values_.F32Row(rows[i + k]);
                   FillInitialRows(config_.initializer, keys + i, count, dim, targets);
                 }
               });
@@ -249,8 +293,8 @@ Status EmbeddingTable::SetOptimizer(const OptimizerConfig& optimizer) {
   Status s = ValidateOptimizer(optimizer);
   if (!s.ok()) return s;
   Optimizer next(optimizer);
-  ChunkedRows<float> slots;
-  slots.Reset(config_.dim * next.num_slots(), RowsPerChunkLog2(config_.dim));
+  RowArray slots;
+  slots.Reset(config_.slot_type, config_.dim * next.num_slots(), RowsPerChunkLog2(config_.dim));
   try {
     if (next_row_ > 0) slots.EnsureRow(next_row_ - 1);
   } catch (const std::bad_alloc&) {
@@ -279,11 +323,16 @@ void EmbeddingTable::InitialValues(const int64_t* keys, int64_t n, float* out) c
               [&](int64_t begin, int64_t end) {
                 FillInitialRows(config_.initializer, keys + begin, end - begin, dim,
                                 out + begin * dim);
+                // A 16-bit table's initial value is the rounded one it stores.
+                for (int64_t i = begin; i < end && !values_.is_f32(); ++i) {
+                  values_.Round(out + i * dim);
+                }
               });
 }
 
 void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out,
                                  uint8_t* missing) const {
+  if (!values_.is_f32()) return LookupRangeFor<0, true>(keys, n, out, missing);
   // Fixed row sizes copy with inline moves instead of a memcpy call per row
   // (dim 8: 8% of a lookup was libc's memmove).
   switch (config_.dim) {
@@ -302,11 +351,11 @@ void EmbeddingTable::LookupRange(const int64_t* keys, int64_t n, float* out,
   }
 }
 
-template <int64_t kRowFloats>
+template <int64_t kRowFloats, bool kHalf>
 void EmbeddingTable::LookupRangeFor(const int64_t* keys, int64_t n, float* out,
                                     uint8_t* missing_out) const {
   const int64_t dim = kRowFloats > 0 ? kRowFloats : config_.dim;
-  const size_t row_bytes = sizeof(float) * static_cast<size_t>(dim);
+  const size_t row_bytes = static_cast<size_t>(values_.row_bytes());
   // A pipeline over the keys: key i's bucket is prefetched kBucketAhead keys
   // before it is probed, and its row (prefetched by the probe) is copied
   // kRowAhead keys after that, so the two dependent cache misses of a key
@@ -346,7 +395,7 @@ void EmbeddingTable::LookupRangeFor(const int64_t* keys, int64_t n, float* out,
       }
       rows[p & (kRing - 1)] = row;
       if (row >= 0) {
-        const char* values = reinterpret_cast<const char*>(values_.Row(row));
+        const char* values = values_.RowAddress(row);
         for (int64_t line = 0; line < row_lines; ++line) __builtin_prefetch(values + 64 * line);
       }
     }
@@ -355,19 +404,32 @@ void EmbeddingTable::LookupRangeFor(const int64_t* keys, int64_t n, float* out,
       const int64_t row = rows[c & (kRing - 1)];
       float* dst = out + c * dim;
       if (row >= 0) {
-        std::memcpy(dst, values_.Row(row), kRowFloats > 0 ? sizeof(float) * kRowFloats : row_bytes);
+        if (kHalf) {
+          WidenHalvesSerial(values_.kind(), values_.HalfRow(row), dim, dst);
+        } else {
+          std::memcpy(dst, values_.F32Row(row),
+                      kRowFloats > 0 ? sizeof(float) * kRowFloats : row_bytes);
+        }
       } else {
         if (missing_out != nullptr) missing_out[c] = 1;
         missing_keys[missing] = keys[c];
         missing_rows[missing++] = dst;
         if (missing == kMissingBatch) {
           FillInitialRows(config_.initializer, missing_keys, missing, dim, missing_rows);
+          if (kHalf) {
+            for (int64_t k = 0; k < missing; ++k) values_.Round(missing_rows[k]);
+          }
           missing = 0;
         }
       }
     }
   }
-  if (missing > 0) FillInitialRows(config_.initializer, missing_keys, missing, dim, missing_rows);
+  if (missing > 0) {
+    FillInitialRows(config_.initializer, missing_keys, missing, dim, missing_rows);
+    if (kHalf) {
+      for (int64_t k = 0; k < missing; ++k) values_.Round(missing_rows[k]);
+    }
+  }
 }
 
 Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const {
@@ -430,7 +492,6 @@ void EmbeddingTable::FillInitialRowsCached(const int64_t* keys, int64_t n,
 
 Status EmbeddingTable::LookupOrInsert(const int64_t* keys, int64_t n, float* out) {
   const int64_t dim = config_.dim;
-  const size_t row_bytes = sizeof(float) * static_cast<size_t>(dim);
   std::vector<int64_t> rows, new_keys, new_rows;
   try {
     rows.resize(static_cast<size_t>(n));
@@ -459,7 +520,7 @@ Status EmbeddingTable::LookupOrInsert(const int64_t* keys, int64_t n, float* out
   // Rows inserted before a failure still get their values.
   FillNewRows(new_keys.data(), new_rows.data(), static_cast<int64_t>(new_keys.size()));
   if (!s.ok()) return s;
-  for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * dim, values_.Row(rows[i]), row_bytes);
+  for (int64_t i = 0; i < n; ++i) values_.Read(rows[i], out + i * dim);
   return Status::Ok();
 }
 
@@ -564,8 +625,8 @@ Status EmbeddingTable::FinishPlan(const PushPlan& plan, int64_t saved_table_step
   for (int64_t k = 0; k < fresh; ++k) {
     const int64_t row = InsertReservedRow(plan.fresh_keys[k]);
     const float* state = plan.fresh_state + k * stride;
-    std::memcpy(values_.Row(row), state, sizeof(float) * dim);
-    if (slot_floats > 0) std::memcpy(slots_.Row(row), state + dim, sizeof(float) * slot_floats);
+    values_.Write(row, state);  // rounded already (ComputeFreshRows): exact
+    slots_.Write(row, state + dim);
     TouchRow(row);
     *steps_.Row(row) = 1;
   }
@@ -580,8 +641,8 @@ Status EmbeddingTable::FinishPlan(const PushPlan& plan, int64_t saved_table_step
 
 Status EmbeddingTable::OverflowStatus(int64_t key) const {
   return Status(StatusCode::kOverflow,
-                "the update of id " + KeyText(key) +
-                    " overflows float32 (its gradient and row are finite; the result is inf "
+                "the update of id " + KeyText(key) + " overflows " +
+                    StorageName(values_.is_f32() ? slots_.type() : values_.type()) + " (its gradient and row are finite; the result is inf "
                     "or NaN): nothing of this push was applied; lower the learning rate or "
                     "clip the gradients");
 }
@@ -744,8 +805,16 @@ int64_t EmbeddingTable::ComputeFreshRows(PushPlan* plan, bool skipping) {
                   for (int64_t k = 0; k < rows; ++k) {
                     float* w = targets[k];
                     optimizer_.InitSlots(w + dim, dim);
+                    if (half_) {  // the stored start: rounded value and slots
+                      values_.Round(w);
+                      slots_.Round(w + dim);
+                    }
                     optimizer_.Update(w, w + dim, p.grads + p.fresh[i + k] * dim, dim, step,
                                       scratch);
+                    if (half_) {  // one rounding per write (table.h, StorageType)
+                      values_.Round(w);
+                      slots_.Round(w + dim);
+                    }
                     p.fresh_overflows[i + k] = !AllFinite(w, stride);
                   }
                 }
@@ -771,17 +840,18 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
   // Rows are scattered: fetch the value and slot lines of a few rows ahead
   // so the optimizer's arithmetic overlaps the misses.
   constexpr int64_t kRowsAhead = 4;
-  const int64_t value_bytes = dim * static_cast<int64_t>(sizeof(float));
-  const int64_t slot_bytes = slot_floats * static_cast<int64_t>(sizeof(float));
+  const int64_t value_bytes = values_.row_bytes();
+  const int64_t slot_bytes = slots_.row_bytes();
   auto prefetch_row = [&](int64_t row) {
-    const char* v = reinterpret_cast<const char*>(values_.Row(row));
+    const char* v = values_.RowAddress(row);
     for (int64_t b = 0; b < value_bytes; b += 64) __builtin_prefetch(v + b, 1);
-    const char* sl = reinterpret_cast<const char*>(slots_.Row(row));
+    const char* sl = slots_.RowAddress(row);
     for (int64_t b = 0; b < slot_bytes; b += 64) __builtin_prefetch(sl + b, 1);
   };
   // Distinct rows: ranges never overlap.
   ParallelFor(count, kMinKeysPerThread / 4, [&](int64_t begin, int64_t end) {
     float scratch[kMaxDim];
+    float row_state[kMaxRowStateFloats];
     bool overflowed = false;
     for (int64_t e = begin; e < std::min(end, begin + kRowsAhead); ++e) {
       prefetch_row(p.rows[p.existing[e]]);
@@ -790,8 +860,17 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
       if (e + kRowsAhead < end) prefetch_row(p.rows[p.existing[e + kRowsAhead]]);
       const int64_t j = p.existing[e];
       const int64_t row = p.rows[j];
-      float* w = values_.Row(row);
-      float* slots = slots_.Row(row);
+      float* w;
+      float* slots;
+      if (half_) {  // updated in float32 (row_state), written back rounded
+        w = row_state;
+        slots = row_state + dim;
+        values_.Read(row, w);
+        slots_.Read(row, slots);
+      } else {
+        w = values_.F32Row(row);
+        slots = slots_.F32Row(row);
+      }
       float* saved = p.saved_state + e * stride;
       // Plain loops: a libc memmove call per small row cost 15% of a dim-8 push.
       for (int64_t i = 0; i < dim; ++i) saved[i] = w[i];
@@ -807,10 +886,17 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
       *stamps_.Row(row) = change_epoch_;
       optimizer_.Update(w, slots, p.grads + j * dim, dim,
                         per_table ? table_step : static_cast<int64_t>(*step), scratch);
+      if (half_) {
+        values_.Round(w);
+        slots_.Round(slots);
+      }
       if (!AllFinite(w, dim) || !AllFinite(slots, slot_floats)) {
         RestoreRow(row, saved, meta);
         p.overflows[e] = 1;
         overflowed = true;
+      } else if (half_) {
+        values_.Write(row, w);
+        slots_.Write(row, slots);
       }
     }
     if (overflowed) any_overflow.store(true, std::memory_order_relaxed);
@@ -821,8 +907,8 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
 void EmbeddingTable::RestoreRow(int64_t row, const float* saved, const uint32_t* meta) {
   const int64_t dim = config_.dim;
   const int64_t slot_floats = dim * optimizer_.num_slots();
-  std::memcpy(values_.Row(row), saved, sizeof(float) * dim);
-  if (slot_floats > 0) std::memcpy(slots_.Row(row), saved + dim, sizeof(float) * slot_floats);
+  values_.Write(row, saved);  // saved in float32 from the stored row: exact
+  if (slot_floats > 0) slots_.Write(row, saved + dim);
   *steps_.Row(row) = meta[0];
   *stamps_.Row(row) = meta[1];
   if (TracksTouches()) *touches_.Row(row) = meta[2];
@@ -867,14 +953,13 @@ Status EmbeddingTable::Assign(const int64_t* keys, int64_t n, const float* value
   Status s = Reserve(size_ + n);
   if (!s.ok()) return s;
   const int64_t dim = config_.dim;
-  const size_t row_bytes = sizeof(float) * static_cast<size_t>(dim);
   for (int64_t i = 0; i < n; ++i) {
     // The value is overwritten at once: no initial value to generate.
     int64_t row;
     bool inserted;
     s = FindOrInsertRow(keys[i], &row, &inserted);
     if (!s.ok()) return s;
-    std::memcpy(values_.Row(row), values + i * dim, row_bytes);
+    values_.Write(row, values + i * dim);
     *stamps_.Row(row) = change_epoch_;
   }
   return Status::Ok();
@@ -928,10 +1013,8 @@ Status EmbeddingTable::ReadState(const int64_t* keys, int64_t n, float* values, 
     if (row < 0) {
       return Status(StatusCode::kInvalidArgument, "id " + KeyText(keys[i]) + " is not in the table");
     }
-    std::memcpy(values + i * dim, values_.Row(row), sizeof(float) * dim);
-    if (slot_floats > 0) {
-      std::memcpy(slots + i * slot_floats, slots_.Row(row), sizeof(float) * slot_floats);
-    }
+    values_.Read(row, values + i * dim);
+    if (slot_floats > 0) slots_.Read(row, slots + i * slot_floats);
     steps[i] = static_cast<int64_t>(*steps_.Row(row));
   }
   return Status::Ok();
@@ -955,10 +1038,8 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
     bool inserted;
     s = FindOrInsertRow(keys[i], &row, &inserted);
     if (!s.ok()) return s;
-    std::memcpy(values_.Row(row), values + i * dim, sizeof(float) * dim);
-    if (slot_floats > 0) {
-      std::memcpy(slots_.Row(row), slots + i * slot_floats, sizeof(float) * slot_floats);
-    }
+    values_.Write(row, values + i * dim);
+    if (slot_floats > 0) slots_.Write(row, slots + i * slot_floats);
     *steps_.Row(row) = static_cast<uint32_t>(steps[i]);
     *stamps_.Row(row) = change_epoch_;
   }
@@ -1001,10 +1082,8 @@ int64_t EmbeddingTable::NextChangedRows(int64_t* cursor, int64_t max_rows, uint3
     const uint32_t row = buckets_[b].row;
     if (row == kEmpty || *stamps_.Row(row) <= since) continue;
     keys_out[count] = buckets_[b].key;
-    std::memcpy(values + count * dim, values_.Row(row), sizeof(float) * dim);
-    if (slot_floats > 0) {
-      std::memcpy(slots + count * slot_floats, slots_.Row(row), sizeof(float) * slot_floats);
-    }
+    values_.Read(row, values + count * dim);
+    if (slot_floats > 0) slots_.Read(row, slots + count * slot_floats);
     steps[count] = static_cast<int64_t>(*steps_.Row(row));
     ++count;
   }

@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "half.h"
 #include "initializer.h"
 #include "memory.h"
 #include "optimizer.h"
@@ -98,11 +99,21 @@ struct PolicyStats {
 
 Status ValidatePolicy(const PolicyConfig& policy);
 
+// How a table stores its values, or its optimizer slots (issue 12). The
+// 16-bit kinds match HalfKind (half.h). The table's interface stays float32:
+// a 16-bit row is widened exactly when read, the optimizer works in float32,
+// and the result is rounded to nearest, ties to even, once when it is written
+// (a push, an assign, a state write, a new row's initial value). A result
+// that rounds to inf (float16 beyond 65504) is an overflow, as a float32 inf.
+enum class StorageType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
 struct TableConfig {
   int64_t dim = 0;
   InitializerConfig initializer;
   OptimizerConfig optimizer;
   PolicyConfig policy;
+  StorageType value_type = StorageType::kFloat32;
+  StorageType slot_type = StorageType::kFloat32;
 };
 
 enum class NonFinitePolicy : int {
@@ -176,6 +187,77 @@ class ChunkedRows {
   int64_t log2_ = 10;
   int64_t first_rows_ = 0;  // rows chunk 0 holds (0 when there is no chunk)
   std::vector<std::unique_ptr<T[], FreeArray>> chunks_;
+};
+
+// Rows of float32, or of 16-bit values read and written as float32 (issue
+// 12). F32Row is for float32 arrays only (the unchanged fast paths); Read and
+// Write convert. Not thread-safe beyond ChunkedRows' rules: distinct rows may
+// be read and written from different threads.
+class RowArray {
+ public:
+  void Reset(StorageType type, int64_t width, int64_t rows_per_chunk_log2) {
+    type_ = type;
+    width_ = width;
+    f32_.Reset(type == StorageType::kFloat32 ? width : 0, rows_per_chunk_log2);
+    // The same rows per chunk as the table's other arrays (1 MiB chunks): a chunk of
+    // twice the rows would leave up to twice the unused rows in the last one.
+    f16_.Reset(type == StorageType::kFloat32 ? 0 : width, rows_per_chunk_log2);
+  }
+  void EnsureRow(int64_t row) {
+    if (is_f32()) {
+      f32_.EnsureRow(row);
+    } else {
+      f16_.EnsureRow(row);
+    }
+  }
+  bool is_f32() const { return type_ == StorageType::kFloat32; }
+  StorageType type() const { return type_; }
+  HalfKind kind() const { return static_cast<HalfKind>(static_cast<int>(type_)); }
+  int64_t width() const { return width_; }
+  int64_t Bytes() const { return f32_.Bytes() + f16_.Bytes(); }
+  int64_t row_bytes() const { return width_ * (is_f32() ? 4 : 2); }
+  float* F32Row(int64_t row) { return f32_.Row(row); }
+  const float* F32Row(int64_t row) const { return f32_.Row(row); }
+  uint16_t* HalfRow(int64_t row) { return f16_.Row(row); }
+  const uint16_t* HalfRow(int64_t row) const { return f16_.Row(row); }
+  const char* RowAddress(int64_t row) const {
+    return is_f32() ? reinterpret_cast<const char*>(f32_.Row(row))
+                    : reinterpret_cast<const char*>(f16_.Row(row));
+  }
+  // out[0..width) = the row as float32 (exact).
+  void Read(int64_t row, float* out) const {
+    if (width_ == 0) return;
+    if (is_f32()) {
+      std::memcpy(out, f32_.Row(row), sizeof(float) * static_cast<size_t>(width_));
+    } else {
+      WidenHalvesSerial(kind(), f16_.Row(row), width_, out);
+    }
+  }
+  // The row = values[0..width) (rounded to nearest even when 16-bit).
+  void Write(int64_t row, const float* values) {
+    if (width_ == 0) return;
+    if (is_f32()) {
+      std::memcpy(f32_.Row(row), values, sizeof(float) * static_cast<size_t>(width_));
+    } else {
+      NarrowFloatsSerial(kind(), values, width_, f16_.Row(row));
+    }
+  }
+  // Rounds values[0..width) in place as Write would store them.
+  void Round(float* values) const {
+    if (is_f32() || width_ == 0) return;
+    uint16_t buffer[256];
+    for (int64_t i = 0; i < width_; i += 256) {
+      const int64_t n = std::min<int64_t>(256, width_ - i);
+      NarrowFloatsSerial(kind(), values + i, n, buffer);
+      WidenHalvesSerial(kind(), buffer, n, values + i);
+    }
+  }
+
+ private:
+  StorageType type_ = StorageType::kFloat32;
+  int64_t width_ = 0;
+  ChunkedRows<float> f32_;
+  ChunkedRows<uint16_t> f16_;
 };
 
 class EmbeddingTable {
@@ -332,15 +414,17 @@ class EmbeddingTable {
   // missing (nullable): set to 1 for the keys the table does not store.
   void LookupRange(const int64_t* keys, int64_t n, float* out, uint8_t* missing) const;
   // LookupRange for rows of kRowFloats floats (0: config_.dim, any).
-  template <int64_t kRowFloats>
+  template <int64_t kRowFloats, bool kHalf = false>
   void LookupRangeFor(const int64_t* keys, int64_t n, float* out, uint8_t* missing) const;
   // Initial rows of keys[0..n) into targets[i]: copied from initial_rows_
   // where it holds them, generated otherwise (the same bits either way).
   void FillInitialRowsCached(const int64_t* keys, int64_t n, float* const* targets) const;
-  // Whether initial rows are worth caching (random initializers only:
-  // Zeros/Constant rows cost less to write than to copy).
+  // Whether initial rows are worth caching (float32 tables with a random
+  // initializer: Zeros/Constant rows cost less to write than to copy, and a
+  // 16-bit table's lookup returns the rounded initial value, which a push
+  // must not start from).
   bool CachesInitialRows() const {
-    return config_.initializer.kind != InitializerKind::kZeros &&
+    return values_.is_f32() && config_.initializer.kind != InitializerKind::kZeros &&
            config_.initializer.kind != InitializerKind::kConstant;
   }
   // Returns the row of key, inserting it (initial slots, step 0, policy
@@ -369,8 +453,10 @@ class EmbeddingTable {
   int64_t size_ = 0;
   int64_t next_row_ = 0;               // rows ever allocated
   std::vector<uint32_t> free_rows_;    // rows released by Remove
-  ChunkedRows<float> values_;
-  ChunkedRows<float> slots_;
+  // float32, or 16-bit (config_.value_type / slot_type; issue 12).
+  RowArray values_;
+  RowArray slots_;
+  bool half_ = false;  // values or slots are 16-bit: the converting paths
   // 32 bits: 4 billion updates of one row is far beyond any run, and the
   // saved 4 bytes a row matter at small dims (memory target: 1.3x raw).
   ChunkedRows<uint32_t> steps_;

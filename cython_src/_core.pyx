@@ -20,7 +20,7 @@ from initializer cimport InitializerConfig, InitializerKind, ValidateInitializer
 from optimizer cimport Optimizer as COptimizer
 from optimizer cimport OptimizerConfig, OptimizerKind, StepMode, ValidateOptimizer
 from status cimport Status, StatusCode
-from table cimport EmbeddingTable, NonFinitePolicy, TableConfig, kMaxDim
+from table cimport EmbeddingTable, NonFinitePolicy, StorageType, TableConfig, kMaxDim
 from table cimport EvictionKind, PolicyConfig, PolicyStats, ValidatePolicy
 
 MAX_DIM = kMaxDim
@@ -52,6 +52,8 @@ _OPTIMIZER_FIELDS = (
     "learning_rate", "weight_decay", "rescale_grad", "clip_gradient", "momentum", "nesterov",
     "lr_decay", "epsilon", "initial_accumulator_value", "beta1", "beta2", "lr_power", "l1",
     "l2", "beta", "alpha", "centered", "step_mode", "kind", "formula",
+    # Read by the shard (a float32 master copy of 16-bit dense keys, issue 12), not the core.
+    "multi_precision",
 )
 
 
@@ -182,6 +184,21 @@ cdef object _arg(obj, dtype, int ndim, str name, bint output=False):
     return obj
 
 
+_STORAGE_TYPES = {
+    "float32": StorageType.kFloat32,
+    "float16": StorageType.kFloat16,
+    "bfloat16": StorageType.kBFloat16,
+}
+
+
+cdef StorageType _storage_type(dtype, str what) except *:
+    kind = _STORAGE_TYPES.get(dtype) if isinstance(dtype, str) else None
+    if kind is None:
+        raise errors.InvalidArgument(
+            f"{what} must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
+    return kind
+
+
 def _rows_out(out, int64_t n, int64_t dim):
     if out is None:
         return np.empty((n, dim), dtype=np.float32)
@@ -200,9 +217,15 @@ cdef class Table:
         optimizer: dict as produced by kvsparse.optimizers.*.to_dict(), or
             None for "a push replaces the row".
         seed: the table seed of the deterministic initializer.
+        policy: admission/eviction settings (kvsparse.table.policy_of), or None.
+        dtype: how values are stored: 'float32' (default), 'float16' or
+            'bfloat16' (issue 12). The interface stays float32: 16-bit rows
+            are widened exactly when read, updated in float32 and rounded to
+            nearest, ties to even, once per write.
+        slot_dtype: how optimizer slots are stored (same choices); None: float32.
 
     Raises:
-        kvsparse.errors.InvalidArgument: a bad dim, initializer or optimizer.
+        kvsparse.errors.InvalidArgument: a bad dim, initializer, optimizer or dtype.
 
     Example:
         >>> t = Table(4, {"kind": "constant", "a": 1.0}, {"kind": "sgd", "learning_rate": 0.5})
@@ -214,6 +237,8 @@ cdef class Table:
 
     cdef unique_ptr[EmbeddingTable] c_table
     cdef int64_t c_dim
+    cdef readonly str dtype
+    cdef readonly str slot_dtype
 
     cdef EmbeddingTable* _table(self) except NULL:
         # __cinit__ builds the C++ table or raises, so every Table has one: Table.__new__
@@ -226,10 +251,15 @@ cdef class Table:
         return self.c_table.get()
 
     def __cinit__(self, int64_t dim, dict initializer=None, optimizer=None, uint64_t seed=0,
-                  dict policy=None):
+                  dict policy=None, str dtype="float32", slot_dtype=None):
         cdef TableConfig c_config
         if dim < 1 or dim > kMaxDim:
             raise errors.InvalidArgument(f"dim must be in [1, {kMaxDim}], got {dim}")
+        slot_dtype = "float32" if slot_dtype is None else slot_dtype
+        c_config.value_type = _storage_type(dtype, "dtype")
+        c_config.slot_type = _storage_type(slot_dtype, "slot_dtype")
+        self.dtype = dtype
+        self.slot_dtype = slot_dtype
         c_config.dim = dim
         c_config.initializer = _initializer_config(initializer or {"kind": "zeros"}, seed)
         c_config.optimizer = _optimizer_config(optimizer)

@@ -31,11 +31,19 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
 
     Status ValidatePolicy(const PolicyConfig& policy)
 
+    # Storage of values / slots (issue 12).
+    cdef enum class StorageType(int):
+        kFloat32
+        kFloat16
+        kBFloat16
+
     cdef cppclass TableConfig:
         int64_t dim
         InitializerConfig initializer
         OptimizerConfig optimizer
         PolicyConfig policy
+        StorageType value_type
+        StorageType slot_type
 
     cdef enum class NonFinitePolicy(int):
         kReject

@@ -104,6 +104,12 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=0.01, help="Adam, on the servers")
     parser.add_argument("--local", action="store_true", help="kvsparse's local store: no servers")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--table-dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="how the servers store the two tables (issue 12); Gluon computes in float32",
+    )
     return parser.parse_args(argv)
 
 
@@ -124,6 +130,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     mx.random.seed(args.seed)  # the same initial weights everywhere (rank 0's are used anyway)
     kv = kvsparse_mxnet.create("local") if args.local else mx.kv.create("dist_sparse")
+    kv.table_dtype = args.table_dtype  # the tables' storage on the servers
     rank, num_workers = kv.rank, kv.num_workers
     data = movielens.load()
     train_ids, train_labels = data.equal_shard(rank, num_workers)

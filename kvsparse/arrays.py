@@ -153,6 +153,70 @@ def as_float32(obj, *, what: str) -> np.ndarray:
     return array.astype(np.float32)
 
 
+# The dtypes a table or dense key stores (issue 12); the first is the default.
+TABLE_DTYPES = ("float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32"}
+
+
+def table_dtype(obj, what: str = "dtype") -> str:
+    """The name ('float32', 'float16' or 'bfloat16') of a storage dtype given in any form.
+
+    Takes those names (and 'half', 'fp16', 'bf16'), NumPy dtypes (ml_dtypes'
+    bfloat16 included: MXNet and JAX use them), torch dtypes (torch.half,
+    torch.bfloat16) and TensorFlow DTypes (tf.float16, tf.bfloat16).
+
+    Raises:
+        InvalidArgument: any other dtype, naming what was given.
+
+    Example:
+        >>> table_dtype(np.float16)
+        'float16'
+    """
+    name = None
+    if isinstance(obj, str):
+        name = _DTYPE_ALIASES.get(obj, obj)
+    elif type(obj).__module__.startswith("torch"):
+        name = str(obj).removeprefix("torch.")
+    elif isinstance(getattr(obj, "name", None), str) and not isinstance(obj, type):
+        name = obj.name  # np.dtype, tf.DType
+    else:
+        try:
+            name = np.dtype(obj).name
+        except TypeError:
+            name = None
+    if name not in TABLE_DTYPES:
+        raise errors.InvalidArgument(
+            f"{what} must be float32, float16 or bfloat16 (a name, NumPy, torch or TF "
+            f"dtype), got {obj!r}"
+        )
+    return name
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a table dtype name (ml_dtypes.bfloat16 for 'bfloat16').
+
+    Raises:
+        InvalidArgument: 'bfloat16' without the ml_dtypes package (pull in float32 instead).
+    """
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise errors.InvalidArgument(
+                "bfloat16 NumPy arrays need the ml_dtypes package (pip install ml_dtypes); "
+                "or pull with dtype='float32'"
+            ) from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def to_table_dtype(values: np.ndarray, name: str) -> np.ndarray:
+    """float32 values rounded to table dtype `name` (nearest, ties to even); as is for float32."""
+    if name == "float32":
+        return values
+    return _core.narrow(np.ascontiguousarray(values, np.float32), name).view(numpy_dtype(name))
+
+
 def flat_ids(ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(ids.reshape(-1))
 

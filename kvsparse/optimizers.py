@@ -43,7 +43,7 @@ import numbers
 from kvsparse import errors
 
 # Settings that are flags or names; every other one is a real number.
-_NON_NUMERIC = {"nesterov", "centered", "formula", "step_mode"}
+_NON_NUMERIC = {"nesterov", "centered", "formula", "step_mode", "multi_precision"}
 
 
 class Optimizer:
@@ -70,7 +70,13 @@ class Optimizer:
             if "learning_rate" in settings:
                 raise TypeError(f"{type(self).__name__}: give lr or learning_rate, not both")
             settings["learning_rate"] = settings.pop("lr")
-        unknown = set(settings) - set(self.defaults) - {"rescale_grad", "clip_gradient"}
+        # multi_precision (issue 12): float16 / bfloat16 dense keys keep a float32 master
+        # copy that the optimizer updates (MXNet's multi_precision); not a formula setting.
+        unknown = (
+            set(settings)
+            - set(self.defaults)
+            - {"rescale_grad", "clip_gradient", "multi_precision"}
+        )
         if unknown:
             raise TypeError(f"{type(self).__name__} got unknown settings {sorted(unknown)}")
         self.settings = {"rescale_grad": 1.0, "clip_gradient": None, **self.defaults}
@@ -105,6 +111,10 @@ class Optimizer:
             spec["clip_gradient"] = -1.0
         if spec.get("formula") == "torch":
             del spec["formula"]  # the default: specs without the field mean the same
+        if "multi_precision" in spec and not spec["multi_precision"]:
+            del spec["multi_precision"]  # likewise: only a True is sent
+        elif "multi_precision" in spec:
+            spec["multi_precision"] = True
         return spec
 
     @property

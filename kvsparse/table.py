@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvsparse import errors, initializers, optimizers
+from kvsparse.arrays import table_dtype
 
 MAX_DIM = 4096
 _NONFINITE_POLICIES = ("raise", "skip")
 _EVICTIONS = ("lfu", "lru")
 # How a sparse table's pulled rows and pushed gradients travel between workers and servers
-# (issue 10); the servers always hold float32. The first is the default.
+# (issue 10). The first is the default.
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
 _POLICY_DEFAULTS = {
     "min_count": 1,
@@ -46,7 +47,7 @@ class RangePartitioner:
 
 @dataclass
 class SparseTable:
-    """A sparse table: any int64 id -> a row of `dim` float32 values.
+    """A sparse table: any int64 id -> a row of `dim` values (float32, float16 or bfloat16).
 
     Args:
         dim: row width, 1..4096.
@@ -80,7 +81,21 @@ class SparseTable:
             'float32', 'float16' or 'bfloat16' (see `check_wire_dtype`). None
             (default): the store's (``kvsparse.create(..., wire_dtype=...)``,
             itself 'float32' by default). A worker-side setting: the servers
-            never see it and keep the table in float32.
+            never see it. With a 16-bit dtype it governs pushes only: pulls
+            travel in the table's dtype (exact).
+        dtype: how the servers store the values: 'float32' (default),
+            'float16' or 'bfloat16' (also NumPy / torch / TF dtypes, see
+            `kvsparse.arrays.table_dtype`). Pulls return this dtype unless asked
+            for float32. Optimizer math runs in float32: a row is widened
+            (exactly), updated, and rounded to nearest, ties to even, once per
+            write; an update that rounds to inf (float16 beyond 65504) is an
+            overflow (nothing of the push is applied, or the row is skipped
+            with nonfinite='skip'). Initial values are rounded the same way.
+        slot_dtype: how the optimizer's slots are stored; None (default):
+            float32 whatever dtype is, so the accumulators keep full precision.
+
+    Bytes a row (values + slots, besides about 24 bytes of map and counters):
+    dim * (4 or 2) + num_slots * dim * (4 or 2); `kv.stats()` reports them.
 
     Admission and eviction semantics (exactly; tests/reference.py models them):
 
@@ -122,6 +137,8 @@ class SparseTable:
     eviction: str = "lfu"
     evict_every: int | None = None
     wire_dtype: str | None = None
+    dtype: str = "float32"
+    slot_dtype: str | None = None
 
     def __post_init__(self):
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
@@ -144,6 +161,9 @@ class SparseTable:
             raise errors.InvalidArgument(f"seed must be in [0, 2**64), got {self.seed}")
         if self.wire_dtype is not None:
             check_wire_dtype(self.wire_dtype, "SparseTable wire_dtype")
+        self.dtype = table_dtype(self.dtype, "SparseTable dtype")
+        if self.slot_dtype is not None:
+            self.slot_dtype = table_dtype(self.slot_dtype, "SparseTable slot_dtype")
         self._check_policy()
 
     def _check_policy(self) -> None:
@@ -187,6 +207,9 @@ class SparseTable:
             },
             # Only when set, likewise; the store leaves it out of what servers get.
             **({} if self.wire_dtype is None else {"wire_dtype": self.wire_dtype}),
+            # Only when not float32 (issue 12): checkpoints of float32 tables are unchanged.
+            **({} if self.dtype == "float32" else {"dtype": self.dtype}),
+            **({} if self.slot_dtype in (None, "float32") else {"slot_dtype": self.slot_dtype}),
         }
 
     @classmethod
@@ -201,6 +224,8 @@ class SparseTable:
             nonfinite=spec.get("nonfinite", "raise"),
             **{name: spec.get(name, default) for name, default in _POLICY_DEFAULTS.items()},
             wire_dtype=spec.get("wire_dtype"),
+            dtype=spec.get("dtype", "float32"),
+            slot_dtype=spec.get("slot_dtype"),
         )
 
 

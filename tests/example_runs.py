@@ -40,11 +40,11 @@ def run_command(command, timeout, extra_env=None):
     return process.returncode, out, err
 
 
-def launch_example(script: str, timeout: float, extra_env=None):
-    """Runs examples/<script> with 2 servers and 2 workers: (exit code, stdout, stderr)."""
+def launch_example(script: str, timeout: float, extra_env=None, args=()):
+    """Runs examples/<script> [args] with 2 servers and 2 workers: (exit code, stdout, stderr)."""
     command = [
         sys.executable, "-m", "kvsparse", "launch", "-s", "2", "-n", "2", "--",
-        sys.executable, f"examples/{script}",
+        sys.executable, f"examples/{script}", *args,
     ]  # fmt: skip
     return run_command(command, timeout, extra_env)
 

@@ -1195,3 +1195,73 @@ class ReferencePolicyTable(ReferenceTable):
             applied += 1
         self._auto_evict()
         return applied
+
+
+def round_to(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to dtype ('float32', 'float16', 'bfloat16'), as float32.
+
+    Nearest, ties to even: NumPy's float16 cast, and a bit-level bfloat16
+    rounding (ml_dtypes' rule) so that the model needs no ml_dtypes.
+    """
+    values = np.asarray(values, np.float32)
+    if dtype == "float32":
+        return values.copy()
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            return values.astype(np.float16).astype(np.float32)
+    bits = values.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    out = rounded.astype(np.uint32).view(np.float32).copy()
+    nan = np.isnan(values)
+    out[nan] = values[nan]
+    return out
+
+
+class _RoundingOptimizer(ReferenceOptimizer):
+    """ReferenceOptimizer whose update rounds weights and slots once, as a 16-bit table writes."""
+
+    def __init__(self, spec, dtype: str, slot_dtype: str):
+        super().__init__(spec)
+        self.dtype, self.slot_dtype = dtype, slot_dtype
+
+    def initial_slots(self, n: int) -> np.ndarray:
+        return round_to(super().initial_slots(n), self.slot_dtype)
+
+    def update(self, weights, slots, grad, step) -> None:
+        super().update(weights, slots, grad, step)
+        with np.errstate(all="ignore"):
+            weights[...] = round_to(weights, self.dtype)
+            slots[...] = round_to(slots, self.slot_dtype)
+
+
+class ReferenceHalfTable(ReferenceTable):
+    """ReferenceTable of a table storing float16 / bfloat16 values (and slots) (issue 12).
+
+    The rule of csrc/table.h (StorageType): values and slots are widened
+    exactly, the optimizer runs in float32, and every write rounds to nearest,
+    ties to even, once: initial values and slots, each update's result,
+    assigned rows, written state. A result that rounds to inf overflows.
+    """
+
+    def __init__(
+        self, dim, initializer=None, optimizer=None, seed=0, dtype="float16", slot_dtype="float32"
+    ):
+        super().__init__(dim, initializer, optimizer, seed)
+        self.dtype, self.slot_dtype = dtype, slot_dtype
+        self.optimizer = _RoundingOptimizer(optimizer, dtype, slot_dtype)
+
+    def set_optimizer(self, optimizer) -> None:
+        super().set_optimizer(optimizer)
+        self.optimizer = _RoundingOptimizer(optimizer, self.dtype, self.slot_dtype)
+        for key in self.slots:
+            self.slots[key] = self.optimizer.initial_slots(self.dim)
+
+    def initial_values(self, keys):
+        return round_to(super().initial_values(keys), self.dtype)
+
+    def _insert(self, key: int) -> None:
+        super()._insert(key)
+        self.rows[key] = round_to(self.rows[key], self.dtype)
+
+    def assign(self, keys, values) -> None:
+        super().assign(keys, round_to(np.asarray(values, np.float32), self.dtype))

@@ -163,12 +163,15 @@ class RemoteBackend:
         # A server that restarts from a checkpoint older than the table gets it again.
         self.session.remember(int(table_id), request)
 
-    def init_dense(self, table_id, name, values):
-        """Rank 0 sends the values; the others wait until rank 0's are in place."""
+    def init_dense(self, table_id, name, values, dtype="float32"):
+        """Rank 0 sends the values; the others wait until rank 0's are in place.
+
+        dtype: what the servers store (issue 12); values travel as float32.
+        """
         values = np.ascontiguousarray(values, np.float32).reshape(-1)
         requests = {
             server: ops.InitDense.encode_request(
-                table_id, name, b - a, values[a:b] if self.rank == 0 else None
+                table_id, name, b - a, values[a:b] if self.rank == 0 else None, dtype
             )
             for server, (a, b) in enumerate(dense_ranges(values.size, self.num_shards))
         }

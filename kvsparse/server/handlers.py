@@ -162,12 +162,12 @@ class Handlers:
         self._limits.check_new_table(existing, name, dim)
 
     def _init_dense(self, header, payload, pending):
-        table_id, name, size, values = ops.InitDense.decode_request(header, payload)
+        table_id, name, size, values, dtype = ops.InitDense.decode_request(header, payload)
         waiters = self._coordination.dense_init
         if values is not None:
             if table_id not in self._state.dense:
                 self._check_new_table(name)
-            self._state.create_dense(table_id, name, values)
+            self._state.create_dense(table_id, name, values, dtype)
             waiters.release(table_id, self._state.dense[table_id].values.size)
             return ops.InitDense.encode_reply()
         entry = self._state.dense.get(table_id)
@@ -257,7 +257,7 @@ class Handlers:
         for table_id, count, _, _ in items.tolist():
             entry = self._state.dense_entry(table_id)
             entry.check_size(count, f"the pull asks for {count}")
-            reply_bytes += entry.values.nbytes
+            reply_bytes += entry.values.size * 4  # float32 on the wire, whatever it stores
         self._limits.check_reply(pending.routing, reply_bytes, "a pull of dense keys")
         # Copied: ZeroMQ sends asynchronously and a later push changes the live slice.
         values = [

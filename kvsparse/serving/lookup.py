@@ -23,7 +23,8 @@ import os
 import numpy as np
 
 from kvsparse import errors
-from kvsparse.shard.checkpoint.export import EXPORT_FORMAT, EXPORT_VERSION, PART_RE
+from kvsparse.arrays import numpy_dtype
+from kvsparse.shard.checkpoint.export import EXPORT_FORMAT, PART_RE, READABLE_EXPORT_VERSIONS
 
 DEFAULTS = ("zeros", "initializer")
 
@@ -34,7 +35,7 @@ class LookupTable:
     Args:
         name: the table's key.
         keys: int64, sorted ascending, unique.
-        values: float32 (len(keys), dim).
+        values: (len(keys), dim): float32, float16 or bfloat16 (what lookups return).
         spec: the table's SparseTable.to_dict() (for default='initializer').
         default: what a missing id gets: 'zeros' (default) or 'initializer'
             (the value the training store would have given an unseen id:
@@ -49,7 +50,11 @@ class LookupTable:
             raise errors.InvalidArgument(f"default must be one of {DEFAULTS}, got {default!r}")
         self.name = name
         self.keys = np.ascontiguousarray(keys, np.int64)
-        self.values = np.ascontiguousarray(values, np.float32)
+        values = np.asarray(values)
+        if values.dtype.name not in ("float16", "bfloat16"):
+            values = values.astype(np.float32, copy=False)
+        self.values = np.ascontiguousarray(values)
+        self.dtype = self.values.dtype.name  # what lookups return (issue 12)
         self.dim = int(self.values.shape[1])
         self.spec = spec
         self.default = default
@@ -59,7 +64,11 @@ class LookupTable:
 
             spec = spec or {}
             self._initial = _core.Table(
-                self.dim, spec.get("initializer"), None, int(spec.get("seed", 0))
+                self.dim,
+                spec.get("initializer"),
+                None,
+                int(spec.get("seed", 0)),
+                dtype=spec.get("dtype", "float32"),
             )
 
     def __len__(self) -> int:
@@ -80,7 +89,7 @@ class LookupTable:
         found = (
             (self.keys[position_clipped] == flat) if self.keys.size else np.zeros(flat.size, bool)
         )
-        out = np.empty((flat.size, self.dim), np.float32)
+        out = np.empty((flat.size, self.dim), self.values.dtype)
         out[found] = self.values[position_clipped[found]]
         missing = ~found
         if missing.any():
@@ -137,7 +146,10 @@ class EmbeddingLookup:
                 raise errors.InvalidArgument(
                     f"{path}/{name}: unreadable export part ({exc})"
                 ) from None
-            if meta.get("format") != EXPORT_FORMAT or meta.get("version") != EXPORT_VERSION:
+            if (
+                meta.get("format") != EXPORT_FORMAT
+                or meta.get("version") not in READABLE_EXPORT_VERSIONS
+            ):
                 raise errors.InvalidArgument(f"{path}/{name}: unknown export format")
             parts.append(data)
             metas.append(meta)
@@ -151,6 +163,9 @@ class EmbeddingLookup:
         for position, table in enumerate(metas[0]["tables"]):
             keys = np.concatenate([p[f"t{position}_keys"] for p in parts])
             values = np.concatenate([p[f"t{position}_values"] for p in parts])
+            dtype = table.get("dtype", "float32")
+            if dtype == "bfloat16":
+                values = values.view(numpy_dtype("bfloat16"))
             order = np.argsort(keys, kind="stable")
             self._tables[table["name"]] = LookupTable(
                 table["name"], keys[order], values[order], table.get("spec"), default

@@ -67,16 +67,52 @@ class SparseEntry:
 class DenseEntry:
     """This shard's slice of a dense key, its optimizer slots and step counter.
 
+    A float16 / bfloat16 key (issue 12) stores its values as 16-bit patterns
+    (`dtype`); pushes widen them, run the optimizer in float32 and round the
+    result once (nearest, ties to even). With an optimizer whose spec says
+    multi_precision, such a key also keeps `master`, a float32 copy the
+    optimizer updates; the values are then that copy rounded (MXNet's
+    multi_precision). Slots are float32.
+
     Part of a ShardState: used by one thread at a time, like it.
     """
 
     name: str
-    values: np.ndarray  # this shard's slice, float32 1-D
+    values: np.ndarray  # this shard's slice, 1-D: float32, or uint16 patterns of dtype
     optimizer_spec: dict | None
     own_optimizer: bool
     optimizer: _core.Optimizer | None = None
     slots: np.ndarray | None = None
     step: int = 0
+    dtype: str = "float32"
+    master: np.ndarray | None = None
+
+    @classmethod
+    def create(cls, name: str, values: np.ndarray, dtype: str = "float32") -> DenseEntry:
+        """A new entry holding float32 values (a copy), stored in dtype, without optimizer."""
+        values = np.array(values, dtype=np.float32, copy=True).reshape(-1)
+        if dtype != "float32":
+            values = _core.narrow(values, dtype)
+        return cls(name, values, None, own_optimizer=False, dtype=dtype)
+
+    def float_values(self) -> np.ndarray:
+        """The values as float32: the live array of a float32 key, else a new one (the
+        master copy's values under multi_precision)."""
+        if self.dtype == "float32":
+            return self.values
+        if self.master is not None:
+            return self.master.copy()
+        return _core.widen(self.values, self.dtype)
+
+    def write(self, values: np.ndarray) -> None:
+        """Sets the values (float32, this slice's size): rounded once for a 16-bit key."""
+        values = np.ascontiguousarray(values, np.float32).reshape(-1)
+        if self.dtype == "float32":
+            self.values[...] = values
+            return
+        _core.narrow(values, self.dtype, out=self.values)
+        if self.master is not None:
+            self.master[...] = values
 
     def set_optimizer(self, spec: dict | None) -> None:
         """Runs spec from now on (None: pushes replace the values); slots and step restart."""
@@ -88,25 +124,72 @@ class DenseEntry:
         else:
             self.optimizer = _core.Optimizer(spec)
             self.slots = self.optimizer.initial_slots(self.values.size)
+        multi = spec is not None and bool(spec.get("multi_precision"))
+        if self.dtype == "float32" or not multi:
+            self.master = None
+        elif self.master is None:
+            self.master = _core.widen(self.values, self.dtype)
+
+    def push(self, grad: np.ndarray) -> None:
+        """One update with the flat float32 gradient (checked already by the caller).
+
+        Raises:
+            UpdateOverflow: the result is not finite (or a 16-bit key's rounds to inf);
+                the values, slots and step stay as they were.
+        """
+        self.commit(self.updated(grad))
+
+    def nbytes(self) -> int:
+        """Bytes of values, slots and master copy."""
+        return (
+            self.values.nbytes
+            + (0 if self.slots is None else self.slots.nbytes)
+            + (0 if self.master is None else self.master.nbytes)
+        )
 
     def updated(self, grad: np.ndarray) -> tuple:
-        """(values, slots, step) after applying grad, computed aside (the entry unchanged).
+        """(values, slots, step, master) after applying grad, computed aside (the entry
+        unchanged); `commit` writes them.
 
-        No optimizer: the gradient replaces the values. Raises UpdateOverflow
-        when a value or slot of the result is not finite.
+        values are in the stored form (float32, or the 16-bit patterns of dtype, rounded
+        once); master is the new float32 master copy (None without multi_precision). No
+        optimizer: the gradient replaces the values.
+
+        Raises:
+            UpdateOverflow: a value or slot of the result is not finite, or a 16-bit key's
+                result rounds to inf.
         """
+        work = self.values.copy() if self.dtype == "float32" else self.float_values()
         if self.optimizer is None:
-            return grad, None, self.step
-        values = self.values.copy()
-        slots = self.slots.copy()
-        self.optimizer.update(values, slots, grad, self.step + 1)
-        if not (np.isfinite(values).all() and np.isfinite(slots).all()):
+            work[...] = grad
+            slots, step = None, self.step
+        else:
+            slots, step = self.slots.copy(), self.step + 1
+            self.optimizer.update(work, slots, grad, step)
+        finite = bool(np.isfinite(work).all()) and (slots is None or np.isfinite(slots).all())
+        stored = work
+        if self.dtype != "float32":
+            stored = _core.narrow(work, self.dtype)
+            finite = (
+                finite and _core.first_nonfinite_half_row(stored.reshape(1, -1), self.dtype) < 0
+            )
+        if not finite:
             raise errors.UpdateOverflow(
-                f"key {self.name!r}: the update overflows float32 (its gradient and values "
+                f"key {self.name!r}: the update overflows {self.dtype} (its gradient and values "
                 "are finite; the result is inf or NaN): nothing of this push was applied; "
                 "lower the learning rate or clip the gradients"
             )
-        return values, slots, self.step + 1
+        return stored, slots, step, (work if self.master is not None else None)
+
+    def commit(self, update: tuple) -> None:
+        """Writes what `updated` computed."""
+        values, slots, step, master = update
+        self.values[...] = values
+        if slots is not None:
+            self.slots[...] = slots
+        self.step = step
+        if master is not None:
+            self.master[...] = master
 
     def check_size(self, size: int, got: str) -> None:
         """Raises ShapeError unless size is this slice's size; got says what came instead."""
@@ -228,22 +311,29 @@ class ShardState:
         own = spec.get("optimizer") is not None
         optimizer = spec["optimizer"] if own else self.default_optimizer
         table = _core.Table(
-            int(spec["dim"]), spec["initializer"], optimizer, int(spec["seed"]), policy_of(spec)
+            int(spec["dim"]),
+            spec["initializer"],
+            optimizer,
+            int(spec["seed"]),
+            policy_of(spec),
+            dtype=spec.get("dtype", "float32"),
+            slot_dtype=spec.get("slot_dtype"),
         )
         table.change_epoch = self.change_epoch
         self.sparse[table_id] = SparseEntry(name, dict(spec), table, own)
         return True
 
-    def create_dense(self, table_id: int, name: str, values: np.ndarray) -> bool:
-        """Creates this shard's slice of a dense key; False if it already exists."""
+    def create_dense(
+        self, table_id: int, name: str, values: np.ndarray, dtype: str = "float32"
+    ) -> bool:
+        """Creates this shard's slice of a dense key (stored in dtype); False if it exists."""
         if table_id in self.dense:
             if self.dense[table_id].values.size == values.size:
                 return False
             raise errors.DuplicateKey(f"key {name!r} is already initialized with another shape")
         if table_id in self.sparse:
             raise errors.DuplicateKey(f"key {name!r} is already initialized as a sparse table")
-        values = np.array(values, dtype=np.float32, copy=True).reshape(-1)
-        entry = DenseEntry(name, values, None, own_optimizer=False)
+        entry = DenseEntry.create(name, values, dtype)
         entry.set_optimizer(self.default_optimizer)
         self.dense[table_id] = entry
         return True
@@ -419,10 +509,13 @@ class ShardState:
     # -- dense -------------------------------------------------------------------------------
 
     def pull_dense(self, table_id: int) -> np.ndarray:
-        """This shard's slice of a dense key (the live array, not a copy)."""
+        """This shard's slice of a dense key as float32 (a float32 key's live array, not a
+        copy; a 16-bit key's values widened, exactly)."""
         entry = self.dense_entry(table_id)
         self.counters.keys += 1
-        return entry.values
+        if entry.dtype == "float32":
+            return entry.values
+        return _core.widen(entry.values, entry.dtype)
 
     def check_dense_push(self, table_id: int, grad: np.ndarray) -> None:
         """Raises what push_dense would raise, without changing anything."""
@@ -455,21 +548,18 @@ class ShardState:
             grad = np.ascontiguousarray(grad, dtype=np.float32).reshape(-1)
             table_id = int(table_id)
             grouped[table_id] = grad if table_id not in grouped else grouped[table_id] + grad
-        updates = [(self.dense[t], *self.dense[t].updated(g)) for t, g in grouped.items()]
+        updates = [(self.dense[t], self.dense[t].updated(g)) for t, g in grouped.items()]
         if updates:
             self.newest_push = time.time()
-        for entry, values, slots, step in updates:
+        for entry, update in updates:
             self.counters.keys += 1
-            entry.values[...] = values
-            if slots is not None:
-                entry.slots[...] = slots
-            entry.step = step
+            entry.commit(update)
 
     def assign_dense(self, table_id: int, values: np.ndarray) -> None:
         """Replaces this shard's slice of a dense key with values (no optimizer)."""
         entry = self.dense_entry(table_id)
         entry.check_size(values.size, f"got {values.size}")
-        entry.values[...] = values.reshape(-1)
+        entry.write(values)
 
     # -- optimizer state and stats ---------------------------------------------------------
 
@@ -552,8 +642,11 @@ class ShardState:
                 "candidates": policy["candidates"],
             }
         for entry in self.dense.values():
-            nbytes = entry.values.nbytes + (0 if entry.slots is None else entry.slots.nbytes)
-            tables[entry.name] = {"kind": "dense", "rows": entry.values.size, "bytes": nbytes}
+            tables[entry.name] = {
+                "kind": "dense",
+                "rows": entry.values.size,
+                "bytes": entry.nbytes(),
+            }
         return {
             "tables": tables,
             "requests": self.counters.requests,

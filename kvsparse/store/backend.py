@@ -44,8 +44,11 @@ class Backend(Protocol):
     def init_sparse(self, table_id: int, name: str, spec: dict) -> None:
         """Creates sparse table `table_id` (`SparseTable.to_dict()` spec) on every shard."""
 
-    def init_dense(self, table_id: int, name: str, values: np.ndarray) -> None:
-        """Creates dense key `table_id` holding flat float32 `values` (rank 0's win)."""
+    def init_dense(
+        self, table_id: int, name: str, values: np.ndarray, dtype: str = "float32"
+    ) -> None:
+        """Creates dense key `table_id` holding flat float32 `values` (rank 0's win), stored
+        in dtype ('float32', 'float16' or 'bfloat16'; issue 12)."""
 
     def set_optimizer(self, spec: dict | None, table_ids: list | None = None) -> None:
         """Sets (`Optimizer.to_dict()`) or removes (None) the store-wide optimizer; with

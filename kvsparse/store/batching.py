@@ -24,7 +24,9 @@ from kvsparse.arrays import (
     check_rows_shape,
     dtype_name,
     flat_ids,
+    numpy_dtype,
     rows_view,
+    table_dtype,
 )
 from kvsparse.store.keys import KeyInfo
 from kvsparse.store.plans import PlanCache
@@ -166,23 +168,34 @@ def dense_push(info: KeyInfo, value) -> np.ndarray:
     return np.ascontiguousarray(total, np.float32)
 
 
-def rows_output(info: KeyInfo, ids: np.ndarray, out) -> tuple:
-    """(what row_sparse_pull returns, the float32 array the rows land in) for one key.
+def rows_output(info: KeyInfo, ids: np.ndarray, out, dtype=None) -> tuple:
+    """(what row_sparse_pull returns, the array the rows land in) for one key.
 
-    A new array when out is None; else out, viewed writable (NumPy or DLPack).
+    A new array when out is None (of dtype, default the table's: float32,
+    float16, or ml_dtypes.bfloat16); else out, viewed writable (NumPy or
+    DLPack), which is float32 or of the table's dtype.
 
     Raises:
-        DTypeError: out is not float32.
+        DTypeError: out is neither float32 nor the table's dtype.
+        InvalidArgument: dtype neither float32 nor the table's.
         ShapeError: out is neither ids.shape + (dim,) nor (ids.size, dim).
     """
     shape = ids.shape + (info.dim,)
     if out is None:
-        result = np.empty(shape, np.float32)
+        name = info.dtype if dtype is None else table_dtype(dtype)
+        if name not in ("float32", info.dtype):
+            raise errors.InvalidArgument(
+                f"key {info.key!r} holds {info.dtype}: pull it as {info.dtype} or float32, "
+                f"not {name}"
+            )
+        result = np.empty(shape, numpy_dtype(name))
         return result, result
     target = as_numpy(out, what=f"out of key {info.key!r}", writable=True)
-    if target.dtype != np.float32:
+    if dtype_name(target) not in ("float32", info.dtype):
         raise errors.DTypeError(
-            f"out of key {info.key!r} must be float32, got {dtype_name(target)}"
+            f"out of key {info.key!r} must be float32"
+            + ("" if info.dtype == "float32" else f" or {info.dtype}")
+            + f", got {dtype_name(target)}"
         )
     check_rows_shape(target.shape, ids.shape, info.dim, what=f"out of key {info.key!r}")
     return out, target
@@ -194,14 +207,43 @@ def gather_rows(
     """Writes the row of each requested id (slot order) from the shards' replies into target.
 
     Replies of a 16-bit wire_dtype (uint16 bit patterns) are widened straight
-    into target, with no float32 copy of them in between.
+    into a float32 target, with no float32 copy of them in between; a 16-bit
+    target of the reply's dtype gets the bits as they are.
     """
+    if dtype_name(target) != "float32":
+        _gather_bits(shard_rows, target, slot, dim, wire_dtype)
+        return
     if target.flags.c_contiguous:
         _gather(shard_rows, offsets, slot, target.reshape(-1, dim), wire_dtype)
     else:
         tmp = np.empty((slot.size, dim), np.float32)
         _gather(shard_rows, offsets, slot, tmp, wire_dtype)
         target[...] = tmp.reshape(target.shape)
+
+
+def _gather_bits(shard_rows: list, target: np.ndarray, slot, dim: int, wire_dtype: str) -> None:
+    """16-bit replies gathered into a target of the same 16-bit dtype, bit for bit."""
+    if dtype_name(target) != wire_dtype:  # rows_output and the pull's wire agree: a bug if not
+        raise errors.DTypeError(f"rows travel as {wire_dtype}, out is {dtype_name(target)}")
+    parts = [np.asarray(rows).view(np.uint16).reshape(-1, dim) for rows in shard_rows]
+    rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    bits = target.view(np.uint16)
+    if bits.flags.c_contiguous:
+        np.take(rows, slot, axis=0, out=bits.reshape(-1, dim))
+    else:
+        bits[...] = rows[slot].reshape(bits.shape)
+
+
+def fill_dense(array: np.ndarray, flat: np.ndarray) -> None:
+    """array (of a dense key's shape: float32, float16 or bfloat16) = flat float32 values.
+
+    flat holds values of array's dtype (a 16-bit key's), so rounding is exact.
+    """
+    name = dtype_name(array)
+    if name == "float32":
+        array[...] = flat.reshape(array.shape)
+    else:
+        array.view(np.uint16)[...] = _core.narrow(flat, name).reshape(array.shape)
 
 
 def _gather(shard_rows: list, offsets, slot, out: np.ndarray, wire_dtype: str) -> None:
@@ -212,18 +254,22 @@ def _gather(shard_rows: list, offsets, slot, out: np.ndarray, wire_dtype: str) -
 
 
 def dense_outputs(info: KeyInfo, out) -> list:
-    """The writable float32 arrays a pull of a dense key fills: out, or each of a list of copies.
+    """The writable arrays a pull of a dense key fills: out, or each of a list of copies.
+
+    Each is float32 or of the key's dtype (float16 / bfloat16).
 
     Raises:
-        DTypeError: an out that is not float32.
+        DTypeError: an out neither float32 nor of the key's dtype.
         ShapeError: an out not of the key's exact shape.
     """
     arrays = []
     for target in [] if out is None else as_list(out):  # MXNet: out may be a list of copies
         array = as_numpy(target, what=f"out of key {info.key!r}", writable=True)
-        if array.dtype != np.float32:
+        if dtype_name(array) not in ("float32", info.dtype):
             raise errors.DTypeError(
-                f"out of key {info.key!r} must be float32, got {dtype_name(array)}"
+                f"out of key {info.key!r} must be float32"
+                + ("" if info.dtype == "float32" else f" or {info.dtype}")
+                + f", got {dtype_name(array)}"
             )
         if array.shape != info.shape:
             raise errors.ShapeError(
@@ -236,6 +282,8 @@ def dense_outputs(info: KeyInfo, out) -> list:
 __all__ = [
     "dense_outputs",
     "dense_push",
+    "fill_dense",
+    "numpy_dtype",
     "gather_rows",
     "rows_output",
     "sparse_assign",

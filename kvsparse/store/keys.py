@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvsparse import errors
+from kvsparse.arrays import table_dtype
 from kvsparse.placement import table_id_of
 from kvsparse.table import SparseTable, check_wire_dtype
 
@@ -45,6 +46,9 @@ class KeyInfo:
     own_optimizer: bool | None = None
     # sparse: SparseTable(wire_dtype=...), None: the store's (`KVStore.wire_dtype_of`).
     wire_dtype: str | None = None
+    # What the servers store and pulls return by default (issue 12): a sparse
+    # table's SparseTable(dtype=...), a dense key's value dtype at init.
+    dtype: str = "float32"
 
     @property
     def size(self) -> int:
@@ -62,6 +66,7 @@ class KeyInfo:
             "boundaries": self.boundaries,
             "nonfinite": self.nonfinite,
             "wire_dtype": self.wire_dtype,
+            "dtype": self.dtype,
         }
 
     @classmethod
@@ -84,6 +89,8 @@ class KeyInfo:
             nonfinite=record["nonfinite"],
             # Manifests from before issue 10 have none: the store's wire dtype.
             wire_dtype=wire_dtype,
+            # Manifests from before issue 12 have none: float32.
+            dtype=table_dtype(record.get("dtype", "float32"), f"key {record['key']!r}: dtype"),
         )
 
 
@@ -183,13 +190,14 @@ class KeyRegistry:
             nonfinite=table.nonfinite,
             own_optimizer=table.optimizer is not None,
             wire_dtype=table.wire_dtype,
+            dtype=table.dtype,
         )
         return info, spec
 
     @staticmethod
-    def dense_info(key, shape: tuple) -> KeyInfo:
-        """The KeyInfo of a dense key of this shape under normalized `key`."""
-        return KeyInfo(key, table_id_of(key), False, shape=tuple(shape))
+    def dense_info(key, shape: tuple, dtype: str = "float32") -> KeyInfo:
+        """The KeyInfo of a dense key of this shape and storage dtype under normalized `key`."""
+        return KeyInfo(key, table_id_of(key), False, shape=tuple(shape), dtype=dtype)
 
     def add(self, info: KeyInfo) -> None:
         """Registers an initialized key; the first one fixes the store's key kind."""

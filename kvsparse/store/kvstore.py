@@ -35,7 +35,17 @@ import threading
 import numpy as np
 
 from kvsparse import errors, optimizers
-from kvsparse.arrays import as_float32, as_ids, as_list, flat_ids, outputs_per_key, per_key
+from kvsparse.arrays import (
+    as_float32,
+    as_ids,
+    as_list,
+    as_numpy,
+    dtype_name,
+    flat_ids,
+    outputs_per_key,
+    per_key,
+    table_dtype,
+)
 from kvsparse.store import batching
 from kvsparse.store.backend import Backend
 from kvsparse.store.keys import KeyInfo, KeyRegistry
@@ -198,8 +208,11 @@ class KVStore(StoreFront):
 
         Args:
             key: int or str, or a list of them.
-            value: a SparseTable, or an array (NumPy / DLPack) of float32; a
-                list matching a list of keys.
+            value: a SparseTable, or an array (NumPy / DLPack) for a dense
+                key; a list matching a list of keys. A float16 or bfloat16
+                array makes a dense key stored in that dtype (issue 12: the
+                optimizer runs in float32, each update rounds once; pulls
+                return that dtype); other float dtypes are stored as float32.
 
         Raises:
             DuplicateKey: the key was initialized already.
@@ -219,12 +232,18 @@ class KVStore(StoreFront):
             if isinstance(v, SparseTable):
                 prepared.append(self._keys.sparse_info(k, v, self._backend.num_shards))
             else:
-                array = as_float32(v, what=f"value of key {k!r}")
-                info = self._keys.dense_info(k, array.shape)
+                what = f"value of key {k!r}"
+                source = v if type(v) in (int, float) else as_numpy(v, what=what)
+                name = dtype_name(source) if isinstance(source, np.ndarray) else "float32"
+                dtype = name if name in ("float16", "bfloat16") else "float32"
+                array = as_float32(source, what=what)
+                info = self._keys.dense_info(k, array.shape, dtype)
                 prepared.append((info, np.ascontiguousarray(array).reshape(-1)))
         for info, payload in prepared:
             if info.sparse:
                 self._backend.init_sparse(info.table_id, str(info.key), payload)
+            elif info.dtype != "float32":
+                self._backend.init_dense(info.table_id, str(info.key), payload, info.dtype)
             else:
                 self._backend.init_dense(info.table_id, str(info.key), payload)
             self._keys.add(info)
@@ -238,14 +257,18 @@ class KVStore(StoreFront):
 
     # -- sparse ------------------------------------------------------------------------------
 
-    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, dtype=None):
         """Pulls the rows of row_ids from sparse table(s).
 
         Args:
             key: a sparse key, or a list of them (one request per server for all).
-            out: optional output(s) of shape row_ids.shape + (dim,), float32,
-                filled in place (NumPy array or a writable DLPack tensor).
+            out: optional output(s) of shape row_ids.shape + (dim,), filled in
+                place (NumPy array or a writable DLPack tensor), of the table's
+                dtype or float32 (a float32 out widens, exactly).
             row_ids: int ids of any shape (duplicates allowed), or a list.
+            dtype: the dtype of a new output: None (default) the table's
+                (`SparseTable.dtype`; bfloat16 as ml_dtypes.bfloat16), or
+                'float32'.
 
         Returns:
             The output array (or list of them).
@@ -272,11 +295,13 @@ class KVStore(StoreFront):
             if not info.sparse:
                 raise errors.InvalidArgument(f"key {k!r} is dense; use pull")
             ids = as_ids(ids, key=k)
-            result, target = batching.rows_output(info, ids, o)
+            result, target = batching.rows_output(info, ids, o, dtype)
             plan = self._plans.for_pull(
                 info.table_id, flat_ids(ids), self._backend.num_shards, info.boundaries
             )
-            items.append((info, plan, info.wire_dtype or self._wire_dtype))
+            # A 16-bit table's rows travel in its dtype: exact, and half the bytes.
+            wire = info.dtype if info.dtype != "float32" else info.wire_dtype or self._wire_dtype
+            items.append((info, plan, wire))
             results.append(result)
             targets.append(target)
         shard_rows = self._backend.pull_sparse(
@@ -324,24 +349,26 @@ class KVStore(StoreFront):
         if self._saver is not None and self._saver.due():
             self._saver.save()
 
-    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+    def pull(self, key, out=None, priority=0, ignore_sparse=True, dtype=None):
         """Pulls dense key(s) into out (an array of the key's shape, or a list of them).
 
-        Returns the filled output (a new array if out is None). Sparse tables
-        have no whole value to pull: use row_sparse_pull.
+        Returns the filled output (a new array if out is None: of the key's
+        dtype, or float32 with dtype='float32'). Sparse tables have no whole
+        value to pull: use row_sparse_pull.
 
         Raises:
-            ShapeError: an out not of the key's exact shape. DTypeError: not float32.
+            ShapeError: an out not of the key's exact shape. DTypeError: an out
+            neither float32 nor the key's dtype.
         """
         del priority, ignore_sparse
         single = not isinstance(key, (list, tuple))
-        items, results, fills = self._dense_targets(key, out)
+        items, results, fills = self._dense_targets(key, out, dtype)
         self._backend.pull_dense(items)
         for array, flat in fills:
-            array[...] = flat.reshape(array.shape)
+            batching.fill_dense(array, flat)
         return results[0] if single else results
 
-    def _dense_targets(self, key, out) -> tuple:
+    def _dense_targets(self, key, out, dtype=None) -> tuple:
         """(backend items, what pull returns, [(out array, flat)]) of a pull; checks out."""
         single = not isinstance(key, (list, tuple))
         keys = as_list(key)
@@ -358,7 +385,14 @@ class KVStore(StoreFront):
             flat = np.empty(info.size, np.float32)
             items.append((info.table_id, flat))
             fills += [(array, flat) for array in batching.dense_outputs(info, o)]
-            results.append(o if o is not None else flat.reshape(info.shape))
+            if o is not None:
+                results.append(o)
+            elif info.dtype == "float32" or (dtype is not None and table_dtype(dtype) == "float32"):
+                results.append(flat.reshape(info.shape))
+            else:  # a float16 / bfloat16 key: its values, exactly
+                result = np.empty(info.shape, batching.numpy_dtype(info.dtype))
+                fills.append((result, flat))
+                results.append(result)
         return items, results, fills
 
     def pushpull(self, key, value, out=None, priority=0):

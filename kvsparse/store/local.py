@@ -51,9 +51,9 @@ class LocalBackend:
         self.state.create_sparse(table_id, name, spec)
 
     @_serialized
-    def init_dense(self, table_id, name, values):
-        """Creates the dense key holding values."""
-        self.state.create_dense(table_id, name, values)
+    def init_dense(self, table_id, name, values, dtype="float32"):
+        """Creates the dense key holding values (stored in dtype, issue 12)."""
+        self.state.create_dense(table_id, name, values, dtype)
 
     @_serialized
     def set_optimizer(self, spec, table_ids=None):

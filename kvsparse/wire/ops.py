@@ -43,6 +43,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from kvsparse import _core, errors
+from kvsparse.arrays import TABLE_DTYPES
 from kvsparse.wire import protocol
 from kvsparse.wire.protocol import (
     FLAG_DECLARE,
@@ -395,6 +396,8 @@ class InitDenseRequest(NamedTuple):
     name: str
     size: int
     values: Optional[np.ndarray]
+    # What the server stores (issue 12): 'float32', 'float16' or 'bfloat16'.
+    dtype: str = "float32"
 
 
 class InitDense(_Codec):
@@ -404,10 +407,23 @@ class InitDense(_Codec):
 
     @classmethod
     def encode_request(
-        cls, table_id: int, name: str, size: int, values: Optional[np.ndarray] = None
+        cls,
+        table_id: int,
+        name: str,
+        size: int,
+        values: Optional[np.ndarray] = None,
+        dtype: str = "float32",
     ) -> Request:
-        """The request for a slice of size values (None: a declaration, FLAG_DECLARE)."""
-        body = protocol.encode_json({"table_id": int(table_id), "name": name, "size": int(size)})
+        """The request for a slice of size values (None: a declaration, FLAG_DECLARE).
+
+        dtype: how the server stores them; values travel as float32. The JSON
+        names it only when not float32 (an older server then refuses nothing
+        it knew).
+        """
+        fields = {"table_id": int(table_id), "name": name, "size": int(size)}
+        if dtype != "float32":
+            fields["dtype"] = dtype
+        body = protocol.encode_json(fields)
         if values is None:
             return Request(cls.op, [body], flags=FLAG_DECLARE)
         return Request(cls.op, [body, values])
@@ -429,10 +445,13 @@ class InitDense(_Codec):
         name = body.get("name")
         if not isinstance(name, str):
             raise errors.ProtocolError("INIT_DENSE needs a str name")
+        dtype = body.get("dtype", "float32")
+        if dtype not in TABLE_DTYPES:
+            raise errors.ProtocolError(f"INIT_DENSE dtype must be one of {TABLE_DTYPES}")
         values = None
         if not declare:
             values = protocol.frame_array(payload[1], np.float32, size, what="INIT_DENSE values")
-        return InitDenseRequest(table_id, name, size, values)
+        return InitDenseRequest(table_id, name, size, values, dtype)
 
 
 class SetOptimizerRequest(NamedTuple):

@@ -2,10 +2,15 @@
 
 ``KVStore.export(path)`` makes each shard write ``part-{i:05d}-of-{n:05d}.npz``
 (`part_name`): for the j-th table, ``t{j}_keys`` (int64, sorted ascending,
-unique) and ``t{j}_values`` (float32, rows x dim), and ``meta``, UTF-8 JSON as a
+unique) and ``t{j}_values`` (rows x dim, in the table's dtype: float32,
+float16, or bfloat16 as uint16 bit patterns), and ``meta``, UTF-8 JSON as a
 uint8 array: ``{"format": EXPORT_FORMAT, "version": EXPORT_VERSION,
-"export_id", "part", "num_parts", "tables": [{"name", "dim", "spec"}]}``.
-`kvsparse.serving.EmbeddingLookup` reads it. Optimizer slots are not exported.
+"export_id", "part", "num_parts", "tables": [{"name", "dim", "dtype", "spec"}]}``.
+`kvsparse.serving.EmbeddingLookup` reads it (versions 1 and 2). Optimizer
+slots are not exported.
+
+Version 2 (issue 12): tables record their "dtype" and 16-bit tables' values
+are stored in it; version 1 had float32 values and no dtype.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ import re
 
 import numpy as np
 
+from kvsparse import _core
 from kvsparse.shard.checkpoint.files import AtomicFile
 from kvsparse.shard.checkpoint.format import BLOCK_ROWS
 from kvsparse.shard.state import ShardState
 
 EXPORT_FORMAT = "kvsparse-export"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2
+# Versions EmbeddingLookup reads.
+READABLE_EXPORT_VERSIONS = (1, 2)
 # The name part_name gives; group 1 is the part, group 2 the number of parts.
 PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})\.npz$")
 
@@ -65,8 +73,16 @@ def export_shard(state: ShardState, path, shard_index, num_shards, table_ids, ex
         )
         order = np.argsort(keys, kind="stable")
         arrays[f"t{position}_keys"] = keys[order]
-        arrays[f"t{position}_values"] = values[order]
-        meta["tables"].append({"name": entry.name, "dim": entry.table.dim, "spec": entry.spec})
+        dtype = entry.table.dtype
+        values = values[order]
+        if dtype == "float16":
+            values = _core.narrow(values, dtype).view(np.float16)
+        elif dtype == "bfloat16":  # bit patterns: .npz readers need no ml_dtypes
+            values = _core.narrow(values, dtype)
+        arrays[f"t{position}_values"] = values
+        meta["tables"].append(
+            {"name": entry.name, "dim": entry.table.dim, "dtype": dtype, "spec": entry.spec}
+        )
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     final = os.path.join(path, part_name(shard_index, num_shards))
     with AtomicFile(final, suffix=".npz") as f:

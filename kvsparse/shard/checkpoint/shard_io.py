@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvsparse import _core, errors
+from kvsparse.arrays import TABLE_DTYPES
 from kvsparse.placement import dense_ranges
 from kvsparse.shard.checkpoint.files import fsync_dir
 from kvsparse.shard.checkpoint.format import (
@@ -100,7 +101,8 @@ def write_shard_file(state: ShardState, final_path: str, *, since: int | None, i
             index["sparse"].append(section)
         for table_id, entry in state.dense.items():
             slots = np.ascontiguousarray(entry.slots_array(), np.float32)
-            block = writer.block([entry.values, slots])
+            # float32 (a 16-bit key's values widened exactly, or its master copy).
+            block = writer.block([np.ascontiguousarray(entry.float_values()), slots])
             index["dense"].append(
                 {
                     "table_id": table_id,
@@ -110,6 +112,8 @@ def write_shard_file(state: ShardState, final_path: str, *, since: int | None, i
                     "optimizer": entry.optimizer_spec,
                     "own_optimizer": entry.own_optimizer,
                     "step": int(entry.step),
+                    # Issue 12, a per-key field (absent: float32) read by any version.
+                    **({} if entry.dtype == "float32" else {"dtype": entry.dtype}),
                     **block,
                 }
             )
@@ -461,8 +465,14 @@ def _dense_entry(path: str, parts: dict, reshard: Resharding) -> DenseEntry:
     values = np.concatenate([parts[i][0] for i in files])
     slots = np.concatenate([parts[i][1] for i in files], axis=-1)
     values, slots = reshard.dense_slice(values, slots)
-    entry = DenseEntry(section["name"], values.copy(), None, bool(section["own_optimizer"]))
+    dtype = section.get("dtype", "float32")
+    if dtype not in TABLE_DTYPES:
+        raise CheckpointError(f"{path}: dense key {section['name']!r} has dtype {dtype!r}")
+    entry = DenseEntry.create(section["name"], values, dtype)
+    entry.own_optimizer = bool(section["own_optimizer"])
     entry.set_optimizer(section["optimizer"])
+    if entry.master is not None:
+        entry.master[...] = values  # the saved master copy, not its rounding
     if entry.slots is not None:
         if entry.slots.shape != slots.shape:
             raise CheckpointError(f"{path}: dense key {section['name']!r} slots do not fit")
