@@ -186,6 +186,12 @@ def _launch_parser() -> argparse.ArgumentParser:
         help="CurveZMQ key directory (kvsparse keys DIR): servers encrypt and accept only its "
         "clients; workers get KVSPARSE_KEYS",
     )
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no server processes: worker R hosts shard R itself and serves it to the others "
+        "(KVSPARSE_PEERS); kvsparse.create('dist_sparse') is then colocated (not with -s)",
+    )
     return parser
 
 
@@ -219,6 +225,7 @@ def _launch(argv: list) -> int:
             retry_window=args.retry_window,
             checkpoint_dir=args.checkpoint_dir,
             keys=args.keys,
+            colocated=args.colocated,
         )
     except errors.KVSparseError as exc:
         print(f"kvsparse launch: error: {exc}", file=sys.stderr)
