@@ -360,3 +360,100 @@ def test_movielens_torch_under_launch_colocated_reaches_the_auc_of_dist_sparse()
     # One epoch: 0.7777 both ways when measured (BSP sums in rank order on both).
     assert aucs["colocated"] >= 0.75, aucs
     assert abs(aucs["colocated"] - aucs["dist_sparse"]) <= 0.005, aucs
+
+
+def test_two_colocated_workers_as_threads_of_one_process_with_a_monitor_polling(tmp_path):
+    """Each shard serves the other worker and a `kvsparse stats` monitor from its thread
+    while its own worker reads and updates it in process: the one lock keeps every row right.
+    """
+    import kvsparse
+    from kvsparse.cli import stats as stats_cli
+    from kvsparse.store.factory import create_colocated_store
+
+    peers = [f"ipc://{tmp_path}/w{rank}" for rank in range(2)]
+    # Batches big enough that the tables grow while the other thread works on them.
+    steps, dim, space, size = 30, 3, 200_000, 4096
+    rng = np.random.default_rng(5)
+    batches = rng.integers(0, space, size=(2, steps, size))
+    grads = rng.standard_normal((2, steps, size, dim)).astype(np.float32)
+    results, failures = {}, []
+
+    def work(rank):
+        try:
+            # ASP: pushes apply on arrival, so both threads write the same shard at once.
+            with create_colocated_store("dist_async", peers, rank, timeout=60) as kv:
+                kv.init(
+                    "emb", kvsparse.SparseTable(dim=dim, initializer=kvsparse.initializers.Zeros())
+                )
+                kv.set_optimizer(kvsparse.optimizers.SGD(learning_rate=1.0))
+                for step in range(steps):
+                    ids = batches[rank, step]
+                    kv.row_sparse_pull("emb", row_ids=ids)
+                    kv.push("emb", (ids, grads[rank, step]))
+                kv.barrier()
+                results[rank] = kv.row_sparse_pull("emb", row_ids=np.arange(space))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    polls = 0
+    while any(thread.is_alive() for thread in threads):
+        try:
+            stats_cli.fetch_stats(peers, timeout=5)
+            polls += 1
+        except Exception:  # noqa: BLE001 - a shard not bound yet, or already closed
+            time.sleep(0.01)
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
+    expected = np.zeros((space, dim), np.float32)
+    for rank in range(2):
+        for step in range(steps):
+            np.add.at(expected, batches[rank, step], -grads[rank, step])
+    # SGD adds up every gradient, in whatever order they arrived: float rounding only.
+    for rank in range(2):
+        np.testing.assert_allclose(results[rank], expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(results[0], results[1])
+    assert polls > 0
+
+
+def test_a_worker_dying_of_an_exception_fails_the_others_at_once(tmp_path):
+    script = tmp_path / "dies.py"
+    script.write_text(
+        "import numpy as np, kvsparse\n"
+        "kv = kvsparse.create('dist_sparse', timeout=60)\n"
+        "kv.init('emb', kvsparse.SparseTable(dim=2))\n"
+        "ids = np.arange(40, dtype=np.int64)\n"
+        "for step in range(5):\n"
+        "    if kv.rank == 1 and step == 3:\n"
+        "        raise RuntimeError('rank 1 fails')\n"
+        "    kv.push('emb', (ids, np.ones((40, 2), np.float32)))\n"
+    )
+    peers = ",".join(f"ipc://{tmp_path}/w{rank}" for rank in range(2))
+    started = time.monotonic()
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=subprocess_env(
+                {"KVSPARSE_PEERS": peers, "KVSPARSE_RANK": rank, "KVSPARSE_NUM_WORKERS": 2}
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [worker.communicate(timeout=60) for worker in workers]
+    # Rank 0's push of step 3 waits for rank 1, whose shard fails it as it goes: well
+    # before rank 0's 60 s timeout.
+    assert time.monotonic() - started < 30
+    assert workers[1].returncode == 1 and "rank 1 fails" in outputs[1][1]
+    assert workers[0].returncode == 1
+    # Whichever rank 0 hears first: its own shard failing the held push (rank 1 left),
+    # or rank 1's shard gone (its socket closed with the process).
+    error = outputs[0][1].strip().splitlines()[-1]
+    assert ("WorkerLeft" in error and "rank 1" in error) or (
+        "ServerUnavailable" in error and f"{tmp_path}/w1" in error
+    ), outputs[0][1]
