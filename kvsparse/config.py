@@ -15,6 +15,9 @@ it (precedence, highest first):
    accepted too, and ``ipc:///absolute/path`` for a server on this host),
    ``KVSPARSE_RANK``, ``KVSPARSE_NUM_WORKERS``,
    ``KVSPARSE_TIMEOUT`` (seconds), ``KVSPARSE_STALENESS`` (steps).
+   ``KVSPARSE_PEERS`` (colocated mode, ``kvsparse launch --colocated``): the
+   workers' own shard addresses, in rank order; they are the server list
+   when ``KVSPARSE_SERVERS`` is unset (see `colocated_peers`).
 2. ``TF_CONFIG`` (TensorFlow's JSON): the ``ps`` tasks are the servers, in
    order; the workers are ``chief`` (or the old name ``master``) followed by
    ``worker``: the chief is rank 0 and worker ``i`` is rank ``1 + i`` (rank
@@ -68,6 +71,9 @@ RANK = "KVSPARSE_RANK"
 NUM_WORKERS = "KVSPARSE_NUM_WORKERS"
 TIMEOUT = "KVSPARSE_TIMEOUT"
 STALENESS = "KVSPARSE_STALENESS"
+# Colocated mode (issue 14, `kvsparse launch --colocated`): every worker's shard address,
+# in rank order; worker r binds the r-th and the workers are the servers.
+PEERS = "KVSPARSE_PEERS"
 # For server processes only.
 BIND = "KVSPARSE_BIND"
 SERVER_ID = "KVSPARSE_SERVER_ID"
@@ -421,13 +427,7 @@ _Getter = Callable[[], Optional[tuple]]
 
 def _kvsparse_source(environ: Mapping) -> dict[str, _Getter]:
     def servers():
-        text = _get(environ, SERVERS)
-        if text is None:
-            return None
-        parts = [p.strip() for p in text.split(",")]
-        if any(not p for p in parts):
-            raise InvalidArgument(f"{SERVERS}={text!r} has an empty entry")
-        return [parse_server_address(p, SERVERS) for p in parts], SERVERS
+        return _address_list(environ, SERVERS) or _address_list(environ, PEERS)
 
     def integer(name, minimum):
         def getter():
@@ -455,6 +455,34 @@ def _kvsparse_source(environ: Mapping) -> dict[str, _Getter]:
         "timeout": timeout,
         "staleness": integer(STALENESS, 0),
     }
+
+
+def _address_list(environ: Mapping, name: str) -> Optional[tuple]:
+    """(addresses, name) from the comma-separated variable name, or None if unset."""
+    text = _get(environ, name)
+    if text is None:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if any(not p for p in parts):
+        raise InvalidArgument(f"{name}={text!r} has an empty entry")
+    return [parse_server_address(p, name) for p in parts], name
+
+
+def colocated_peers(environ: Optional[Mapping] = None) -> Optional[list]:
+    """The colocated workers' shard addresses (``KVSPARSE_PEERS``), or None when unset.
+
+    Set by ``kvsparse launch --colocated``: then ``kvsparse.create('dist_sparse')``
+    (and the other dist kinds) give a colocated store (`kvsparse.store.colocated`).
+
+    Raises InvalidArgument for a malformed list. Thread-safe.
+
+    Example:
+        >>> colocated_peers({"KVSPARSE_PEERS": "127.0.0.1:7000,127.0.0.1:7001"})
+        ['tcp://127.0.0.1:7000', 'tcp://127.0.0.1:7001']
+    """
+    environ = os.environ if environ is None else environ
+    found = _address_list(environ, PEERS)
+    return None if found is None else found[0]
 
 
 def _load_tf_config(environ: Mapping) -> Optional[dict]:
@@ -695,6 +723,19 @@ def _bind_address_for(address: str) -> str:
     host, port = _split_host_port(rest, "address", address)
     host = _bind_host(host)
     return f"tcp://{host}:{port}" if host == "*" else format_address(host, int(port))
+
+
+def peer_bind_address(address: str) -> str:
+    """The address a colocated worker binds for its shard at address (a peer's address).
+
+    As for a server (`server_bind_address`): a loopback or IP literal as is,
+    another host name on all interfaces, an ipc path as is. Thread-safe.
+
+    Example:
+        >>> peer_bind_address("tcp://localhost:7001")
+        'tcp://127.0.0.1:7001'
+    """
+    return _bind_address_for(parse_server_address(address, "peer address"))
 
 
 def server_bind_address(environ: Optional[Mapping] = None) -> Optional[str]:
@@ -1025,7 +1066,7 @@ def monitor_config(environ: Optional[Mapping] = None) -> ClusterConfig:
         ['tcp://127.0.0.1:7000']
     """
     environ = os.environ if environ is None else environ
-    keep = (SERVERS, "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_SERVER")
+    keep = (SERVERS, PEERS, "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_SERVER")
     env = {name: environ[name] for name in keep if name in environ}
     if environ.get("TF_CONFIG"):
         try:
@@ -1054,6 +1095,7 @@ __all__ = [
     "ClusterConfig",
     "ServerLimits",
     "checkpoint_dir",
+    "colocated_peers",
     "curve_keys",
     "monitor_config",
     "mxnet_role",
@@ -1068,6 +1110,7 @@ __all__ = [
     "parse_bind_address",
     "parse_bytes",
     "parse_server_address",
+    "peer_bind_address",
     "server_bind_address",
     "server_limits",
 ]

@@ -204,6 +204,12 @@ def _launch_parser() -> argparse.ArgumentParser:
         help="CurveZMQ key directory (kvsparse keys DIR): servers encrypt and accept only its "
         "clients; workers get KVSPARSE_KEYS",
     )
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no server processes: worker R hosts shard R itself and serves it to the others "
+        "(KVSPARSE_PEERS); kvsparse.create('dist_sparse') is then colocated (not with -s)",
+    )
     return parser
 
 
@@ -239,6 +245,7 @@ def _launch(argv: list) -> int:
             keys=args.keys,
             save_every=args.save_every,
             keep=args.keep,
+            colocated=args.colocated,
         )
     except errors.KVSparseError as exc:
         print(f"kvsparse launch: error: {exc}", file=sys.stderr)

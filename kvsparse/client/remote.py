@@ -60,6 +60,8 @@ class RemoteBackend:
             (``KVSPARSE_RETRY_WINDOW``, else 0).
         keys: a ``kvsparse keys`` directory for CurveZMQ; None:
             `kvsparse.config.curve_keys` (``KVSPARSE_KEYS``), else no encryption.
+        local: {server index: endpoint} of shards served in this process
+            (colocated mode: `kvsparse.store.colocated`), reached without a socket.
 
     Thread safety: the session serializes the calls (and the clock), so a
     backend may be shared by threads; a forked child must create its own.
@@ -81,6 +83,7 @@ class RemoteBackend:
         timeout=None,
         retry_window=None,
         keys=None,
+        local=None,
     ):
         if mode not in ops.MODES:
             raise errors.InvalidArgument(f"mode must be 'bsp', 'asp' or 'ssp', got {mode!r}")
@@ -99,6 +102,7 @@ class RemoteBackend:
             timeout=timeout,
             retry_window=config.retry_window() if retry_window is None else retry_window,
             keys=config.curve_keys() if keys is None else keys,
+            local=local,
         )
         try:
             self.session.open(

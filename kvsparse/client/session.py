@@ -94,7 +94,8 @@ class _Call:
             self.poller = None  # rebuilt by the next wait
         else:
             for sock in sockets:
-                self.poller[0].unregister(sock)
+                if sock is not None:  # a server in this process has no monitor
+                    self.poller[0].unregister(sock)
 
 
 class Session:
@@ -110,6 +111,8 @@ class Session:
         keys: a ``kvsparse keys`` directory for CurveZMQ; None: no encryption.
         monitor: a monitor's session: no liveness pings (see the module
             docstring).
+        local: {server index: endpoint} of shards served in this process
+            (colocated mode, issue 14; see `kvsparse.client.local`).
 
     Thread safety: exchanges are serialized by a lock (ZeroMQ sockets are
     not thread-safe), so a session may be shared by threads; a forked child
@@ -129,6 +132,7 @@ class Session:
         retry_window: float = 0.0,
         keys: Optional[str] = None,
         monitor: bool = False,
+        local: Optional[dict] = None,
     ):
         self.servers = list(servers)
         self.rank = int(rank)
@@ -141,7 +145,7 @@ class Session:
         self._clock = 0
         self._lock = threading.RLock()
         self._closed = False
-        self._links = ServerSockets(self.servers, keys, self._client_id)
+        self._links = ServerSockets(self.servers, keys, self._client_id, local)
         self._recovery = Recovery(self.servers, self._links, self._send, self.retry_window)
 
     # -- the public surface -------------------------------------------------------------------
@@ -282,6 +286,8 @@ class Session:
             poller, owners = zmq.Poller(), {}
             for server in call.waiting:
                 for sock in (self._links.socket(server), self._links.monitor(server)):
+                    if sock is None:
+                        continue  # a server in this process has no monitor
                     poller.register(sock, zmq.POLLIN)
                     owners[sock] = server
             call.poller = (poller, owners)

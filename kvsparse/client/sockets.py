@@ -42,6 +42,9 @@ class ServerSockets:
         keys: a ``kvsparse keys`` directory for CurveZMQ; None: no encryption.
         client_id: the session's client id, in each socket's routing id (a
             reconnected socket keeps its name; a replaced one gets a new one).
+        local: {server index: endpoint} for shards served in this process
+            (colocated mode, issue 14): that server's socket is a
+            `kvsparse.client.local.LocalSocket` (no network, no monitor).
 
     Threads: not thread-safe (ZeroMQ sockets are not); its `Session` holds a
     lock around every use.
@@ -51,8 +54,11 @@ class ServerSockets:
         zmq.ZMQError: an address ZeroMQ cannot connect to.
     """
 
-    def __init__(self, servers: list, keys: Optional[str], client_id: int = 0):
+    def __init__(
+        self, servers: list, keys: Optional[str], client_id: int = 0, local: Optional[dict] = None
+    ):
         self.servers = servers
+        self.local = dict(local or {})
         self.keys = keys
         self._client_id = client_id.to_bytes(8, "little")
         self._generations = itertools.count(1)
@@ -74,8 +80,11 @@ class ServerSockets:
         """The socket to server (replaced by `reset`)."""
         return self._sockets[server]
 
-    def monitor(self, server: int) -> zmq.Socket:
-        """The socket on which server's handshake failures are reported (replaced by `reset`)."""
+    def monitor(self, server: int) -> Optional[zmq.Socket]:
+        """The socket on which server's handshake failures are reported (replaced by `reset`).
+
+        None for a server in this process (`local`): there is no handshake.
+        """
         return self._monitors[server]
 
     def reset(self, server: int) -> None:
@@ -104,6 +113,8 @@ class ServerSockets:
         """
         from zmq.utils.monitor import recv_monitor_message
 
+        if server in self.local:
+            return None
         monitor, address = self._monitors[server], self.servers[server]
         while monitor.poll(0):
             try:
@@ -141,6 +152,14 @@ class ServerSockets:
         return None
 
     def _open(self, server: int) -> None:
+        if server in self.local:
+            from kvsparse.client.local import open_local_socket
+
+            generation = next(self._generations).to_bytes(4, "little")
+            routing = b"kv" + self._client_id + generation
+            self._sockets[server] = open_local_socket(self.local[server], routing)
+            self._failures[server] = None
+            return
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -163,6 +182,13 @@ class ServerSockets:
 
     def _close(self, server: int) -> None:
         sock, monitor = self._sockets[server], self._monitors[server]
+        if server in self.local:
+            if sock is not None:
+                from kvsparse.client.local import close_local_socket
+
+                close_local_socket(sock)
+                self._sockets[server] = None
+            return
         if monitor is not None:
             sock.disable_monitor()
             monitor.close(0)

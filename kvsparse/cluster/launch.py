@@ -42,6 +42,15 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   saves on that interval while training runs, full then deltas
   (`kvsparse.store.periodic`), for serving replicas that follow the
   directory; ``keep`` (``--keep N``) bounds the delta chain.
+- ``colocated`` (``--colocated``, issue 14): no server processes; worker
+  ``r`` hosts shard ``r`` itself (`kvsparse.store.colocated`). The launcher
+  gives each worker a shard address (tcp: a free port of ``host``, found by
+  binding port 0 and releasing it, so another process could take it before
+  the worker binds it; ipc: ``ipc:///tmp/kvsparse-XXXXXXXX/worker-R``) and
+  sets ``KVSPARSE_PEERS`` (every worker's, in rank order; also as
+  ``KVSPARSE_SERVERS``, so that ``kvsparse stats`` finds the shards), with
+  which ``kvsparse.create('dist_sparse')`` (or any dist kind) is colocated.
+  ``num_servers`` must stay 1 (its default); ``restart_servers`` is refused.
 - ``checkpoint_dir`` (``--checkpoint-dir``) reaches the workers as
   ``KVSPARSE_CHECKPOINT_DIR``; ``keys`` (``--keys``, a ``kvsparse keys``
   directory) makes the servers CurveZMQ-only and reaches the workers as
@@ -76,6 +85,7 @@ import queue
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -87,7 +97,14 @@ from kvsparse import config, errors
 from kvsparse.cluster import process
 
 # Variables the launcher sets itself; --env may not override them.
-_RESERVED = (config.SERVERS, config.RANK, config.NUM_WORKERS, config.TIMEOUT, config.STALENESS)
+_RESERVED = (
+    config.SERVERS,
+    config.RANK,
+    config.NUM_WORKERS,
+    config.TIMEOUT,
+    config.STALENESS,
+    config.PEERS,
+)
 DEFAULT_RETRY_WINDOW = config.DEFAULT_RETRY_WINDOW
 _POLL_SECONDS = 0.1
 _LOG = "kvsparse launch: "
@@ -192,6 +209,21 @@ class _Cluster:
             ]
         # Port 0: each server picks a free port and says which in its listening line.
         return [config.format_address(host, 0)] * count
+
+    def colocated_addresses(self, count: int, transport: str, host: str) -> list[str]:
+        """The shard address of each colocated worker (see `launch`'s ``colocated``)."""
+        if transport == "ipc":
+            try:
+                self.socket_directory = process.socket_directory()
+            except OSError as exc:
+                raise errors.InvalidArgument(
+                    f"cannot make a directory for the ipc sockets: {exc}"
+                ) from None
+            return [
+                process.ipc_bind_address(self.socket_directory, f"worker-{index}")
+                for index in range(count)
+            ]
+        return [config.format_address(host, _free_port(host)) for _ in range(count)]
 
     def start_servers(
         self, count: int, host: str, startup_timeout: float, transport: str = "tcp"
@@ -415,6 +447,14 @@ def _signals_stop(cluster: _Cluster) -> Iterator[None]:
             signal.signal(s, h)
 
 
+def _free_port(host: str) -> int:
+    """A tcp port of host that is free now (bound to port 0, then released)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
 def _transport_and_host(transport: Optional[str], host: Optional[str]) -> tuple:
     transport = process.check_transport(DEFAULT_TRANSPORT if transport is None else transport)
     if transport == "ipc" and host is not None:
@@ -472,6 +512,7 @@ def launch(
     keys: Optional[str] = None,
     save_every: Optional[float] = None,
     keep: Optional[int] = None,
+    colocated: bool = False,
 ) -> int:
     """Runs a job on this host: servers, then workers; stops everything at the end.
 
@@ -511,6 +552,9 @@ def launch(
             (``kvsparse serve --follow``). The workers get ``KVSPARSE_SAVE_EVERY``.
         keep: with save_every, at most this many deltas on a full checkpoint
             (then a full one; older chains are deleted). ``KVSPARSE_SAVE_KEEP``.
+        colocated: start no servers: each worker hosts its own shard
+            (``KVSPARSE_PEERS``; see the module docstring). num_servers must
+            be 1 and restart_servers False.
 
     Returns:
         The exit code: 0 if all workers succeeded, else the first failing
@@ -532,6 +576,14 @@ def launch(
     """
     _check_counts(num_servers, num_workers)
     transport, host = _transport_and_host(transport, host)
+    if colocated and num_servers != 1:
+        raise errors.InvalidArgument(
+            "colocated: the workers are the servers (one shard each); give no server count"
+        )
+    if colocated and restart_servers:
+        raise errors.InvalidArgument(
+            "colocated: there are no server processes to restart (restart_servers)"
+        )
     if isinstance(command, str):
         command = shlex.split(command)
     command = [os.fspath(part) for part in command] if command is not None else []
@@ -574,7 +626,12 @@ def launch(
         extra.setdefault(config.RETRY_WINDOW, repr(float(retry_window)))
     with _signals_stop(cluster):
         try:
-            addresses = cluster.start_servers(num_servers, host, startup_timeout, transport)
+            if colocated:
+                addresses = cluster.colocated_addresses(num_workers, transport, host)
+                extra[config.PEERS] = ",".join(addresses)
+                cluster.log("colocated: worker r hosts shard r at " + ", ".join(addresses))
+            else:
+                addresses = cluster.start_servers(num_servers, host, startup_timeout, transport)
             cluster.start_workers(
                 command,
                 num_workers,

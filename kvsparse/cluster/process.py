@@ -69,6 +69,7 @@ PLACEMENT_VARIABLES = (
     config.STALENESS,
     config.BIND,
     config.SERVER_ID,
+    config.PEERS,  # colocated mode (issue 14): only `kvsparse launch --colocated` sets it
 )
 # The exit status of `python -m kvsparse.server` when it cannot bind its address.
 CANNOT_BIND = 1

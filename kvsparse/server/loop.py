@@ -23,10 +23,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import socket
+import threading
 import time
+from collections import deque
 from typing import Callable
 
 import zmq
@@ -52,14 +55,20 @@ class EventLoop:
         heartbeat_timeout: seconds without any traffic from a peer (after a
             ZMTP PING, sent every sixth of it) before its connection is
             closed; 0: no heartbeats.
+        guard: a lock serve() holds while it handles what a poll returned
+            (never while it waits), for a server whose state other threads
+            use too (issue 14: a colocated worker runs requests to its own
+            shard on its own thread, holding the same lock). None: no lock.
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
         InvalidArgument: keys is not a usable key directory.
 
-    Threads: serve(), send(), routable(), call_later(), watch() and close()
-    belong to the one thread that serves; stop() and wake() may be called
-    from any thread or a signal handler.
+    Threads: serve() and close() belong to the one thread that serves;
+    send(), routable(), call_later() and watch() to whoever holds the guard
+    (the serving thread when there is none): called off the serving thread
+    while it serves, a send is queued for it and the poll is woken. stop()
+    and wake() may be called from any thread or a signal handler.
     """
 
     def __init__(
@@ -70,7 +79,14 @@ class EventLoop:
         keys: str | None = None,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        guard=None,
     ):
+        self._guard = guard if guard is not None else contextlib.nullcontext()
+        self._serving_thread: int | None = None  # threading.get_ident() of serve(), while it runs
+        self._outbox: deque = deque()  # (routing, frames) sent off the serving thread
+        self._unregistered: list[int] = []  # fds watched off the serving thread
+        # routing id -> deliver(frames): peers in this process, answered without the socket.
+        self._local: dict[bytes, Callable[[list], None]] = {}
         self._own_context = context is None
         self.context = context if context is not None else zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -135,32 +151,65 @@ class EventLoop:
         # Registered by fd: zmq.Poller reports a non-zmq socket by its fd, not the object.
         wake_fd = self._wake_read.fileno()
         poller.register(wake_fd, zmq.POLLIN)
-        self._poller = poller
-        for fd in self._watched:
-            poller.register(fd, zmq.POLLIN)
-        while not self._stopping:
-            # zmq_poll waits without the GIL, until a message, a wake-up or the next timer.
-            events = dict(poller.poll(self._poll_timeout()))
-            self._run_due_timers()
-            if self._monitor in events and self._drain_monitor() and on_disconnect is not None:
-                on_disconnect()
-            for fd in [fd for fd in self._watched if fd in events]:
-                poller.unregister(fd)
-                self._watched.pop(fd)()
-            if self.socket in events:
-                for _ in range(_BATCH):
-                    try:
-                        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    on_message(frames)
-            if wake_fd in events:
+        with self._guard:
+            self._poller = poller
+            self._serving_thread = threading.get_ident()
+            for fd in self._watched:
+                poller.register(fd, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                with self._guard:
+                    self._register_watched()
+                    timeout = self._poll_timeout()
+                # zmq_poll waits without the GIL (nor the guard), until a message, a
+                # wake-up or the next timer.
+                events = dict(poller.poll(timeout))
+                with self._guard:
+                    self._handle_events(events, wake_fd, on_message, on_wakeup, on_disconnect)
+        finally:
+            with self._guard:
+                self._flush_outbox()
+                self._serving_thread = None
+
+    def _handle_events(self, events, wake_fd, on_message, on_wakeup, on_disconnect) -> None:
+        poller = self._poller
+        self._run_due_timers()
+        if self._monitor in events and self._drain_monitor() and on_disconnect is not None:
+            on_disconnect()
+        for fd in [fd for fd in self._watched if fd in events]:
+            poller.unregister(fd)
+            self._watched.pop(fd)()
+        if self.socket in events:
+            for _ in range(_BATCH):
                 try:
-                    while self._wake_read.recv(4096):
-                        pass
-                except BlockingIOError:
+                    frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                on_message(frames)
+        if wake_fd in events:
+            try:
+                while self._wake_read.recv(4096):
                     pass
-                on_wakeup()
+            except BlockingIOError:
+                pass
+            self._flush_outbox()
+            on_wakeup()
+        self._flush_outbox()
+
+    def _off_serving_thread(self) -> bool:
+        serving = self._serving_thread
+        return serving is not None and serving != threading.get_ident()
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            routing, frames = self._outbox.popleft()
+            self._send_now(routing, frames)
+
+    def _register_watched(self) -> None:
+        for fd in self._unregistered:
+            if fd in self._watched:
+                self._poller.register(fd, zmq.POLLIN)
+        self._unregistered.clear()
 
     def send(self, routing: bytes, frames: list) -> None:
         """Sends frames (uncopied: do not change them afterwards) to the peer routing names.
@@ -169,8 +218,35 @@ class EventLoop:
         """
         self.routable(routing, frames)
 
+    def attach(self, routing: bytes, deliver: Callable[[list], None]) -> None:
+        """Frames for routing go to deliver(frames) instead of the socket (a peer in this
+        process; `kvsparse.server.embedded`). deliver is called with the guard held."""
+        self._local[routing] = deliver
+
+    def detach(self, routing: bytes) -> None:
+        """Undoes `attach`: later frames for routing are dropped (no such peer)."""
+        self._local.pop(routing, None)
+
     def routable(self, routing: bytes, frames: list) -> bool:
-        """Sends frames to the peer routing names; False (nothing sent) if it is not connected."""
+        """Sends frames to the peer routing names; False (nothing sent) if it is not connected.
+
+        Off the serving thread (while it serves) the frames are queued for it, and
+        the answer is True.
+        """
+        deliver = self._local.get(routing)
+        if deliver is not None:
+            deliver(frames)
+            return True
+        if self._off_serving_thread():
+            self._outbox.append((routing, frames))
+            self.wake()
+            return True
+        return self._send_now(routing, frames)
+
+    def _send_now(self, routing: bytes, frames: list) -> bool:
+        if routing in self._local:
+            self._local[routing](frames)
+            return True
         try:
             self.socket.send_multipart([routing, *frames], copy=False)
         except zmq.ZMQError as exc:
@@ -182,6 +258,8 @@ class EventLoop:
     def call_later(self, delay: float, callback: Callable[[], None]) -> None:
         """Runs callback() from serve() once delay seconds have passed (serving thread only)."""
         heapq.heappush(self._timers, (time.monotonic() + delay, next(self._timer_ids), callback))
+        if self._off_serving_thread():
+            self.wake()  # the poll's timeout was computed without it
 
     def _poll_timeout(self) -> int | None:
         if not self._timers:
@@ -212,6 +290,10 @@ class EventLoop:
             callback()
             return
         self._watched[fd] = callback
+        if self._off_serving_thread():  # the serving thread registers it before its next poll
+            self._unregistered.append(fd)
+            self.wake()
+            return
         self._poller.register(fd, zmq.POLLIN)
 
     def stop(self) -> None:
@@ -234,11 +316,15 @@ class EventLoop:
         """A non-blocking fd whose writes wake serve() (for signal.set_wakeup_fd)."""
         return self._wake_write.fileno()
 
-    def close(self) -> None:
-        """Closes the sockets (and the context, if the loop made it)."""
+    def close(self, linger: float = 0.0) -> None:
+        """Closes the sockets (and the context, if the loop made it).
+
+        linger: seconds ZeroMQ may still take to send the replies it holds
+        (0: they are dropped).
+        """
         self.socket.disable_monitor()
         self._monitor.close(0)
-        self.socket.close(0)
+        self.socket.close(int(linger * 1000))
         self._wake_read.close()
         self._wake_write.close()
         if self._authenticator is not None:

@@ -95,14 +95,18 @@ class Server:
             before it counts as gone: `kvsparse.server.liveness`); None:
             `kvsparse.config.heartbeat_timeout` (``KVSPARSE_HEARTBEAT_TIMEOUT``,
             default 30); 0: no heartbeats.
+        guard: a lock serve() holds while it handles messages (not while it
+            waits), so that other threads holding it may call handle() and
+            `attach` too (`kvsparse.server.embedded`, issue 14). None: none.
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
         InvalidArgument: a malformed bind address, keys is not a usable key
             directory, or the checkpoint root is not a directory.
 
-    Threads: serve(), handle(), metrics_snapshot() and close() on one thread;
-    stop() from any thread or a signal handler; metrics_channel.request()
+    Threads: serve(), handle(), metrics_snapshot() and close() on one thread
+    (with a guard: handle(), attach() and detach() from any thread holding
+    it); stop() from any thread or a signal handler; metrics_channel.request()
     from any thread.
 
     Example:
@@ -123,6 +127,7 @@ class Server:
         restarted: bool = False,
         limits: ServerLimits | None = None,
         heartbeat_timeout: float | None = None,
+        guard=None,
     ):
         limits = limits if limits is not None else ServerLimits()
         if "://" not in bind:  # 'host:port', as clients accept it (inproc:// etc. pass as is)
@@ -135,6 +140,7 @@ class Server:
             keys=keys,
             max_message_size=max_message_size,
             heartbeat_timeout=heartbeat_timeout,
+            guard=guard,
         )
         self.address = self._loop.address
         try:
@@ -211,6 +217,19 @@ class Server:
         """Handles one received message (routing id frame first); never raises."""
         self._dispatcher.handle(frames)
 
+    def attach(self, routing: bytes, deliver) -> None:
+        """Replies for routing go to deliver(frames), not the socket (a client in this process)."""
+        self._loop.attach(routing, deliver)
+
+    def detach(self, routing: bytes) -> None:
+        """Undoes `attach`."""
+        self._loop.detach(routing)
+
+    @property
+    def coordination(self) -> Coordination:
+        """The BSP rounds, SSP gate, barrier (`kvsparse.server.coordination`)."""
+        return self._coordination
+
     def stop(self) -> None:
         """Makes serve() return after the message it is handling (safe in a signal handler)."""
         self._loop.stop()
@@ -222,6 +241,9 @@ class Server:
     def _answer_metrics(self) -> None:
         self.metrics_channel.answer(self.metrics_snapshot)
 
-    def close(self) -> None:
-        """Closes the socket; pending requests get no reply."""
-        self._loop.close()
+    def close(self, linger: float = 0.0) -> None:
+        """Closes the socket; pending requests get no reply.
+
+        linger: seconds to go on sending the replies already given to ZeroMQ.
+        """
+        self._loop.close(linger)

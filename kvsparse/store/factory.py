@@ -1,8 +1,11 @@
 """Which store `kvsparse.create(name)` builds: a backend behind the KVStore API.
 
 ``'local'`` is one shard in this process (`kvsparse.store.local`); the dist
-kinds talk to `kvsparse server` processes through `kvsparse.client`. The
-environment is read here, through `kvsparse.config`, never below.
+kinds talk to `kvsparse server` processes through `kvsparse.client`;
+``'colocated'`` hosts one shard in each worker (`kvsparse.store.colocated`),
+and so do the dist kinds when ``kvsparse launch --colocated`` set
+``KVSPARSE_PEERS`` (training code does not change). The environment is read
+here, through `kvsparse.config`, never below.
 
 Safe to call from several threads (each call builds a new store).
 
@@ -36,7 +39,9 @@ def create(name: str = "local", **kwargs) -> KVStore:
     Args:
         name: 'local' (one in-process shard), or 'dist_sparse' / 'dist_sync'
             (BSP), 'dist_async' (ASP) for the ZeroMQ servers; ``staleness=k``
-            gives SSP.
+            gives SSP. 'colocated': a shard in every worker
+            (`create_colocated_store`); the dist kinds give it too when
+            ``KVSPARSE_PEERS`` is set and no servers are given.
         **kwargs: for dist kinds: servers=[addresses], rank=, num_workers=,
             timeout=, staleness=, retry_window=, keys= (default: what the
             launcher or the environment set; see `create_remote_store`).
@@ -63,11 +68,98 @@ def create(name: str = "local", **kwargs) -> KVStore:
 
         check_wire_dtype(wire_dtype, "kvsparse.create wire_dtype")
         return KVStore(LocalBackend(), "local", wire_dtype)
+    if kind == "colocated":
+        return create_colocated_store(kind, **kwargs)
     if kind in _KIND_MODES:
+        if kwargs.get("servers") is None and cluster_config.colocated_peers() is not None:
+            # Under `kvsparse launch --colocated`: the same code, the colocated store.
+            return create_colocated_store(kind, **kwargs)
         return create_remote_store(kind, **kwargs)
     raise errors.InvalidArgument(
-        f"unknown store kind {name!r}; use 'local', 'dist_sparse', 'dist_sync' or 'dist_async'"
+        f"unknown store kind {name!r}; use 'local', 'dist_sparse', 'dist_sync', "
+        "'dist_async' or 'colocated'"
     )
+
+
+def create_colocated_store(
+    kind: str = "colocated",
+    peers=None,
+    rank=None,
+    num_workers=None,
+    timeout=None,
+    staleness=None,
+    retry_window=None,
+    keys=None,
+    wire_dtype="float32",
+    startup_timeout=None,
+    servers=None,
+) -> KVStore:
+    """A KVStore whose worker r hosts shard r of every table (colocated mode, issue 14).
+
+    Args:
+        kind: 'colocated' (BSP, as 'dist_sparse'), or a dist kind whose
+            consistency mode it takes ('dist_async': ASP); ``staleness=k``: SSP.
+        peers: every worker's shard address (``tcp://host:port`` or
+            ``ipc:///path``), in rank order; this worker binds peers[rank].
+            None: ``KVSPARSE_PEERS`` (set by ``kvsparse launch --colocated``),
+            and the other None arguments from the environment too. Given
+            explicitly, rank defaults to 0 and num_workers to len(peers).
+        rank, num_workers, timeout, staleness, retry_window, keys, wire_dtype:
+            as for `create_remote_store`; num_workers must be len(peers).
+        startup_timeout: seconds to wait for the other workers' shards
+            (default 60).
+        servers: not taken (the peers are the servers); given, InvalidArgument.
+
+    Raises:
+        InvalidArgument: a bad configuration, servers given, or no peers.
+        ServerUnavailable: this worker's shard cannot be bound, or another
+            worker's did not answer in time.
+
+    Example:
+        >>> kv = create_colocated_store(peers=['tcp://127.0.0.1:7001'])  # doctest: +SKIP
+    """
+    from kvsparse.store.colocated import DEFAULT_STARTUP_TIMEOUT, create_colocated_backend
+
+    kind = kind.lower()
+    check_wire_dtype(wire_dtype, "kvsparse.create wire_dtype")
+    if kind != "colocated" and kind not in _KIND_MODES:
+        raise errors.InvalidArgument(f"unknown store kind {kind!r} for colocated mode")
+    if servers is not None:
+        raise errors.InvalidArgument(
+            "a colocated store has no separate servers: give peers=[...] (every worker's "
+            "shard address), not servers"
+        )
+    if peers is None:
+        peers = cluster_config.colocated_peers()
+        if peers is None:
+            raise errors.InvalidArgument(
+                f"no colocated peers configured: set {cluster_config.PEERS}=addr,... (one per "
+                "worker), pass peers=[...], or start the job with `kvsparse launch --colocated`"
+            )
+        found = cluster_config.from_environment()
+        rank = found.rank if rank is None else rank
+        num_workers = found.num_workers if num_workers is None else num_workers
+        timeout = found.timeout if timeout is None else timeout
+        staleness = found.staleness if staleness is None else staleness
+    else:
+        if isinstance(peers, str) or not isinstance(peers, (list, tuple)):
+            raise errors.InvalidArgument(f"peers must be a list of addresses, got {peers!r}")
+        peers = list(peers)
+        rank = 0 if rank is None else rank
+        num_workers = len(peers) if num_workers is None else num_workers
+    mode = "ssp" if staleness is not None else _KIND_MODES.get(kind, "bsp")
+    backend = create_colocated_backend(
+        peers,
+        rank,
+        num_workers,
+        mode=mode,
+        staleness=staleness,
+        timeout=timeout,
+        retry_window=cluster_config.retry_window() if retry_window is None else retry_window,
+        keys=keys,
+        startup_timeout=DEFAULT_STARTUP_TIMEOUT if startup_timeout is None else startup_timeout,
+    )
+    return KVStore(backend, kind, wire_dtype)
 
 
 def create_remote_store(
@@ -155,4 +247,4 @@ def create_remote_store(
     return store
 
 
-__all__ = ["LOCAL_KINDS", "create", "create_remote_store"]
+__all__ = ["LOCAL_KINDS", "create", "create_colocated_store", "create_remote_store"]

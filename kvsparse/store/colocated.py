@@ -1,0 +1,211 @@
+"""Colocated mode (issue 14): a shard inside every worker, no separate server processes.
+
+Worker ``r`` of ``N`` hosts shard ``r`` of every table and dense key in an
+`kvsparse.server.embedded.EmbeddedServer` (the ``kvsparse server`` code, on a
+thread of the worker, bound to ``peers[r]``) and is a client of all ``N``
+shards through a `ColocatedBackend`: the `RemoteBackend` of ``dist_sparse``
+with ``peers`` as its server list, whose link to shard ``r`` runs requests in
+process (`kvsparse.client.local`) instead of over a socket. Placement is the
+one of ``dist_sparse`` with ``N`` servers (key hash modulo N, dense arrays
+in N contiguous ranges), and so are the consistency modes, checkpoints
+(each shard writes its own file), export, admission and eviction, metrics
+and ``kvsparse stats``: a colocated job's checkpoint loads into a
+``dist_sparse`` job with ``N`` servers and back.
+
+Lifetime: a worker's shard lives as long as its store. `ColocatedBackend.close`
+(also run at exit) first waits at a barrier for every worker, so that no
+worker stops serving while another still needs its shard, then stops
+serving. A process that dies of an uncaught exception skips the barrier: its
+shard goes with it, and the other workers' requests to it fail
+(`kvsparse.errors.WorkerLeft` or ServerUnavailable) as with a dead server.
+
+Example (``kvsparse launch --colocated -n 2 -- python train.py`` sets the
+peers; then ``kvsparse.create('dist_sparse')`` is colocated)::
+
+    kv = kvsparse.create('colocated', peers=['tcp://127.0.0.1:7001',
+                                             'tcp://127.0.0.1:7002'],
+                         rank=0, num_workers=2)
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+from typing import Optional
+
+from kvsparse import config, errors
+from kvsparse.client.remote import RemoteBackend, ping
+
+DEFAULT_STARTUP_TIMEOUT = 60.0  # seconds to wait for every peer's shard to answer
+
+
+class ColocatedBackend(RemoteBackend):
+    """The backend of a colocated worker: its own shard served here, the others over ZeroMQ.
+
+    Args:
+        shard: this worker's `kvsparse.server.embedded.EmbeddedServer`
+            (owned: closed by `close`).
+        peers: every worker's shard address, in rank order (peers[rank] is shard's).
+        rank, num_workers, mode, staleness, timeout, retry_window, keys: as
+            for `RemoteBackend` (num_workers == len(peers)).
+
+    Attributes:
+        rows_in_process: sparse rows this worker pulled or pushed from its own shard.
+        rows_total: sparse rows it pulled or pushed from all shards.
+
+    Thread safety: as `RemoteBackend` (the session serializes calls).
+    """
+
+    def __init__(self, shard, peers, rank, num_workers, **options):
+        self.shard = shard
+        self.rows_in_process = 0
+        self.rows_total = 0
+        self._closed = False
+        super().__init__(peers, rank, num_workers, local={int(rank): shard}, **options)
+
+    def _count(self, items) -> None:
+        for item in items:
+            offsets = item[2]
+            self.rows_total += int(offsets[-1])
+            self.rows_in_process += int(offsets[self.rank + 1] - offsets[self.rank])
+
+    def pull_sparse(self, items):
+        """As `RemoteBackend.pull_sparse`; the own shard's rows come without a socket."""
+        self._count(items)
+        return super().pull_sparse(items)
+
+    def push_sparse(self, items):
+        """As `RemoteBackend.push_sparse`; the own shard's rows go without a socket."""
+        self._count(items)
+        return super().push_sparse(items)
+
+    def close(self):
+        """Waits for every worker (a barrier), then stops serving this worker's shard.
+
+        Skips the barrier when the process is dying of an uncaught exception.
+        Idempotent; a failed barrier (a worker that left) is reported on stderr.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not _crash.happened:
+                self.barrier()
+        except errors.KVSparseError as exc:
+            print(
+                f"kvsparse: colocated worker {self.rank}: closing without the other workers: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+        finally:
+            self.session.close()
+            # Requests of other workers that wait for this one fail now, not at their timeout.
+            self.shard.leave(self.rank, "it closed its colocated store")
+            self.shard.close()
+
+
+class _CrashWatch:
+    """Notes an uncaught exception in the main thread (the excepthook runs before atexit)."""
+
+    def __init__(self):
+        self.happened = False
+        self._installed = False
+        self._lock = threading.Lock()
+
+    def install(self) -> None:
+        with self._lock:
+            if self._installed:
+                return
+            self._installed = True
+            previous = sys.excepthook
+
+            def hook(kind, value, traceback):
+                self.happened = True
+                previous(kind, value, traceback)
+
+            sys.excepthook = hook
+
+
+_crash = _CrashWatch()
+
+
+def _wait_answering(address: str, deadline: float, keys: Optional[str]) -> bool:
+    """Pings address until its shard answers (True) or time.monotonic() passes deadline."""
+    while not ping(address, min(1.0, max(0.05, deadline - time.monotonic())), keys):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)  # a refused connection fails at once: do not spin
+    return True
+
+
+def create_colocated_backend(
+    peers,
+    rank: int,
+    num_workers: int,
+    *,
+    mode: str = "bsp",
+    staleness: Optional[int] = None,
+    timeout: Optional[float] = None,
+    retry_window: Optional[float] = None,
+    keys: Optional[str] = None,
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+) -> ColocatedBackend:
+    """Binds this worker's shard at peers[rank], waits for the other shards, greets all.
+
+    Raises:
+        InvalidArgument: num_workers is not len(peers), a malformed address.
+        ServerUnavailable: peers[rank] cannot be bound, or a peer's shard
+            did not answer within startup_timeout seconds.
+    """
+    import zmq
+
+    from kvsparse.server.embedded import EmbeddedServer
+
+    cluster = config.ClusterConfig(list(peers), rank, num_workers, timeout, staleness)
+    peers = cluster.servers
+    if len(peers) != cluster.num_workers:
+        raise errors.InvalidArgument(
+            f"colocated mode has one shard per worker: {cluster.num_workers} workers but "
+            f"{len(peers)} peer addresses {peers}"
+        )
+    keys = config.curve_keys() if keys is None else keys
+    bind = config.peer_bind_address(peers[cluster.rank])
+    try:
+        shard = EmbeddedServer(bind, keys=keys, limits=config.server_limits())
+    except zmq.ZMQError as exc:
+        raise errors.ServerUnavailable(
+            f"colocated worker {cluster.rank} cannot bind its shard at {bind}: {exc}",
+            address=peers[cluster.rank],
+        ) from None
+    try:
+        deadline = time.monotonic() + startup_timeout
+        for index, address in enumerate(peers):
+            if index != cluster.rank and not _wait_answering(address, deadline, keys):
+                raise errors.ServerUnavailable(
+                    f"colocated worker {index}'s shard at {address} did not answer within "
+                    f"{startup_timeout:g} s",
+                    address=address,
+                )
+        backend = ColocatedBackend(
+            shard,
+            peers,
+            cluster.rank,
+            cluster.num_workers,
+            mode=mode,
+            staleness=cluster.staleness,
+            timeout=cluster.timeout,
+            retry_window=retry_window,
+            keys=keys,
+        )
+    except BaseException:
+        shard.close(linger=0)
+        raise
+    _crash.install()
+    # A strong reference: the shard must outlive this worker's use of it (others need it).
+    atexit.register(backend.close)
+    return backend
+
+
+__all__ = ["DEFAULT_STARTUP_TIMEOUT", "ColocatedBackend", "create_colocated_backend"]
