@@ -49,15 +49,17 @@ void SumRowsByIndex(const float* rows, const int64_t* index, int64_t n, int64_t 
 }
 
 int64_t FirstNonFiniteRow(const float* rows, int64_t n, int64_t dim) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float* r = rows + i * dim;
-    // Sum trick first (one branch per row); confirm elementwise only on hit.
-    float acc = 0.0f;
-    for (int64_t j = 0; j < dim; ++j) acc += r[j] * 0.0f;
-    if (acc != 0.0f || std::isnan(acc)) {
-      for (int64_t j = 0; j < dim; ++j) {
-        if (!std::isfinite(r[j])) return i;
-      }
+  // A block of rows at a time in one vectorized pass; rows are looked at one
+  // by one only in a block that has a bad value. (A per-row sum of x * 0 was
+  // a chain of dependent adds: 3x slower than the memory, and it ran three
+  // times per push, once on the worker and twice on the server.)
+  constexpr int64_t kBlockFloats = 4096;
+  const int64_t block_rows = std::max<int64_t>(1, kBlockFloats / std::max<int64_t>(dim, 1));
+  for (int64_t i = 0; i < n; i += block_rows) {
+    const int64_t rows_here = std::min(block_rows, n - i);
+    if (AllFiniteFloats(rows + i * dim, rows_here * dim)) continue;
+    for (int64_t k = i; k < i + rows_here; ++k) {
+      if (!AllFiniteFloats(rows + k * dim, dim)) return k;
     }
   }
   return -1;

@@ -37,19 +37,8 @@ int64_t RowsPerChunkLog2(int64_t row_floats) {
 
 std::string KeyText(int64_t key) { return std::to_string(key); }
 
-// Whether x[0..n) holds no inf or NaN. Integer operations, so that the loop
-// vectorizes (a float reduction may not be reordered without -ffast-math):
-// the exponent field plus one overflows into the sign bit only when it is
-// all ones.
-bool AllFinite(const float* x, int64_t n) {
-  uint32_t any = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, x + i, sizeof(bits));
-    any |= (bits & 0x7F800000u) + 0x00800000u;
-  }
-  return (any & 0x80000000u) == 0;
-}
+// Whether x[0..n) holds no inf or NaN (batch.h's vectorized bit test).
+bool AllFinite(const float* x, int64_t n) { return AllFiniteFloats(x, n); }
 
 // Values and slots of one row as float32, for tables that store 16-bit rows:
 // the most slots an optimizer keeps is 3 (centered RMSProp with momentum).
