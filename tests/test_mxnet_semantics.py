@@ -5,8 +5,8 @@ workers, started by the launcher as a user's job is) and compare with what MXNet
 dist-kvstore tests expect (its ``test_dist_sync_kvstore.py`` rules: the "test"
 optimizer's ``weight += rescale_grad * grad``), with a NumPy model of MXNet's
 2-bit quantizer, and with Gluon over MXNet's local store (two CPU contexts
-stand in for the two workers). float16 dense keys are left to the fp16-table
-work: values pulled into float16 outs are refused with a DTypeError.
+stand in for the two workers). The dense and row_sparse checks run with float32 and
+float16 keys (float16 keys are stored as float16 on the servers, their math in float32).
 """
 
 from __future__ import annotations
@@ -269,30 +269,9 @@ def worker_checks() -> dict:
     kv = mx.kv.create("dist_sparse")
     rank, workers = kv.rank, kv.num_workers
     result = {"type": type(kv).__name__, "workers": workers, "servers": kv.num_servers}
-    # Dense keys, small and 1200 x 1200, with MXNet's test optimizer (rescale_grad).
-    kv.init("small", nd.ones((3, 2)))
-    kv.init("big", nd.ones(BIG))
     kv.set_optimizer(mx.optimizer.create("test", rescale_grad=RATE))
-    for _ in range(2):
-        kv.push(["small", "big"], [nd.ones((3, 2)) * (rank + 1), nd.ones(BIG) * (rank + 1)])
-    small, big = nd.zeros((3, 2)), nd.zeros(BIG)
-    kv.pull(["small", "big"], out=[small, big])
-    result["small"] = float(np.unique(small.asnumpy()).item())
-    result["big"] = np.unique(big.asnumpy()).tolist()
-    # row_sparse: duplicate float row ids, empty row ids, all-zero gradients.
-    kv.init("rsp", nd.ones((ROWS, DIM)).tostype("row_sparse"))
-    grad = nd.sparse.row_sparse_array(
-        (nd.ones((2, DIM)) * (rank + 1), nd.array([1, 3 + rank], dtype="int64")), shape=(ROWS, DIM)
-    )
-    kv.push("rsp", grad)
-    kv.push("rsp", nd.sparse.zeros("row_sparse", (ROWS, DIM)))
-    out = nd.sparse.zeros("row_sparse", (ROWS, DIM))
-    kv.row_sparse_pull("rsp", out=out, row_ids=nd.array([3, 1, 1, 4, 3, 0], dtype="float32"))
-    result["rsp_indices"] = out.indices.asnumpy().tolist()
-    result["rsp_rows"] = out.data.asnumpy()[:, 0].tolist()
-    empty = nd.sparse.zeros("row_sparse", (ROWS, DIM))
-    kv.row_sparse_pull("rsp", out=empty, row_ids=nd.array([], dtype="float32"))
-    result["empty_nnz"] = int(empty.indices.shape[0])
+    for dtype in ("float32", "float16"):
+        result[dtype] = dense_and_row_sparse_checks(kv, rank, dtype)
     # init of 100 keys of mixed dtypes, after pushes began.
     dtypes = ["float32", "float16", "float64"]
     keys = [f"mixed{i}" for i in range(100)]
@@ -327,6 +306,41 @@ def worker_checks() -> dict:
     return result
 
 
+def dense_and_row_sparse_checks(kv, rank: int, dtype: str) -> dict:
+    """Dense keys small and 1200 x 1200, and a row_sparse key with duplicate float row ids,
+    empty row ids and all-zero gradients, all of dtype, under MXNet's test optimizer."""
+    result = {}
+    small_key, big_key, rsp_key = f"small_{dtype}", f"big_{dtype}", f"rsp_{dtype}"
+    kv.init(small_key, nd.ones((3, 2), dtype=dtype))
+    kv.init(big_key, nd.ones(BIG, dtype=dtype))
+    for _ in range(2):
+        kv.push(
+            [small_key, big_key],
+            [nd.ones((3, 2), dtype=dtype) * (rank + 1), nd.ones(BIG, dtype=dtype) * (rank + 1)],
+        )
+    small, big = nd.zeros((3, 2), dtype=dtype), nd.zeros(BIG, dtype=dtype)
+    kv.pull([small_key, big_key], out=[small, big])
+    result["dtypes"] = [str(small.dtype.__name__), str(big.dtype.__name__)]
+    result["small"] = float(np.unique(small.asnumpy()).item())
+    result["big"] = np.unique(big.asnumpy()).tolist()
+    kv.init(rsp_key, nd.ones((ROWS, DIM), dtype=dtype).tostype("row_sparse"))
+    grad = nd.sparse.row_sparse_array(
+        (nd.ones((2, DIM), dtype=dtype) * (rank + 1), nd.array([1, 3 + rank], dtype="int64")),
+        shape=(ROWS, DIM),
+    )
+    kv.push(rsp_key, grad)
+    kv.push(rsp_key, nd.sparse.zeros("row_sparse", (ROWS, DIM), dtype=dtype))
+    out = nd.sparse.zeros("row_sparse", (ROWS, DIM), dtype=dtype)
+    kv.row_sparse_pull(rsp_key, out=out, row_ids=nd.array([3, 1, 1, 4, 3, 0], dtype="float32"))
+    result["rsp_dtype"] = str(out.data.dtype.__name__)
+    result["rsp_indices"] = out.indices.asnumpy().tolist()
+    result["rsp_rows"] = out.data.asnumpy()[:, 0].astype(float).tolist()
+    empty = nd.sparse.zeros("row_sparse", (ROWS, DIM), dtype=dtype)
+    kv.row_sparse_pull(rsp_key, out=empty, row_ids=nd.array([], dtype="float32"))
+    result["empty_nnz"] = int(empty.indices.shape[0])
+    return result
+
+
 def compressed_grads(rank):
     """Per step, the gradient worker `rank` pushes: below, at and above 0.5, carried residuals."""
     base = np.array([0.4, 0.5, -0.7, 0.2], np.float32) * (rank + 1)
@@ -341,11 +355,14 @@ def test_mxnet_dist_store_semantics_with_two_workers_and_two_servers(tmp_path):
     expected = 1 + (2 + 1) * 2 / 2 * RATE * 2
     for result in results:
         assert result["type"] == "Dist_Sparse" and result["workers"] == result["servers"] == 2
-        assert result["small"] == expected and result["big"] == [expected]
-        # rows 1 (both workers), 3 (rank 0), 4 (rank 1) moved; duplicates and 0 as given.
-        assert result["rsp_indices"] == [0, 1, 3, 4]
-        assert result["rsp_rows"] == [1, 1 + RATE * 3, 1 + RATE, 1 + RATE * 2]
-        assert result["empty_nnz"] == 0
+        for dtype in ("float32", "float16"):  # every value here is exact in float16
+            checks = result[dtype]
+            assert checks["dtypes"] == [dtype, dtype] and checks["rsp_dtype"] == dtype
+            assert checks["small"] == expected and checks["big"] == [expected]
+            # rows 1 (both workers), 3 (rank 0), 4 (rank 1) moved; duplicates and 0 as given.
+            assert checks["rsp_indices"] == [0, 1, 3, 4]
+            assert checks["rsp_rows"] == [1, 1 + RATE * 3, 1 + RATE, 1 + RATE * 2]
+            assert checks["empty_nnz"] == 0
         assert result["mixed"] == [float(i) for i in range(100)]
         assert result["invalid"] == ["UnknownKey", True]
         sent = [reference_quantize("2bit", compressed_grads(rank), 0.5) for rank in range(2)]
