@@ -4,11 +4,14 @@
     python benchmarks/faults.py --scenario server-kill-1 --mode bsp --runs 1 --steps 60
 
 Each run is a real job: `kvsparse launch -s 2 -n 2 --restart-servers --checkpoint-dir D`
-with a marker worker. The marker table is SGD(lr=1) over zeros, dim 1; at step s worker r
-pushes a gradient of -1 to its own marker id s * n + r, so a marker ends holding the number
-of times its push was applied: 0 = lost, 1 = applied once, 2 = applied twice. Rank 0 saves a
-checkpoint every few steps and once at the end; the final state is read back by loading the
-newest complete checkpoint into a `local` store, so a run whose job failed is counted too.
+with a marker worker (the colocated-* scenarios: `kvsparse launch --colocated --restart-
+workers -n 2 --checkpoint-dir D`, where a killed worker takes its shard along, is started
+again and resumes at `kv.clock`). The marker table is SGD(lr=1) over zeros, dim 1; at step s
+worker r pushes a gradient of -1 to its own marker id s * n + r, so a marker ends holding
+the number of times its push was applied: 0 = lost, 1 = applied once, 2 = applied twice.
+Rank 0 saves a checkpoint every few steps and once at the end; the final state is read back
+by loading the newest complete checkpoint into a `local` store, so a run whose job failed is
+counted too.
 
 Every line a worker prints carries its wall time (one host, one clock): a push acknowledged
 (`push` returned) before rank 0 *started* a checkpoint that later committed must be in it.
@@ -82,7 +85,11 @@ def save(step):
 
 
 minus_one = -np.ones((1, 1), np.float32)
-for step in range(steps):
+# kv.clock: 0, or for a colocated worker restarted by `launch --restart-workers`, the pushes
+# its rank had made less the last one (redone): one push a step, so the step to resume at.
+if kv.clock:
+    say(resumed=kv.clock)
+for step in range(kv.clock, steps):
     say(sending=step)
     kv.push("marker", (np.array([step * n + rank]), minus_one))
     say(acked=step)
@@ -104,6 +111,10 @@ SCENARIOS = {
     "worker-stop-1": ("stop", "worker 1"),
     "worker-kill-1": ("kill", "worker 1"),
     "disk-full-1": ("disk-full", "server 1"),
+    # `kvsparse launch --colocated --restart-workers -n 2`: the worker dies with its shard,
+    # is started again, restores its shard from the last checkpoint and resumes.
+    "colocated-worker-kill-0": ("kill", "worker 0"),
+    "colocated-worker-kill-1": ("kill", "worker 1"),
 }
 MODES = {"asp": "dist_async", "bsp": "dist_sparse"}
 PID_LINE = re.compile(r"(server|worker) (\d+) \(pid (\d+)\) (?:listening|started)")
@@ -316,9 +327,13 @@ def run(
     script = os.path.join(workdir, "marker_worker.py")
     with open(script, "w") as f:
         f.write(WORKER)
+    colocated = scenario.startswith("colocated-")
+    placement = (
+        ["--colocated", "--restart-workers"] if colocated else ["-s", "2", "--restart-servers"]
+    )
     argv = [
-        sys.executable, "-m", "kvsparse", "launch", "-s", "2", "-n", "2",
-        "--timeout", str(timeout), "--retry-window", "60", "--restart-servers",
+        sys.executable, "-m", "kvsparse", "launch", *placement, "-n", "2",
+        "--timeout", str(timeout), "--retry-window", "60",
         "--checkpoint-dir", checkpoint_dir, "--",
         sys.executable, script, MODES[mode], str(steps), str(every), str(pace),
     ]  # fmt: skip
@@ -346,7 +361,12 @@ def run(
     try:
         values, seq = _final_markers(checkpoint_dir, steps * workers)
         killed_server_at = None
-        if injected and injected["action"] == "kill" and fault[1].startswith("server"):
+        # A colocated worker hosts a shard: its kill is a server's kill too.
+        if (
+            injected
+            and injected["action"] == "kill"
+            and (colocated or fault[1].startswith("server"))
+        ):
             killed_server_at = injected["time"]
         counts = count(records, values, workers, killed_server_at, stopped=not finished)
         counts["checkpoint"] = seq

@@ -24,6 +24,12 @@ time). In the same run, side by side:
 - adapter_*:    W1 through kvsparse's PyTorch / TensorFlow / MXNet adapters
                 (benchmarks/peers/adapters.py), each in its own process on 2 fresh servers,
                 as a ratio to the same process driving the store with NumPy first.
+- dist_sparse_2w, colocated_2w: W1 with 2 workers under BSP, each on its own batches
+                (benchmarks/colocated.py's jobs): 2 workers + 2 servers, against 2
+                colocated workers hosting a shard each (issue 14); rows/s per worker
+                (the mean of the two), the ratio colocated_2w / dist_sparse_2w, and the
+                share of each colocated worker's rows served in process. Their tables use
+                colocated.py's settings (the default Uniform initializer, cold).
 
 Peers with fixed-size tables (torch_rpc, mxnet_pslite) get the ids folded into a 2M-row
 table (distinct ids -> distinct rows), and get each batch already deduplicated with its
@@ -95,6 +101,8 @@ ALL_SYSTEMS = (
     "adapter_torch",
     "adapter_tensorflow",
     "adapter_mxnet",
+    "dist_sparse_2w",
+    "colocated_2w",
 )
 DESCRIPTIONS = {
     "numpy": "in-process NumPy limit (dense array, known indices)",
@@ -110,6 +118,8 @@ DESCRIPTIONS = {
     "adapter_torch": "kvsparse.adapters.torch.Embedding forward+backward",
     "adapter_tensorflow": "kvsparse.adapters.tensorflow.Embedding forward+backward",
     "adapter_mxnet": "mx.kv.create('dist_sparse') row_sparse_pull + push, row_sparse",
+    "dist_sparse_2w": "2 workers (BSP, own batches) + 2 servers; rows/s per worker",
+    "colocated_2w": "2 colocated workers, a shard in each (issue 14); rows/s per worker",
 }
 SERVER_LINE = r"kvsparse server listening on ((?:tcp|ipc)://\S+)"
 RAW_LINE = r"raw zmq server listening on (tcp://\S+)"
@@ -561,6 +571,23 @@ RATIOS = (
         None,
     ),
     ("dist_sparse / numpy", "dist_sparse", "step", "numpy", "step", None),
+    ("colocated_2w / dist_sparse_2w", "colocated_2w", "step", "dist_sparse_2w", "step", None),
+    (
+        "colocated_2w pull / dist_sparse_2w pull",
+        "colocated_2w",
+        "pull",
+        "dist_sparse_2w",
+        "pull",
+        None,
+    ),
+    (
+        "colocated_2w push / dist_sparse_2w push",
+        "colocated_2w",
+        "push",
+        "dist_sparse_2w",
+        "push",
+        None,
+    ),
     ("local / numpy", "local", "step", "numpy", "step", None),
     (
         "dist_sparse_unique / mxnet_pslite",
@@ -822,6 +849,35 @@ def parse_args(argv=None):
     return args
 
 
+# W1 with 2 workers (issue 14): benchmarks/colocated.py's jobs, each worker on its own
+# batches (worker r takes batches r, r + 2, ...) of a workload twice as long as the others'.
+TWO_WORKER_SYSTEMS = {"dist_sparse_2w": "dist_sparse", "colocated_2w": "colocated"}
+
+
+def run_two_workers(name: str, args, log_dir: str) -> dict:
+    """W1 with 2 workers, colocated or + 2 servers: mean per-worker summary, in-process share."""
+    import colocated
+
+    path = os.path.join(log_dir, "workload-2w.npz")
+    if not os.path.exists(path):  # one workload for both systems and every round
+        count = colocated.NUM_WORKERS * common.num_batches(args.warmup, args.steps)
+        wl.make(count, args.batch_size, 2, seed=args.seed).save(path)
+    options = argparse.Namespace(steps=args.steps, warmup=args.warmup, timeout=args.peer_timeout)
+    results = colocated.run_job(TWO_WORKER_SYSTEMS[name], path, options, log_dir)
+    per_worker = [summarize(r["times"], np.array(r["unique"]), args) for r in results]
+    summary = {
+        phase: {
+            field: float(np.mean([w[phase][field] for w in per_worker]))
+            for field in per_worker[0][phase]
+        }
+        for phase in per_worker[0]
+    }
+    result = {"summary": summary, "per_worker_summary": per_worker, "workers": len(results)}
+    if all(r.get("rows_total") for r in results):
+        result["in_process_share"] = [r["rows_in_process"] / r["rows_total"] for r in results]
+    return result
+
+
 def run_system(name: str, work: wl.Workload, work_path: str, args, log_dir: str) -> dict:
     if name == "numpy":
         return run_numpy(work, args)
@@ -841,6 +897,8 @@ def run_system(name: str, work: wl.Workload, work_path: str, args, log_dir: str)
         return run_dist_sparse_ipc(work, args, log_dir)
     if name in WIRE_SYSTEMS:
         return run_dist_sparse_wire(work, args, log_dir, WIRE_SYSTEMS[name])
+    if name in TWO_WORKER_SYSTEMS:
+        return run_two_workers(name, args, log_dir)
     if name.startswith("adapter_"):
         return run_adapter(name[len("adapter_") :], work_path, args, log_dir)
     raise ValueError(name)
@@ -963,7 +1021,8 @@ def run_and_report(name: str, label: str, work, work_path: str, unique, args, lo
     if result.get("status") == "skipped":
         print(f"  {name} skipped: {result['reason']}", flush=True)
         return result
-    result["summary"] = summarize(result["times"], unique, args)
+    if "summary" not in result:  # the 2-worker systems summarize their workers themselves
+        result["summary"] = summarize(result["times"], unique, args)
     if "baseline_times" in result:
         result["baseline_summary"] = summarize(result["baseline_times"], unique, args)
     result["description"] = DESCRIPTIONS[name].format(fold=f"{args.fold_rows:,}")
@@ -972,6 +1031,9 @@ def run_and_report(name: str, label: str, work, work_path: str, unique, args, lo
     result["load_average_before"] = load[0]
     result["load_average_after"] = os.getloadavg()[0]
     s = result["summary"]
+    if "in_process_share" in result:
+        shares = ", ".join(f"{share:.1%}" for share in result["in_process_share"])
+        print(f"  rows served in process, per worker: {shares}", flush=True)
     phases = ", ".join(f"{p} {s[p]['ms_p50']:.1f} ms" for p in ("pull", "push") if p in s)
     print(
         f"  {s['step']['unique_rows_per_s']:,.0f} unique rows/s per step "

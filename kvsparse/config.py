@@ -74,6 +74,13 @@ STALENESS = "KVSPARSE_STALENESS"
 # Colocated mode (issue 14, `kvsparse launch --colocated`): every worker's shard address,
 # in rank order; worker r binds the r-th and the workers are the servers.
 PEERS = "KVSPARSE_PEERS"
+# `kvsparse launch --colocated --restart-workers`: how many times this worker process was
+# started again after it died (unset or 0: its first start); a restarted worker restores its
+# shard from KVSPARSE_CHECKPOINT_DIR and resumes (`kvsparse.store.colocated`).
+RESTARTED = "KVSPARSE_RESTARTED"
+# Seconds a colocated shard holds the requests that wait for a worker that left, for it
+# to come back restarted, before they fail with WorkerLeft (0: fail as soon as it left).
+REJOIN_WINDOW = "KVSPARSE_REJOIN_WINDOW"
 # For server processes only.
 BIND = "KVSPARSE_BIND"
 SERVER_ID = "KVSPARSE_SERVER_ID"
@@ -483,6 +490,57 @@ def colocated_peers(environ: Optional[Mapping] = None) -> Optional[list]:
     environ = os.environ if environ is None else environ
     found = _address_list(environ, PEERS)
     return None if found is None else found[0]
+
+
+def restarted(environ: Optional[Mapping] = None) -> int:
+    """How many times this worker was started again after dying (``KVSPARSE_RESTARTED``).
+
+    0 when unset (a first start). Set by ``kvsparse launch --colocated
+    --restart-workers`` for a worker it starts again. Raises InvalidArgument
+    for a value that is not an integer >= 0. Thread-safe.
+
+    Example:
+        >>> restarted({"KVSPARSE_RESTARTED": "2"})
+        2
+        >>> restarted({})
+        0
+    """
+    environ = os.environ if environ is None else environ
+    text = _get(environ, RESTARTED)
+    if text is None:
+        return 0
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidArgument(f"{RESTARTED} must be an integer >= 0, got {text!r}")
+    return value
+
+
+def rejoin_window(environ: Optional[Mapping] = None) -> float:
+    """Seconds a colocated shard waits for a worker that left (``KVSPARSE_REJOIN_WINDOW``).
+
+    0 when unset: requests waiting for a worker that left fail at once
+    (`kvsparse.server.liveness`). ``kvsparse launch --colocated
+    --restart-workers`` sets it to the workers' retry window. Raises
+    InvalidArgument for a value that is not a number >= 0. Thread-safe.
+
+    Example:
+        >>> rejoin_window({"KVSPARSE_REJOIN_WINDOW": "60"})
+        60.0
+    """
+    environ = os.environ if environ is None else environ
+    text = _get(environ, REJOIN_WINDOW)
+    if text is None:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise InvalidArgument(f"{REJOIN_WINDOW} must be a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def _load_tf_config(environ: Mapping) -> Optional[dict]:
@@ -1151,3 +1209,4 @@ def heartbeat_timeout(environ: Optional[Mapping] = None) -> float:
 
 
 __all__ += ["DEFAULT_HEARTBEAT_TIMEOUT", "HEARTBEAT_TIMEOUT", "heartbeat_timeout"]
+__all__ += ["REJOIN_WINDOW", "RESTARTED", "rejoin_window", "restarted"]

@@ -457,3 +457,73 @@ def test_a_worker_dying_of_an_exception_fails_the_others_at_once(tmp_path):
     assert ("WorkerLeft" in error and "rank 1" in error) or (
         "ServerUnavailable" in error and f"{tmp_path}/w1" in error
     ), outputs[0][1]
+
+
+# -- launch --colocated --restart-workers (the kill -9 runs are tests/test_faults.py's
+# colocated-worker-kill-* scenarios) ------------------------------------------------------
+
+
+def test_restart_workers_goes_with_colocated_only():
+    from kvsparse import errors
+    from kvsparse.cluster.launch import launch
+
+    with pytest.raises(errors.InvalidArgument, match="restart_workers goes with colocated"):
+        launch([sys.executable, "-c", "pass"], num_workers=2, restart_workers=True)
+
+
+@pytest.mark.parametrize("window", [6.0, 1.5])
+def test_a_shard_holds_a_gone_ranks_round_for_its_rejoin_window(window):
+    """A rank whose connection closed is waited for rejoin_window s, then fails the round.
+
+    Within the window a new store of that rank (a restarted worker) completes the round.
+    """
+    import kvsparse
+    from kvsparse import errors
+    from kvsparse.server.embedded import EmbeddedServer
+    from kvsparse.server.liveness import REJOIN_SECONDS
+
+    shard = EmbeddedServer("tcp://127.0.0.1:0", rejoin_window=window)
+    table = kvsparse.SparseTable(dim=1, initializer=kvsparse.initializers.Zeros())
+    ones = (np.array([3]), np.ones((1, 1), np.float32))
+
+    def create(rank):
+        store = kvsparse.create(
+            "dist_sparse", servers=[shard.address], rank=rank, num_workers=2, timeout=30
+        )
+        store.init("t", table)
+        return store
+
+    stores = [create(0), create(1)]
+    outcome = {}
+
+    def push():
+        try:
+            stores[0].push("t", ones)
+            outcome["returned"] = time.monotonic()
+        except errors.KVSparseError as exc:
+            outcome["error"] = exc
+
+    try:
+        stores[1].close()  # rank 1 is gone, as a killed colocated worker
+        closed = time.monotonic()
+        pusher = threading.Thread(target=push, daemon=True)
+        pusher.start()
+        if window > 3:
+            pusher.join(REJOIN_SECONDS + 2.0)  # past the probe that finds rank 1 gone
+            assert pusher.is_alive(), f"the round did not wait for rank 1: {outcome}"
+            stores[1] = create(1)  # back within the window
+            stores[1].push("t", ones)
+            pusher.join(30)
+            assert "returned" in outcome, outcome
+            assert stores[0].row_sparse_pull("t", row_ids=np.array([3])).tolist() == [[2.0]]
+        else:
+            pusher.join(REJOIN_SECONDS + window + 20)
+            assert isinstance(outcome.get("error"), errors.WorkerLeft), outcome
+            assert "not back within" in str(outcome["error"])
+            assert time.monotonic() - closed >= window
+    finally:
+        for store in stores:
+            closer = threading.Thread(target=store.close, daemon=True)
+            closer.start()
+            closer.join(10)
+        shard.close(linger=0)

@@ -164,7 +164,8 @@ def _launch_parser() -> argparse.ArgumentParser:
         type=int,
         default=3,
         metavar="K",
-        help="restarts allowed per server with --restart-servers (default: 3)",
+        help="restarts allowed per server with --restart-servers, per worker with "
+        "--restart-workers (default: 3)",
     )
     parser.add_argument(
         "--retry-window",
@@ -172,7 +173,7 @@ def _launch_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="KVSPARSE_RETRY_WINDOW for the workers: how long they retry a restarted server "
-        "(default with --restart-servers: 120)",
+        "(default with --restart-servers or --restart-workers: 120)",
     )
     parser.add_argument(
         "--checkpoint-dir",
@@ -210,6 +211,13 @@ def _launch_parser() -> argparse.ArgumentParser:
         help="no server processes: worker R hosts shard R itself and serves it to the others "
         "(KVSPARSE_PEERS); kvsparse.create('dist_sparse') is then colocated (not with -s)",
     )
+    parser.add_argument(
+        "--restart-workers",
+        action="store_true",
+        help="with --colocated: restart a worker that dies (with its shard, on its address, "
+        "restored from the last checkpoint in --checkpoint-dir, KVSPARSE_RESTARTED set; it "
+        "resumes at kv.clock); the other workers wait for it (at most --max-restarts times each)",
+    )
     return parser
 
 
@@ -246,6 +254,7 @@ def _launch(argv: list) -> int:
             save_every=args.save_every,
             keep=args.keep,
             colocated=args.colocated,
+            restart_workers=args.restart_workers,
         )
     except errors.KVSparseError as exc:
         print(f"kvsparse launch: error: {exc}", file=sys.stderr)

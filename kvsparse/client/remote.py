@@ -140,6 +140,11 @@ class RemoteBackend:
 
     # -- helpers ------------------------------------------------------------------------------
 
+    @property
+    def clock(self) -> int:
+        """Pushes this worker made (the session's clock: `kvsparse.KVStore.clock`)."""
+        return self.session.clock
+
     def _exchange(self, codec, requests: dict, *, push: bool = False) -> dict:
         """{server: request of codec's op} -> {server: codec's decoded reply}."""
         answers = self.session.exchange(requests, push=push)

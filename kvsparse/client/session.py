@@ -160,6 +160,14 @@ class Session:
         """Pushes this client made (`exchange` with push=True), sent in every header."""
         return self._clock
 
+    def resume(self, clock: int) -> None:
+        """Sets the clock of a restarted worker that resumes after clock pushes (never back).
+
+        `kvsparse.store.colocated`: a colocated worker restarted with its shard.
+        """
+        with self._lock:
+            self._clock = max(self._clock, int(clock))
+
     def open(self, greetings: dict) -> dict:
         """Greets each server: {server: HELLO request} -> {server: Answer}.
 

@@ -51,6 +51,14 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   ``KVSPARSE_SERVERS``, so that ``kvsparse stats`` finds the shards), with
   which ``kvsparse.create('dist_sparse')`` (or any dist kind) is colocated.
   ``num_servers`` must stay 1 (its default); ``restart_servers`` is refused.
+- ``restart_workers`` (``--restart-workers``, colocated only): a worker that
+  exits with a non-zero code is started again (at most ``max_restarts``
+  times each) with the same rank, shard address and variables, plus
+  ``KVSPARSE_RESTARTED=K`` (its K-th restart). Its store restores shard
+  ``r`` from the last complete checkpoint in ``checkpoint_dir`` and resumes
+  its rank's push count (``kv.clock``); the others wait for it
+  (``KVSPARSE_RETRY_WINDOW`` and ``KVSPARSE_REJOIN_WINDOW``, both the retry
+  window). See `kvsparse.store.colocated` for what a restarted worker sees.
 - ``checkpoint_dir`` (``--checkpoint-dir``) reaches the workers as
   ``KVSPARSE_CHECKPOINT_DIR``; ``keys`` (``--keys``, a ``kvsparse keys``
   directory) makes the servers CurveZMQ-only and reaches the workers as
@@ -104,6 +112,7 @@ _RESERVED = (
     config.TIMEOUT,
     config.STALENESS,
     config.PEERS,
+    config.RESTARTED,
 )
 DEFAULT_RETRY_WINDOW = config.DEFAULT_RETRY_WINDOW
 _POLL_SECONDS = 0.1
@@ -160,6 +169,9 @@ class _Cluster:
         self.server_env = process.server_environment()
         self.socket_directory: Optional[str] = None  # the ipc sockets' (transport 'ipc')
         self.restarts: dict[int, int] = {}
+        self.restart_workers = False
+        self.worker_restarts: dict[int, int] = {}
+        self._worker_starts: dict[int, tuple] = {}  # rank -> (command, environment, cwd)
         self.startup_timeout = 60.0
         self.servers: list[process.ServerProcess] = []
         self.workers: list[process.ChildProcess] = []
@@ -332,6 +344,7 @@ class _Cluster:
             worker_env = dict(env)
             worker_env.update(worker_config.to_environment())
             worker_env.update(extra)
+            self._worker_starts[rank] = (list(command), worker_env, cwd)
             try:
                 child = process.ChildProcess(
                     command, worker_env, cwd=cwd, **self._relayed("worker", rank)
@@ -343,6 +356,30 @@ class _Cluster:
             self.workers.append(child)
             self._watch("worker", rank, child)
             self.log(f"worker {rank} (pid {child.pid}) started: {shlex.join(command)}")
+
+    def restart_worker(self, rank: int) -> bool:
+        """Starts colocated worker rank again (``KVSPARSE_RESTARTED`` = its restart count).
+
+        Its store binds the same shard address and restores the checkpoint
+        (`kvsparse.store.colocated`). Returns False if it cannot be started.
+        """
+        self.worker_restarts[rank] = count = self.worker_restarts.get(rank, 0) + 1
+        command, env, cwd = self._worker_starts[rank]
+        env = dict(env)
+        env[config.RESTARTED] = str(count)
+        try:
+            child = process.ChildProcess(command, env, cwd=cwd, **self._relayed("worker", rank))
+        except OSError as exc:
+            self.log(f"cannot start worker {rank} again: {exc}")
+            return False
+        self.workers[rank] = child
+        self._watch("worker", rank, child)
+        # "(pid N) started": the same words as a first start (benchmarks/faults.py reads them).
+        self.log(
+            f"worker {rank} (pid {child.pid}) started again (restart {count} of at most "
+            f"{self.max_restarts}): {shlex.join(command)}"
+        )
+        return True
 
     def wait_workers(self) -> int:
         """Waits for every worker; returns at the first failure (exit code as documented).
@@ -370,6 +407,16 @@ class _Cluster:
                     continue
                 self.log(f"server {index} exited with code {code}; stopping the job")
                 return 1
+            if child is not self.workers[index]:
+                continue  # a replaced worker's exit, already handled
+            if (
+                code != 0
+                and self.restart_workers
+                and self.worker_restarts.get(index, 0) < self.max_restarts
+            ):
+                self.log(f"worker {index} exited with code {code}; restarting it")
+                if self.restart_worker(index):
+                    continue
             running.discard(index)
             if code != 0:
                 earlier = ""
@@ -513,6 +560,7 @@ def launch(
     save_every: Optional[float] = None,
     keep: Optional[int] = None,
     colocated: bool = False,
+    restart_workers: bool = False,
 ) -> int:
     """Runs a job on this host: servers, then workers; stops everything at the end.
 
@@ -555,6 +603,13 @@ def launch(
         colocated: start no servers: each worker hosts its own shard
             (``KVSPARSE_PEERS``; see the module docstring). num_servers must
             be 1 and restart_servers False.
+        restart_workers: with colocated only: start a worker that exits with
+            a non-zero code (killed, say) again, with the same rank and shard
+            address and ``KVSPARSE_RESTARTED`` set, at most max_restarts times
+            per worker; it restores its shard from checkpoint_dir and resumes
+            (`kvsparse.store.colocated`). The workers get ``KVSPARSE_RETRY_WINDOW``
+            (as with restart_servers) and ``KVSPARSE_REJOIN_WINDOW`` (the same
+            seconds: how long their shards wait for a dead worker to come back).
 
     Returns:
         The exit code: 0 if all workers succeeded, else the first failing
@@ -582,7 +637,13 @@ def launch(
         )
     if colocated and restart_servers:
         raise errors.InvalidArgument(
-            "colocated: there are no server processes to restart (restart_servers)"
+            "colocated: there are no server processes to restart (restart_servers); "
+            "restart_workers restarts a worker with its shard"
+        )
+    if restart_workers and not colocated:
+        raise errors.InvalidArgument(
+            "restart_workers goes with colocated: a restarted worker restores its own shard; "
+            "with separate servers, use restart_servers"
         )
     if isinstance(command, str):
         command = shlex.split(command)
@@ -615,13 +676,18 @@ def launch(
         os.makedirs(checkpoint_dir, exist_ok=True)
         cluster.checkpoint_dir = checkpoint_dir
         extra.setdefault(config.CHECKPOINT_DIR, checkpoint_dir)
-    if restart_servers:
-        cluster.restart_servers = True
+    if restart_servers or restart_workers:
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise errors.InvalidArgument(
+                f"max_restarts must be an integer >= 0, got {max_restarts!r}"
+            )
+        cluster.restart_servers = bool(restart_servers)
+        cluster.restart_workers = bool(restart_workers)
         cluster.max_restarts = int(max_restarts)
-        extra.setdefault(
-            config.RETRY_WINDOW,
-            repr(float(DEFAULT_RETRY_WINDOW if retry_window is None else retry_window)),
-        )
+        window = repr(float(DEFAULT_RETRY_WINDOW if retry_window is None else retry_window))
+        extra.setdefault(config.RETRY_WINDOW, window)
+        if restart_workers:
+            extra.setdefault(config.REJOIN_WINDOW, extra[config.RETRY_WINDOW])
     elif retry_window is not None:
         extra.setdefault(config.RETRY_WINDOW, repr(float(retry_window)))
     with _signals_stop(cluster):

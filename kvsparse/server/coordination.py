@@ -193,6 +193,15 @@ class SspGate:
             self._clocks[rank] = clock
             self._changed = True
 
+    def clocks(self) -> list:
+        """Each rank's clock as seen here: the highest clock of any request of it.
+
+        A worker sends a request carrying clock c only once its c-th push was
+        sent to every shard, so a clock of c here means this shard got that
+        push (a restarted colocated worker resumes from it: `kvsparse.store.colocated`).
+        """
+        return list(self._clocks)
+
     def blocked(self, clock: int) -> bool:
         """True if a pull at clock must wait for a slower worker."""
         return self._staleness is not None and min(self._clocks) < clock - self._staleness

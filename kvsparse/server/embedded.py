@@ -54,10 +54,14 @@ class EmbeddedServer:
         limits: the `kvsparse.config.ServerLimits` (default: the defaults).
         restarted: the shard replaces one that died (see `Server`).
         heartbeat_timeout: see `Server` (None: the configured one).
+        rejoin_window: see `Server`.
+        restore: (checkpoint path, shard index, number of shards): loaded
+            (`Server.restore`) before the shard serves anything.
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
         InvalidArgument: see `Server`.
+        CheckpointError: restore names no complete checkpoint, or a corrupt one.
 
     Thread safety: handle(), attach(), detach(), locked() and close() may be
     called from any thread; they serialize on `lock` with the serving thread.
@@ -71,6 +75,8 @@ class EmbeddedServer:
         limits: Optional[ServerLimits] = None,
         restarted: bool = False,
         heartbeat_timeout: Optional[float] = None,
+        rejoin_window: float = 0.0,
+        restore: Optional[tuple] = None,
     ):
         self.lock = threading.RLock()
         self.server = Server(
@@ -80,7 +86,14 @@ class EmbeddedServer:
             restarted=restarted,
             heartbeat_timeout=heartbeat_timeout,
             guard=self.lock,
+            rejoin_window=rejoin_window,
         )
+        if restore is not None:
+            try:
+                self.server.restore(*restore)
+            except BaseException:
+                self.server.close()
+                raise
         self.address = self.server.address
         self._closed = False
         self._thread = threading.Thread(

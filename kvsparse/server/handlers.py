@@ -363,6 +363,8 @@ class Handlers:
             "address": self._address,
             "waiting": self._coordination.waiting(),
             "incarnation": self._incarnation,
+            # Per rank (kvsparse.store.colocated: where a restarted worker resumes).
+            "clocks": self._coordination.ssp.clocks(),
             "pushes": self._resend.pushes,
             "duplicate_pushes": self._resend.duplicate_pushes,
             "clients": len(self._resend),

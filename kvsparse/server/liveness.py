@@ -21,6 +21,12 @@ the others blocked for ever, answering their liveness pings all along. Now:
    connected at all the job is over: the next job's workers, which may
    connect one by one, wait for each other again.
 
+4. With a rejoin window (``rejoin_window`` > 0: colocated workers that
+   ``kvsparse launch --restart-workers`` starts again), a rank found gone is
+   given that many seconds to come back before step 3 happens to it: the
+   requests that wait for it stay held meanwhile, and a restarted worker's
+   HELLO brings it back.
+
 Only workers are tracked (clients that said HELLO): a monitor (``kvsparse
 stats``) or a bare ping never holds anyone up.
 
@@ -55,6 +61,8 @@ class Liveness:
         call_later: ``call_later(seconds, callback)`` (`EventLoop.call_later`).
         incarnation: stamped on the probes.
         log: where a rank's leaving and coming back are told (default: stderr).
+        rejoin_window: seconds a rank found gone has to come back before it
+            counts as left (0: at once).
 
     Threads: not thread-safe; the server's event loop thread only.
     """
@@ -66,6 +74,7 @@ class Liveness:
         call_later: Callable[[float, Callable[[], None]], None],
         incarnation: int,
         log: Callable[[str], None] | None = None,
+        rejoin_window: float = 0.0,
     ):
         self._coordination = coordination
         self._routable = routable
@@ -75,6 +84,9 @@ class Liveness:
         self._clients: dict[int, list] = {}  # client id -> [rank, routing id]
         self._gone: dict[int, int] = {}  # client id -> rank, of clients found gone
         self._probing = False
+        self._rejoin_window = float(rejoin_window)
+        # Ranks found gone and given the rejoin window to come back -> that window's token.
+        self._awaited: dict[int, object] = {}
 
     def joined(self, client_id: int, rank: int, routing: bytes) -> None:
         """A worker's HELLO was accepted: it is tracked from now on."""
@@ -118,23 +130,51 @@ class Liveness:
                 self._gone[client_id] = rank
         while len(self._gone) > _GONE_KEPT:
             del self._gone[next(iter(self._gone))]
-        present = {rank for rank, _ in self._clients.values()}
+        present = self._present()
         left = self._coordination.left
-        for rank in sorted(set(self._gone.values()) - present - set(left)):
+        for rank in sorted(set(self._gone.values()) - present - set(left) - set(self._awaited)):
             when = time.strftime("%H:%M:%S")
             why = f"its connection closed at {when}: it exited, was killed or stopped answering"
-            failed = self._coordination.rank_left(rank, why)
-            self._log(
-                f"worker rank {rank} left ({why})"
-                + (f"; failed {failed} request(s) waiting for it" if failed else "")
-            )
+            if self._rejoin_window > 0:
+                token = self._awaited[rank] = object()
+                self._log(
+                    f"worker rank {rank} is gone ({why}); waiting up to "
+                    f"{self._rejoin_window:g} s for it to come back"
+                )
+                self._call_later(
+                    self._rejoin_window, lambda r=rank, w=why, t=token: self._expire(r, w, t)
+                )
+                continue
+            self._leave(rank, why)
         if not present:
             # Every worker left: the job is over (what they left held was failed above).
             # The next job's workers may connect one by one; none of them is gone.
             for rank in list(left):
                 self._coordination.rank_back(rank)
 
+    def _present(self) -> set:
+        return {rank for rank, _ in self._clients.values()}
+
+    def _leave(self, rank: int, why: str) -> None:
+        failed = self._coordination.rank_left(rank, why)
+        self._log(
+            f"worker rank {rank} left ({why})"
+            + (f"; failed {failed} request(s) waiting for it" if failed else "")
+        )
+
+    def _expire(self, rank: int, why: str, token: object) -> None:
+        """The rejoin window of rank ended: it left, unless it came back meanwhile."""
+        if self._awaited.get(rank) is not token:
+            return  # it came back (and maybe went again: a later window counts)
+        del self._awaited[rank]
+        if rank not in self._present() and rank not in self._coordination.left:
+            self._leave(rank, f"{why}; not back within {self._rejoin_window:g} s")
+
     def _back(self, rank: int) -> None:
+        if rank in self._awaited:
+            del self._awaited[rank]
+            self._log(f"worker rank {rank} is connected again")
+            return
         if rank in self._coordination.left:
             self._coordination.rank_back(rank)
             self._log(f"worker rank {rank} is connected again")

@@ -16,6 +16,9 @@ save carries a ``server`` section, taken at the same moment as the tables:
   only when rank 0 notices the restart.
 - ``job``: the job's configuration (`JobConfig`), so that a client whose
   resend is answered from a record can go on without greeting again.
+- ``clocks``: each rank's clock at the save (`SspGate.clocks`): a colocated
+  worker restarted with its shard (``launch --colocated --restart-workers``)
+  does not redo a push that the checkpoint already holds.
 
 Example:
     >>> section = snapshot(resend, coordination)          # doctest: +SKIP
@@ -78,6 +81,7 @@ def snapshot(resend, coordination) -> dict:
         encoded = [base64.b64encode(f).decode("ascii") for f in frames]
         records.append([str(client_id), int(request_id), int(last_push), encoded])
     return {
+        "clocks": coordination.ssp.clocks(),
         "job": coordination.job.saved(),
         "optimizer_calls": coordination.optimizer.saved(),
         "resend": records,
@@ -91,6 +95,9 @@ def restore(section: dict | None, resend, coordination) -> None:
     job = section.get("job")
     if coordination.job.restore(job):
         coordination.ssp.start(job["num_workers"], job["staleness"])
+        for rank, clock in enumerate(section.get("clocks") or []):
+            if rank < job["num_workers"]:
+                coordination.ssp.advance(rank, int(clock))
     coordination.optimizer.restore(section.get("optimizer_calls") or [])
     resend.restore(
         (int(client_id), request_id, last_push, [base64.b64decode(f) for f in frames])

@@ -98,6 +98,10 @@ class Server:
         guard: a lock serve() holds while it handles messages (not while it
             waits), so that other threads holding it may call handle() and
             `attach` too (`kvsparse.server.embedded`, issue 14). None: none.
+        rejoin_window: seconds the requests that wait for a worker that left
+            are held for it to come back (a colocated worker restarted by
+            ``launch --restart-workers``) before they fail with WorkerLeft;
+            0: they fail as soon as it is found gone (`kvsparse.server.liveness`).
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
@@ -128,6 +132,7 @@ class Server:
         limits: ServerLimits | None = None,
         heartbeat_timeout: float | None = None,
         guard=None,
+        rejoin_window: float = 0.0,
     ):
         limits = limits if limits is not None else ServerLimits()
         if "://" not in bind:  # 'host:port', as clients accept it (inproc:// etc. pass as is)
@@ -161,7 +166,11 @@ class Server:
         resend = self._resend = ResendCache(max_clients)
         coordination = self._coordination = Coordination(self.state, restarted=restarted)
         self._liveness = Liveness(
-            coordination, self._loop.routable, self._loop.call_later, self.incarnation
+            coordination,
+            self._loop.routable,
+            self._loop.call_later,
+            self.incarnation,
+            rejoin_window=rejoin_window,
         )
         handlers = Handlers(
             self.state,

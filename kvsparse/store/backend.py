@@ -40,6 +40,8 @@ class Backend(Protocol):
     """This worker's rank, 0..num_workers-1."""
     num_workers: int
     """How many workers share the shards."""
+    clock: int
+    """Pushes made (push_sparse and push_dense calls): `kvsparse.KVStore.clock`."""
 
     def init_sparse(self, table_id: int, name: str, spec: dict) -> None:
         """Creates sparse table `table_id` (`SparseTable.to_dict()` spec) on every shard."""

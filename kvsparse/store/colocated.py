@@ -19,6 +19,37 @@ serving. A process that dies of an uncaught exception skips the barrier: its
 shard goes with it, and the other workers' requests to it fail
 (`kvsparse.errors.WorkerLeft` or ServerUnavailable) as with a dead server.
 
+A restarted worker (``kvsparse launch --colocated --restart-workers
+--checkpoint-dir D``; ``KVSPARSE_RESTARTED`` >= 1): the launcher starts a
+worker that died again, with the same rank and shard address. Its store
+
+1. binds the same address (retrying while the dead process's port is still
+   held) and, when D holds a complete checkpoint, restores shard ``rank`` of
+   it before serving (as ``kvsparse server --restore``), as a restarted
+   shard (``--restarted``: a BSP push of a step the dead shard completed is
+   applied alone);
+2. greets every shard, then reads from each the highest clock (push count)
+   of its rank there (STATS ``clocks``; the restored shard's comes from the
+   checkpoint) and takes the highest, C, as how far this rank had come. Its
+   clock resumes at C - 1 (`kvsparse.KVStore.clock`): the training code
+   skips the steps already done and redoes the C-th push, which the dead
+   process may not have delivered everywhere. That push goes only to the
+   shards whose clock for this rank is below C, so no shard applies it
+   twice;
+3. sends its ``set_optimizer`` calls as replays: the optimizer slots of the
+   running tables stay. ``kv.init`` of an existing table or dense key keeps
+   its rows and values (as for any worker but the first), so the dense
+   parameters a restarted worker pulls are the job's current ones.
+
+The other workers' sessions retry the dead shard for their retry window
+(``KVSPARSE_RETRY_WINDOW``) and bring it back as they do a restarted server
+(`kvsparse.client.recovery`); their shards hold the requests that wait for
+the dead rank for ``KVSPARSE_REJOIN_WINDOW`` seconds instead of failing them
+(`kvsparse.server.liveness`). The guarantees are those of ``--restart-servers``:
+the restarted shard holds its last checkpoint, so updates it acknowledged
+after that checkpoint are lost, and every push acknowledged before it stays
+applied exactly once.
+
 Example (``kvsparse launch --colocated -n 2 -- python train.py`` sets the
 peers; then ``kvsparse.create('dist_sparse')`` is colocated)::
 
@@ -37,8 +68,10 @@ from typing import Optional
 
 from kvsparse import config, errors
 from kvsparse.client.remote import RemoteBackend, ping
+from kvsparse.wire import ops
 
 DEFAULT_STARTUP_TIMEOUT = 60.0  # seconds to wait for every peer's shard to answer
+_BIND_RETRY_PAUSE = 0.2
 
 
 class ColocatedBackend(RemoteBackend):
@@ -58,12 +91,50 @@ class ColocatedBackend(RemoteBackend):
     Thread safety: as `RemoteBackend` (the session serializes calls).
     """
 
-    def __init__(self, shard, peers, rank, num_workers, **options):
+    def __init__(self, shard, peers, rank, num_workers, *, restarted=False, **options):
         self.shard = shard
         self.rows_in_process = 0
         self.rows_total = 0
+        self.restarted = bool(restarted)
         self._closed = False
+        self._redo: Optional[tuple] = None  # (clock, shards that hold it): see _resume
         super().__init__(peers, rank, num_workers, local={int(rank): shard}, **options)
+        if self.restarted:
+            self._resume()
+
+    def _resume(self) -> None:
+        """Takes up this rank's clock where the shards say it was (module docstring, 2)."""
+        seen = []
+        for server_stats in self.stats():
+            clocks = server_stats.get("clocks") or []
+            seen.append(int(clocks[self.rank]) if self.rank < len(clocks) else 0)
+        last = max(seen, default=0)
+        if last > 0:
+            self.session.resume(last - 1)
+            self._redo = (last, {server for server, clock in enumerate(seen) if clock >= last})
+
+    def _exchange(self, codec, requests: dict, *, push: bool = False) -> dict:
+        if push and self._redo is not None:
+            (clock, holding), self._redo = self._redo, None
+            if self.session.clock + 1 == clock:  # the redone push: not where it arrived
+                requests = {s: r for s, r in requests.items() if s not in holding}
+        return super()._exchange(codec, requests, push=push)
+
+    def set_optimizer(self, spec, table_ids=None):
+        """As `RemoteBackend.set_optimizer`; a restarted worker's calls are replays.
+
+        A replay of a call the shard knows keeps the slots it holds (the job's
+        running optimizer state); another one is applied as a first call.
+        """
+        if not self.restarted:
+            return super().set_optimizer(spec, table_ids)
+        self._optimizer_calls += 1
+        calls = self._optimizer_calls
+        replay = ops.SetOptimizer.encode_request(spec, calls, True, table_ids)
+        self._everywhere(ops.SetOptimizer, replay)
+        if self.rank == 0:
+            what = "set_optimizer" if table_ids is None else ("set_optimizer", tuple(table_ids))
+            self.session.remember(what, replay)
 
     def _count(self, items) -> None:
         for item in items:
@@ -131,6 +202,15 @@ class _CrashWatch:
 _crash = _CrashWatch()
 
 
+def _has_checkpoint(path: str) -> bool:
+    from kvsparse.shard.checkpoint import latest_manifest
+
+    try:
+        return latest_manifest(path) is not None
+    except (OSError, errors.KVSparseError):
+        return False
+
+
 def _wait_answering(address: str, deadline: float, keys: Optional[str]) -> bool:
     """Pings address until its shard answers (True) or time.monotonic() passes deadline."""
     while not ping(address, min(1.0, max(0.05, deadline - time.monotonic())), keys):
@@ -151,13 +231,24 @@ def create_colocated_backend(
     retry_window: Optional[float] = None,
     keys: Optional[str] = None,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+    restarted: bool = False,
+    checkpoint_dir: Optional[str] = None,
+    rejoin_window: float = 0.0,
 ) -> ColocatedBackend:
     """Binds this worker's shard at peers[rank], waits for the other shards, greets all.
 
+    restarted: this worker replaces one of this rank that died (module
+    docstring): its shard restores the latest complete checkpoint in
+    checkpoint_dir (if any) and it resumes this rank's clock. rejoin_window:
+    seconds its shard holds the requests waiting for a worker that left,
+    for it to come back restarted (`kvsparse.server.liveness`).
+
     Raises:
         InvalidArgument: num_workers is not len(peers), a malformed address.
-        ServerUnavailable: peers[rank] cannot be bound, or a peer's shard
-            did not answer within startup_timeout seconds.
+        ServerUnavailable: peers[rank] cannot be bound (a restarted worker:
+            within startup_timeout seconds), or a peer's shard did not answer
+            within startup_timeout seconds.
+        CheckpointError: the checkpoint to restore is corrupt.
     """
     import zmq
 
@@ -172,15 +263,31 @@ def create_colocated_backend(
         )
     keys = config.curve_keys() if keys is None else keys
     bind = config.peer_bind_address(peers[cluster.rank])
+    restore = None
+    if restarted and checkpoint_dir is not None and _has_checkpoint(checkpoint_dir):
+        restore = (checkpoint_dir, cluster.rank, cluster.num_workers)
+    deadline = time.monotonic() + startup_timeout
+    while True:
+        try:
+            shard = EmbeddedServer(
+                bind,
+                keys=keys,
+                limits=config.server_limits(),
+                restarted=restarted,
+                rejoin_window=rejoin_window,
+                restore=restore,
+            )
+            break
+        except zmq.ZMQError as exc:
+            # The port of the process this one replaces may stay taken for a moment.
+            if restarted and exc.errno == zmq.EADDRINUSE and time.monotonic() < deadline:
+                time.sleep(_BIND_RETRY_PAUSE)
+                continue
+            raise errors.ServerUnavailable(
+                f"colocated worker {cluster.rank} cannot bind its shard at {bind}: {exc}",
+                address=peers[cluster.rank],
+            ) from None
     try:
-        shard = EmbeddedServer(bind, keys=keys, limits=config.server_limits())
-    except zmq.ZMQError as exc:
-        raise errors.ServerUnavailable(
-            f"colocated worker {cluster.rank} cannot bind its shard at {bind}: {exc}",
-            address=peers[cluster.rank],
-        ) from None
-    try:
-        deadline = time.monotonic() + startup_timeout
         for index, address in enumerate(peers):
             if index != cluster.rank and not _wait_answering(address, deadline, keys):
                 raise errors.ServerUnavailable(
@@ -198,6 +305,7 @@ def create_colocated_backend(
             timeout=cluster.timeout,
             retry_window=retry_window,
             keys=keys,
+            restarted=restarted,
         )
     except BaseException:
         shard.close(linger=0)

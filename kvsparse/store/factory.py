@@ -158,6 +158,10 @@ def create_colocated_store(
         retry_window=cluster_config.retry_window() if retry_window is None else retry_window,
         keys=keys,
         startup_timeout=DEFAULT_STARTUP_TIMEOUT if startup_timeout is None else startup_timeout,
+        # `kvsparse launch --colocated --restart-workers` (kvsparse.store.colocated).
+        restarted=cluster_config.restarted() > 0,
+        checkpoint_dir=cluster_config.checkpoint_dir(),
+        rejoin_window=cluster_config.rejoin_window(),
     )
     return KVStore(backend, kind, wire_dtype)
 

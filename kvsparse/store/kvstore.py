@@ -167,6 +167,24 @@ class KVStore(StoreFront):
         return self._backend.num_workers
 
     @property
+    def clock(self) -> int:
+        """This worker's push count: one per `push` of sparse keys, one more if it has dense keys.
+
+        Every request carries it (SSP staleness counts it). A colocated worker
+        that ``kvsparse launch --colocated --restart-workers`` started again
+        (``KVSPARSE_RESTARTED`` >= 1) starts with the count its rank had
+        reached less the last push, which it must redo: a loop with one push
+        per step resumes at ``step = kv.clock`` (`kvsparse.store.colocated`).
+        0 for a new store otherwise.
+
+        Example:
+            >>> kv = kvsparse.create('local')                    # doctest: +SKIP
+            >>> for step in range(kv.clock, steps):             # doctest: +SKIP
+            ...     kv.push('emb', (ids[step], grads(step)))
+        """
+        return self._backend.clock
+
+    @property
     def num_servers(self) -> int:
         """How many shards hold the tables."""
         return self._backend.num_shards

@@ -42,6 +42,7 @@ class LocalBackend:
     num_workers = 1
 
     def __init__(self):
+        self.clock = 0  # pushes made (`kvsparse.KVStore.clock`)
         self.state = ShardState()
         self._lock = threading.Lock()
 
@@ -94,6 +95,7 @@ class LocalBackend:
     def push_sparse(self, items):
         """items: [(table_id, keys, offsets, summed rows[, wire_dtype])]; rows of a 16-bit
         wire dtype are widened as a server widens them. All of them or none (issue 11)."""
+        self.clock += 1
         pushes = []
         for table_id, keys, _, rows, *wire in items:
             if wire and wire[0] != FLOAT32:
@@ -119,6 +121,7 @@ class LocalBackend:
     @_serialized
     def push_dense(self, items):
         """items: [(table_id, flat gradient)]: all of them or none (issue 11)."""
+        self.clock += 1
         self.state.counters.requests += 1
         self.state.push_dense_keys(items)  # all checked and computed before any is written
 
