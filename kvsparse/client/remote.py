@@ -194,10 +194,16 @@ class RemoteBackend:
     def set_optimizer(self, spec, table_ids=None):
         """Rank 0 sets it (store-wide, or table_ids' own); other ranks wait for rank 0's
         call and check they agree."""
+        self._send_set_optimizer(spec, table_ids, replay=False)
+
+    def _send_set_optimizer(self, spec, table_ids, replay: bool) -> None:
+        """Sends the next SET_OPTIMIZER call everywhere; replay: as a replay of a call the
+        servers may know (they keep the slots they hold for it: a restarted colocated
+        worker's calls, `kvsparse.store.colocated`)."""
         self._optimizer_calls += 1
         calls = self._optimizer_calls
         self._everywhere(
-            ops.SetOptimizer, ops.SetOptimizer.encode_request(spec, calls, False, table_ids)
+            ops.SetOptimizer, ops.SetOptimizer.encode_request(spec, calls, replay, table_ids)
         )
         if self.rank == 0:
             # A restarted server gets rank 0's last call again, so that the other ranks'

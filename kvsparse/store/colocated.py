@@ -68,7 +68,6 @@ from typing import Optional
 
 from kvsparse import config, errors
 from kvsparse.client.remote import RemoteBackend, ping
-from kvsparse.wire import ops
 
 DEFAULT_STARTUP_TIMEOUT = 60.0  # seconds to wait for every peer's shard to answer
 _BIND_RETRY_PAUSE = 0.2
@@ -126,15 +125,7 @@ class ColocatedBackend(RemoteBackend):
         A replay of a call the shard knows keeps the slots it holds (the job's
         running optimizer state); another one is applied as a first call.
         """
-        if not self.restarted:
-            return super().set_optimizer(spec, table_ids)
-        self._optimizer_calls += 1
-        calls = self._optimizer_calls
-        replay = ops.SetOptimizer.encode_request(spec, calls, True, table_ids)
-        self._everywhere(ops.SetOptimizer, replay)
-        if self.rank == 0:
-            what = "set_optimizer" if table_ids is None else ("set_optimizer", tuple(table_ids))
-            self.session.remember(what, replay)
+        self._send_set_optimizer(spec, table_ids, replay=self.restarted)
 
     def _count(self, items) -> None:
         for item in items:
