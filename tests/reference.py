@@ -1307,7 +1307,9 @@ class ReferenceHalfTable(ReferenceTable):
                 self.slots[key][-1] = row
 
     def write_state(self, keys, values, slots, steps) -> None:
-        super().write_state(keys, round_to(np.asarray(values, np.float32), self.dtype), slots, steps)
+        super().write_state(
+            keys, round_to(np.asarray(values, np.float32), self.dtype), slots, steps
+        )
         for key in _keys_list(keys):
             n = self.optimizer.num_slots - int(self.optimizer.master)
             self.slots[key][:n] = round_to(self.slots[key][:n], self.slot_dtype)

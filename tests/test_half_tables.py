@@ -315,7 +315,9 @@ def test_multi_precision_sparse_rows_keep_a_float32_master(dtype):
     plain, multi = tables[False][0], tables[True][0]
     assert plain.num_slots == 0 and multi.num_slots == 1
     np.testing.assert_array_equal(plain.lookup(keys), np.ones((2, 4), np.float32))
-    np.testing.assert_array_equal(multi.lookup(keys), reference.round_to(np.full((2, 4), total), dtype))
+    np.testing.assert_array_equal(
+        multi.lookup(keys), reference.round_to(np.full((2, 4), total), dtype)
+    )
     if dtype == "float16":
         assert multi.lookup(keys)[0, 0] > 1  # bfloat16's ulp (2**-7) is too coarse for 1e-3
     # The master is the last slot of the state: read, written, and a float32 table has none.
@@ -344,7 +346,7 @@ def test_multi_precision_master_of_new_assigned_and_reoptimized_rows(dtype):
     for t in (table, ref, wide):
         t.lookup_or_insert(keys[:2])  # a new row's master: its float32 initial value
         t.assign(keys[2:4], assigned)  # an assigned row's: the values given
-    for step in range(5):
+    for _ in range(5):
         grads = rng.standard_normal((6, 8)).astype(np.float32)
         for t in (table, ref, wide):
             t.apply_gradients(keys, grads)  # rows 4 and 5 are new in the push
