@@ -329,6 +329,19 @@ def test_multi_precision_sparse_rows_keep_a_float32_master(dtype):
         t.apply_gradients(keys, np.full((2, 4), -1e-4, np.float32))
     np.testing.assert_array_equal(other.read_state(keys)[1], multi.read_state(keys)[1])
     np.testing.assert_array_equal(other.lookup(keys), multi.lookup(keys))
+    # The two-step push of multi-table requests: a cancel puts the masters back too.
+    before = multi.read_state(keys)
+    multi.begin_push(np.append(keys, 11), np.full((3, 4), -1e-4, np.float32))
+    multi.cancel_push()
+    for got, was in zip(multi.read_state(keys), before):
+        np.testing.assert_array_equal(got, was)
+    assert len(multi) == 2
+    multi.begin_push(np.append(keys, 11), np.full((3, 4), -1e-4, np.float32))
+    multi.finish_push()
+    other.apply_gradients(np.append(keys, 11), np.full((3, 4), -1e-4, np.float32))
+    all_keys = np.append(keys, 11)
+    for got, want in zip(multi.read_state(all_keys), other.read_state(all_keys)):
+        np.testing.assert_array_equal(got, want)
     wide = _core.Table(4, {"kind": "zeros"}, dict(sgd, multi_precision=True), 0)
     assert wide.num_slots == 0
 
