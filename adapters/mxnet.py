@@ -316,10 +316,11 @@ def optimizer_from_mxnet(optimizer, *, lr: float | None = None, wd: float | None
     RMSProp: epsilon inside the square root; AdaGrad: wd outside the history; Adam and
     RMSProp: wd added before clipping). Adam's ``t`` counts updates of the key in both
     (``step_mode='table'``). ``multi_precision=True`` is honoured as MXNet does for
-    float16 (and bfloat16) dense keys: the servers keep a float32 master copy that the
-    optimizer updates, and the key's value is that copy rounded. float32 keys ignore it,
-    and so do 16-bit sparse tables (they exist to halve table memory; give them
-    slot_dtype / dtype='float32' instead).
+    float16 (and bfloat16) weights, dense keys and row_sparse tables alike: the servers
+    keep a float32 master copy (of each row of a table) that the optimizer updates, and
+    the stored value is that copy rounded once; pulls return the rounded value. It costs
+    4 bytes a value more (a float16 table then takes 2 + 4 bytes a value plus slots).
+    float32 keys ignore it.
 
     Refused, with an error naming them: the registered MXNet optimizers with no server
     formula (`UNSUPPORTED_MXNET_OPTIMIZERS`: AdaDelta, Adamax, DCASGD, FTML,

@@ -79,6 +79,10 @@ struct OptimizerConfig {
   //            w -= lr*g/sqrt(n+eps), or centered (Graves) with momentum:
   //            buf = m*buf + g/sqrt(n - gavg^2 + eps); w -= lr*buf
   bool mxnet_formula = false;
+  // Not read by Optimizer: a 16-bit EmbeddingTable keeps a float32 master copy of each
+  // row that the optimizer updates, and stores it rounded (MXNet's multi_precision; issue
+  // 12). The shard reads it for 16-bit dense keys. float32 tables ignore it.
+  bool multi_precision = false;
 };
 
 Status ValidateOptimizer(const OptimizerConfig& config);

@@ -55,6 +55,11 @@ const char* StorageName(StorageType type) {
   }
 }
 
+// multi_precision means something to 16-bit tables only (MXNet: float16 weights).
+bool KeepsMaster(const OptimizerConfig& optimizer, StorageType value_type) {
+  return optimizer.multi_precision && value_type != StorageType::kFloat32;
+}
+
 bool ValidStorage(StorageType type) {
   return type == StorageType::kFloat32 || type == StorageType::kFloat16 ||
          type == StorageType::kBFloat16;
@@ -67,6 +72,7 @@ EmbeddingTable::EmbeddingTable(const TableConfig& config)
   const int64_t log2 = RowsPerChunkLog2(config.dim);
   values_.Reset(config.value_type, config.dim, log2);
   slots_.Reset(config.slot_type, config.dim * optimizer_.num_slots(), log2);
+  master_.Reset(KeepsMaster(config.optimizer, config.value_type) ? config.dim : 0, log2);
   half_ = !values_.is_f32() || !slots_.is_f32();
   steps_.Reset(1, log2);
   stamps_.Reset(1, log2);
@@ -102,7 +108,7 @@ Status EmbeddingTable::Create(const TableConfig& config, std::unique_ptr<Embeddi
 int64_t EmbeddingTable::MemoryBytes() const {
   return static_cast<int64_t>(buckets_.capacity() * sizeof(Bucket) +
                               free_rows_.capacity() * sizeof(uint32_t)) +
-         values_.Bytes() + slots_.Bytes() + steps_.Bytes() + stamps_.Bytes() +
+         values_.Bytes() + slots_.Bytes() + master_.Bytes() + steps_.Bytes() + stamps_.Bytes() +
          static_cast<int64_t>(removed_.capacity() * sizeof(removed_[0])) +
          touches_.Bytes() + last_step_.Bytes() + CandidateBytes() + ScratchBytes() +
          static_cast<int64_t>(sizeof(EmbeddingTable));
@@ -215,6 +221,9 @@ void EmbeddingTable::FillNewRows(const int64_t* keys, const int64_t* rows, int64
                   for (int64_t i = begin; i < end; ++i) {
                     float* target = generated;
                     FillInitialRows(config_.initializer, keys + i, 1, dim, &target);
+                    if (has_master()) {
+                      std::memcpy(master_.Row(rows[i]), generated, sizeof(float) * dim);
+                    }
                     values_.Write(rows[i], generated);
                   }
                   return;
@@ -255,6 +264,7 @@ Status EmbeddingTable::FindOrInsertRow(int64_t key, int64_t* row_out, bool* inse
 void EmbeddingTable::EnsureRowsUpTo(int64_t row) {
   values_.EnsureRow(row);
   slots_.EnsureRow(row);
+  if (has_master()) master_.EnsureRow(row);
   steps_.EnsureRow(row);
   stamps_.EnsureRow(row);
   if (TracksTouches()) touches_.EnsureRow(row);
@@ -282,16 +292,28 @@ Status EmbeddingTable::SetOptimizer(const OptimizerConfig& optimizer) {
   Status s = ValidateOptimizer(optimizer);
   if (!s.ok()) return s;
   Optimizer next(optimizer);
+  const int64_t log2 = RowsPerChunkLog2(config_.dim);
   RowArray slots;
-  slots.Reset(config_.slot_type, config_.dim * next.num_slots(), RowsPerChunkLog2(config_.dim));
+  slots.Reset(config_.slot_type, config_.dim * next.num_slots(), log2);
+  const bool keep_master = KeepsMaster(optimizer, config_.value_type);
+  const bool new_master = keep_master && !has_master();
+  ChunkedRows<float> master;
+  master.Reset(new_master ? config_.dim : 0, log2);
   try {
     if (next_row_ > 0) slots.EnsureRow(next_row_ - 1);
+    if (next_row_ > 0 && new_master) master.EnsureRow(next_row_ - 1);
   } catch (const std::bad_alloc&) {
     return Status(StatusCode::kOutOfMemory, "out of memory resizing optimizer slots");
   }
   config_.optimizer = optimizer;
   optimizer_ = next;
   slots_ = std::move(slots);
+  if (!keep_master || new_master) master_ = std::move(master);
+  if (new_master) {
+    for (const Bucket& bucket : buckets_) {
+      if (bucket.row != kEmpty) values_.Read(bucket.row, master_.Row(bucket.row));
+    }
+  }
   table_step_ = 0;
   for (const Bucket& bucket : buckets_) {
     if (bucket.row != kEmpty) InitRowSlots(bucket.row);
@@ -609,13 +631,16 @@ Status EmbeddingTable::FinishPlan(const PushPlan& plan, int64_t saved_table_step
   }
   const int64_t dim = config_.dim;
   const int64_t slot_floats = dim * optimizer_.num_slots();
-  const int64_t stride = dim + slot_floats;
+  const int64_t stride = RowStateFloats();
   const int64_t fresh = static_cast<int64_t>(plan.fresh.size());
   for (int64_t k = 0; k < fresh; ++k) {
     const int64_t row = InsertReservedRow(plan.fresh_keys[k]);
     const float* state = plan.fresh_state + k * stride;
     values_.Write(row, state);  // rounded already (ComputeFreshRows): exact
     slots_.Write(row, state + dim);
+    if (has_master()) {
+      std::memcpy(master_.Row(row), state + dim + slot_floats, sizeof(float) * dim);
+    }
     TouchRow(row);
     *steps_.Row(row) = 1;
   }
@@ -688,7 +713,7 @@ Status EmbeddingTable::PreparePush(const int64_t* keys, int64_t n, const float* 
     if (p.rows[j] >= 0 && !p.skip[j]) p.existing.push_back(j);
   }
   const size_t existing = p.existing.size();
-  const size_t stride = static_cast<size_t>(dim + dim * optimizer_.num_slots());
+  const size_t stride = static_cast<size_t>(RowStateFloats());
   p.saved_state = push_saved_state_.Get(existing * stride);
   p.saved_meta = push_saved_meta_.Get(existing * 4);
   p.overflows.assign(existing, 0);
@@ -772,7 +797,9 @@ void EmbeddingTable::SelectVictims(int64_t count, const std::vector<uint8_t>& ke
 int64_t EmbeddingTable::ComputeFreshRows(PushPlan* plan, bool skipping) {
   PushPlan& p = *plan;
   const int64_t dim = config_.dim;
-  const int64_t stride = dim + dim * optimizer_.num_slots();
+  const int64_t slot_floats = dim * optimizer_.num_slots();
+  const int64_t stride = RowStateFloats();
+  const bool master = has_master();
   const int64_t count = static_cast<int64_t>(p.fresh.size());
   p.fresh_keys.resize(static_cast<size_t>(count));
   for (int64_t k = 0; k < count; ++k) p.fresh_keys[k] = p.unique[p.fresh[k]];
@@ -794,13 +821,14 @@ int64_t EmbeddingTable::ComputeFreshRows(PushPlan* plan, bool skipping) {
                   for (int64_t k = 0; k < rows; ++k) {
                     float* w = targets[k];
                     optimizer_.InitSlots(w + dim, dim);
-                    if (half_) {  // the stored start: rounded value and slots
-                      values_.Round(w);
+                    if (half_) {  // the stored start: rounded value (or the master) and slots
+                      if (!master) values_.Round(w);
                       slots_.Round(w + dim);
                     }
                     optimizer_.Update(w, w + dim, p.grads + p.fresh[i + k] * dim, dim, step,
                                       scratch);
                     if (half_) {  // one rounding per write (table.h, StorageType)
+                      if (master) std::memcpy(w + dim + slot_floats, w, sizeof(float) * dim);
                       values_.Round(w);
                       slots_.Round(w + dim);
                     }
@@ -821,7 +849,8 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
   PushPlan& p = *plan;
   const int64_t dim = config_.dim;
   const int64_t slot_floats = dim * optimizer_.num_slots();
-  const int64_t stride = dim + slot_floats;
+  const int64_t stride = RowStateFloats();
+  const bool keeps_master = has_master();
   const int64_t count = static_cast<int64_t>(p.existing.size());
   const bool per_table = config_.optimizer.step_mode == StepMode::kPerTable;
   const int64_t table_step = table_step_;
@@ -836,6 +865,10 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
     for (int64_t b = 0; b < value_bytes; b += 64) __builtin_prefetch(v + b, 1);
     const char* sl = slots_.RowAddress(row);
     for (int64_t b = 0; b < slot_bytes; b += 64) __builtin_prefetch(sl + b, 1);
+    if (keeps_master) {
+      const char* m = reinterpret_cast<const char*>(master_.Row(row));
+      for (int64_t b = 0; b < dim * 4; b += 64) __builtin_prefetch(m + b, 1);
+    }
   };
   // Distinct rows: ranges never overlap.
   ParallelFor(count, kMinKeysPerThread / 4, [&](int64_t begin, int64_t end) {
@@ -851,6 +884,8 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
       const int64_t row = p.rows[j];
       float* w;
       float* slots;
+      float* master = keeps_master ? master_.Row(row) : nullptr;
+      float* saved = p.saved_state + e * stride;
       if (half_) {  // updated in float32 (row_state), written back rounded
         w = row_state;
         slots = row_state + dim;
@@ -860,10 +895,12 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
         w = values_.F32Row(row);
         slots = slots_.F32Row(row);
       }
-      float* saved = p.saved_state + e * stride;
       // Plain loops: a libc memmove call per small row cost 15% of a dim-8 push.
       for (int64_t i = 0; i < dim; ++i) saved[i] = w[i];
       for (int64_t i = 0; i < slot_floats; ++i) saved[dim + i] = slots[i];
+      if (master != nullptr) {  // the optimizer starts from the master, not the rounded value
+        for (int64_t i = 0; i < dim; ++i) saved[dim + slot_floats + i] = w[i] = master[i];
+      }
       uint32_t* step = steps_.Row(row);
       uint32_t* meta = p.saved_meta + e * 4;
       meta[0] = *step;
@@ -876,6 +913,8 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
       optimizer_.Update(w, slots, p.grads + j * dim, dim,
                         per_table ? table_step : static_cast<int64_t>(*step), scratch);
       if (half_) {
+        // The master written now: RestoreRow puts it back if the rounded result overflows.
+        if (master != nullptr) std::memcpy(master, w, sizeof(float) * dim);
         values_.Round(w);
         slots_.Round(slots);
       }
@@ -898,6 +937,9 @@ void EmbeddingTable::RestoreRow(int64_t row, const float* saved, const uint32_t*
   const int64_t slot_floats = dim * optimizer_.num_slots();
   values_.Write(row, saved);  // saved in float32 from the stored row: exact
   if (slot_floats > 0) slots_.Write(row, saved + dim);
+  if (has_master()) {
+    std::memcpy(master_.Row(row), saved + dim + slot_floats, sizeof(float) * dim);
+  }
   *steps_.Row(row) = meta[0];
   *stamps_.Row(row) = meta[1];
   if (TracksTouches()) *touches_.Row(row) = meta[2];
@@ -905,7 +947,7 @@ void EmbeddingTable::RestoreRow(int64_t row, const float* saved, const uint32_t*
 }
 
 void EmbeddingTable::RestoreExistingRows(const PushPlan& p) {
-  const int64_t stride = config_.dim * (1 + optimizer_.num_slots());
+  const int64_t stride = RowStateFloats();
   for (size_t e = 0; e < p.existing.size(); ++e) {
     if (p.overflows[e]) continue;  // put back already
     RestoreRow(p.rows[p.existing[e]], p.saved_state + e * stride, p.saved_meta + e * 4);
@@ -949,6 +991,7 @@ Status EmbeddingTable::Assign(const int64_t* keys, int64_t n, const float* value
     s = FindOrInsertRow(keys[i], &row, &inserted);
     if (!s.ok()) return s;
     values_.Write(row, values + i * dim);
+    if (has_master()) std::memcpy(master_.Row(row), values + i * dim, sizeof(float) * dim);
     *stamps_.Row(row) = change_epoch_;
   }
   return Status::Ok();
@@ -993,18 +1036,27 @@ int64_t EmbeddingTable::Remove(const int64_t* keys, int64_t n) {
   return removed;
 }
 
+void EmbeddingTable::ReadRowState(int64_t row, float* values, float* slots,
+                                  int64_t* step) const {
+  const int64_t dim = config_.dim;
+  const int64_t slot_floats = dim * optimizer_.num_slots();
+  values_.Read(row, values);
+  if (slot_floats > 0) slots_.Read(row, slots);
+  if (has_master()) {
+    std::memcpy(slots + slot_floats, master_.Row(row), sizeof(float) * dim);
+  }
+  *step = static_cast<int64_t>(*steps_.Row(row));
+}
+
 Status EmbeddingTable::ReadState(const int64_t* keys, int64_t n, float* values, float* slots,
                                  int64_t* steps) const {
   const int64_t dim = config_.dim;
-  const int64_t slot_floats = dim * optimizer_.num_slots();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = FindRow(keys[i]);
     if (row < 0) {
       return Status(StatusCode::kInvalidArgument, "id " + KeyText(keys[i]) + " is not in the table");
     }
-    values_.Read(row, values + i * dim);
-    if (slot_floats > 0) slots_.Read(row, slots + i * slot_floats);
-    steps[i] = static_cast<int64_t>(*steps_.Row(row));
+    ReadRowState(row, values + i * dim, slots + i * dim * num_slots(), steps + i);
   }
   return Status::Ok();
 }
@@ -1021,6 +1073,7 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
   if (!s.ok()) return s;
   const int64_t dim = config_.dim;
   const int64_t slot_floats = dim * optimizer_.num_slots();
+  const int64_t row_slot_floats = dim * num_slots();  // the master last, if kept
   for (int64_t i = 0; i < n; ++i) {
     // Values, slots and step are all overwritten: no initial value to generate.
     int64_t row;
@@ -1028,7 +1081,11 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
     s = FindOrInsertRow(keys[i], &row, &inserted);
     if (!s.ok()) return s;
     values_.Write(row, values + i * dim);
-    if (slot_floats > 0) slots_.Write(row, slots + i * slot_floats);
+    const float* row_slots = slots + i * row_slot_floats;
+    if (slot_floats > 0) slots_.Write(row, row_slots);
+    if (has_master()) {
+      std::memcpy(master_.Row(row), row_slots + slot_floats, sizeof(float) * dim);
+    }
     *steps_.Row(row) = static_cast<uint32_t>(steps[i]);
     *stamps_.Row(row) = change_epoch_;
   }
@@ -1063,7 +1120,6 @@ int64_t EmbeddingTable::NextChangedRows(int64_t* cursor, int64_t max_rows, uint3
                                         int64_t* keys_out, float* values, float* slots,
                                         int64_t* steps) const {
   const int64_t dim = config_.dim;
-  const int64_t slot_floats = dim * optimizer_.num_slots();
   int64_t count = 0;
   const int64_t capacity = static_cast<int64_t>(buckets_.size());
   int64_t b = *cursor;
@@ -1071,9 +1127,7 @@ int64_t EmbeddingTable::NextChangedRows(int64_t* cursor, int64_t max_rows, uint3
     const uint32_t row = buckets_[b].row;
     if (row == kEmpty || *stamps_.Row(row) <= since) continue;
     keys_out[count] = buckets_[b].key;
-    values_.Read(row, values + count * dim);
-    if (slot_floats > 0) slots_.Read(row, slots + count * slot_floats);
-    steps[count] = static_cast<int64_t>(*steps_.Row(row));
+    ReadRowState(row, values + count * dim, slots + count * dim * num_slots(), steps + count);
     ++count;
   }
   *cursor = b;

@@ -105,6 +105,16 @@ Status ValidatePolicy(const PolicyConfig& policy);
 // and the result is rounded to nearest, ties to even, once when it is written
 // (a push, an assign, a state write, a new row's initial value). A result
 // that rounds to inf (float16 beyond 65504) is an overflow, as a float32 inf.
+//
+// multi_precision (OptimizerConfig; MXNet's, for float16 row_sparse weights):
+// a table of 16-bit values then also keeps a float32 master copy of each row.
+// The optimizer updates the master and the stored value is the master rounded
+// once, so updates below half an ulp add up instead of rounding away. The
+// master is one more float32 slot in the state interface (num_slots(),
+// ReadState, WriteState), after the optimizer's. It is set to: a new row's
+// float32 initial value; an assigned row's given values; the widened stored
+// values when SetOptimizer turns multi_precision on (a master already kept
+// stays: it is the value, not optimizer state). Memory: 4 more bytes a value.
 enum class StorageType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 struct TableConfig {
@@ -265,7 +275,11 @@ class EmbeddingTable {
   static Status Create(const TableConfig& config, std::unique_ptr<EmbeddingTable>* out);
 
   int64_t dim() const { return config_.dim; }
-  int num_slots() const { return optimizer_.num_slots(); }
+  // Slots per row in ReadState / WriteState: the optimizer's, and the float32
+  // master copy last when the table keeps one (multi_precision, see StorageType).
+  int num_slots() const { return optimizer_.num_slots() + (has_master() ? 1 : 0); }
+  // Whether rows keep a float32 master copy (multi_precision on a 16-bit table).
+  bool has_master() const { return master_.width() > 0; }
   const TableConfig& config() const { return config_; }
   int64_t Size() const { return size_; }
   // Bytes this table holds: buckets, row chunks, slot chunks, step counters.
@@ -277,7 +291,8 @@ class EmbeddingTable {
   void set_table_step(int64_t step) { table_step_ = step; }
 
   // Replaces the optimizer. Slots of every existing row are reset to the new
-  // optimizer's initial values and row step counters to 0.
+  // optimizer's initial values and row step counters to 0. A master copy is
+  // made (from the stored values) or dropped as multi_precision says.
   Status SetOptimizer(const OptimizerConfig& optimizer);
 
   // out[i] = row of keys[i]; a missing key gets its initial value and is not
@@ -310,13 +325,13 @@ class EmbeddingTable {
   bool push_pending() const { return pending_push_ != nullptr; }
   // Sets rows to values (n * dim), inserting missing keys; duplicates: last
   // wins. Slots and step counters of the rows are left as they are, except
-  // that inserted rows get initial slots.
+  // that inserted rows get initial slots; a master copy becomes the values.
   Status Assign(const int64_t* keys, int64_t n, const float* values);
   // Removes keys that exist; returns how many were removed.
   int64_t Remove(const int64_t* keys, int64_t n);
 
   // Full row state for checkpoints: slots are num_slots() * dim floats per
-  // row (slot-major within a row), steps one int64 per row.
+  // row (slot-major within a row; the master copy last), steps one int64 per row.
   Status ReadState(const int64_t* keys, int64_t n, float* values, float* slots,
                    int64_t* steps) const;
   Status WriteState(const int64_t* keys, int64_t n, const float* values, const float* slots,
@@ -437,6 +452,12 @@ class EmbeddingTable {
   Status Reserve(int64_t rows_needed);
   void Rehash(int64_t new_capacity);
   void InitRowSlots(int64_t row);
+  // One stored row's state as ReadState gives it (slots: num_slots() * dim floats).
+  void ReadRowState(int64_t row, float* values, float* slots, int64_t* step) const;
+  // Floats of one row's state in push scratch: value, optimizer slots, master.
+  int64_t RowStateFloats() const {
+    return config_.dim * (1 + optimizer_.num_slots() + (has_master() ? 1 : 0));
+  }
   size_t HomeBucket(int64_t key) const;
   size_t NextBucket(size_t b) const { return b + 1 == capacity_ ? 0 : b + 1; }
   // Probe steps from bucket `from` forward to bucket `to` (cyclic).
@@ -456,6 +477,9 @@ class EmbeddingTable {
   // float32, or 16-bit (config_.value_type / slot_type; issue 12).
   RowArray values_;
   RowArray slots_;
+  // float32 master copies of 16-bit rows under multi_precision (width dim), or
+  // none (width 0). See StorageType.
+  ChunkedRows<float> master_;
   bool half_ = false;  // values or slots are 16-bit: the converting paths
   // 32 bits: 4 billion updates of one row is far beyond any run, and the
   // saved 4 bytes a row matter at small dims (memory target: 1.3x raw).
@@ -500,7 +524,7 @@ class EmbeddingTable {
     std::vector<Candidate> counted_before;
     std::vector<int64_t> rejected;
     std::vector<int64_t> victims;   // keys
-    // Per fresh id: its updated row, dim values then the slot floats.
+    // Per fresh id: its updated row, dim values, the slot floats, the master (RowStateFloats).
     float* fresh_state = nullptr;   // in the table's push scratch
     std::vector<uint8_t> fresh_overflows;
     std::vector<int64_t> fresh_keys;

@@ -52,7 +52,7 @@ _OPTIMIZER_FIELDS = (
     "learning_rate", "weight_decay", "rescale_grad", "clip_gradient", "momentum", "nesterov",
     "lr_decay", "epsilon", "initial_accumulator_value", "beta1", "beta2", "lr_power", "l1",
     "l2", "beta", "alpha", "centered", "step_mode", "kind", "formula",
-    # Read by the shard (a float32 master copy of 16-bit dense keys, issue 12), not the core.
+    # A float32 master copy of 16-bit rows (the table) and dense keys (the shard), issue 12.
     "multi_precision",
 )
 
@@ -131,6 +131,7 @@ cdef OptimizerConfig _optimizer_config(spec) except *:
     if formula not in ("torch", "mxnet"):
         raise errors.InvalidArgument(f"formula must be 'torch' or 'mxnet', got {formula!r}")
     c_config.mxnet_formula = formula == "mxnet"
+    c_config.multi_precision = bool(spec.get("multi_precision", False))
     _check(ValidateOptimizer(c_config))
     return c_config
 

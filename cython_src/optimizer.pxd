@@ -39,6 +39,7 @@ cdef extern from "optimizer.h" namespace "kvsparse" nogil:
         bint centered
         StepMode step_mode
         bint mxnet_formula
+        bint multi_precision
 
     Status ValidateOptimizer(const OptimizerConfig& config)
 

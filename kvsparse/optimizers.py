@@ -70,8 +70,9 @@ class Optimizer:
             if "learning_rate" in settings:
                 raise TypeError(f"{type(self).__name__}: give lr or learning_rate, not both")
             settings["learning_rate"] = settings.pop("lr")
-        # multi_precision (issue 12): float16 / bfloat16 dense keys keep a float32 master
-        # copy that the optimizer updates (MXNet's multi_precision); not a formula setting.
+        # multi_precision (issue 12): float16 / bfloat16 dense keys and sparse tables keep a
+        # float32 master copy that the optimizer updates (MXNet's multi_precision); not a
+        # formula setting.
         unknown = (
             set(settings)
             - set(self.defaults)

@@ -93,9 +93,13 @@ class SparseTable:
             with nonfinite='skip'). Initial values are rounded the same way.
         slot_dtype: how the optimizer's slots are stored; None (default):
             float32 whatever dtype is, so the accumulators keep full precision.
+            An optimizer with ``multi_precision=True`` gives a 16-bit table a
+            float32 master copy of each row that it updates; the stored value
+            is the master rounded once (MXNet's float16 row_sparse weights).
 
     Bytes a row (values + slots, besides about 24 bytes of map and counters):
-    dim * (4 or 2) + num_slots * dim * (4 or 2); `kv.stats()` reports them.
+    dim * (4 or 2) + num_slots * dim * (4 or 2), plus dim * 4 for the master
+    copy of a 16-bit table under multi_precision; `kv.stats()` reports them.
 
     Admission and eviction semantics (exactly; tests/reference.py models them):
 

@@ -516,6 +516,8 @@ OPTIMIZER_DEFAULTS: dict[str, Any] = {
     "step_mode": "row",
     # "torch" (the default) or "mxnet": MXNet 1.x's Adam / AdaGrad / RMSProp.
     "formula": "torch",
+    # A float32 master copy of 16-bit rows (ReferenceHalfTable); nothing to the formulas.
+    "multi_precision": False,
 }
 
 
@@ -541,8 +543,9 @@ def normalize_optimizer(spec: Optional[dict]) -> dict:
     if full["formula"] not in ("torch", "mxnet"):
         raise errors.InvalidArgument("formula must be 'torch' or 'mxnet'")
     for name, value in full.items():
-        if name not in ("kind", "nesterov", "centered", "step_mode", "formula"):
+        if name not in ("kind", "nesterov", "centered", "step_mode", "formula", "multi_precision"):
             full[name] = float(value)
+    full["multi_precision"] = bool(full["multi_precision"])
     full["nesterov"] = bool(full["nesterov"])
     full["centered"] = bool(full["centered"])
     return full
@@ -1218,20 +1221,38 @@ def round_to(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 class _RoundingOptimizer(ReferenceOptimizer):
-    """ReferenceOptimizer whose update rounds weights and slots once, as a 16-bit table writes."""
+    """ReferenceOptimizer whose update rounds weights and slots once, as a 16-bit table writes.
+
+    With ``master`` (multi_precision on a 16-bit table), the last slot is the row's
+    float32 master copy: the optimizer updates it (with the other slots) and the
+    weights become it rounded.
+    """
 
     def __init__(self, spec, dtype: str, slot_dtype: str):
         super().__init__(spec)
         self.dtype, self.slot_dtype = dtype, slot_dtype
+        self.master = bool(self.config["multi_precision"]) and dtype != "float32"
+
+    @property
+    def num_slots(self) -> int:
+        return super().num_slots + int(self.master)
 
     def initial_slots(self, n: int) -> np.ndarray:
+        # The master slot (last) is set by the table: it is the row's value.
         return round_to(super().initial_slots(n), self.slot_dtype)
 
     def update(self, weights, slots, grad, step) -> None:
-        super().update(weights, slots, grad, step)
+        if not self.master:
+            super().update(weights, slots, grad, step)
+            with np.errstate(all="ignore"):
+                weights[...] = round_to(weights, self.dtype)
+                slots[...] = round_to(slots, self.slot_dtype)
+            return
+        master, optimizer_slots = slots[-1], slots[:-1]
+        super().update(master, optimizer_slots, grad, step)
         with np.errstate(all="ignore"):
-            weights[...] = round_to(weights, self.dtype)
-            slots[...] = round_to(slots, self.slot_dtype)
+            weights[...] = round_to(master, self.dtype)
+            optimizer_slots[...] = round_to(optimizer_slots, self.slot_dtype)
 
 
 class ReferenceHalfTable(ReferenceTable):
@@ -1241,6 +1262,12 @@ class ReferenceHalfTable(ReferenceTable):
     exactly, the optimizer runs in float32, and every write rounds to nearest,
     ties to even, once: initial values and slots, each update's result,
     assigned rows, written state. A result that rounds to inf overflows.
+
+    With multi_precision in the optimizer, each row also keeps a float32
+    master copy, its last slot: a new row's is its float32 initial value, an
+    assigned row's the given values, and set_optimizer makes one from the
+    stored values (keeping one the table had). Updates run on the master and
+    store it rounded.
     """
 
     def __init__(
@@ -1251,17 +1278,38 @@ class ReferenceHalfTable(ReferenceTable):
         self.optimizer = _RoundingOptimizer(optimizer, dtype, slot_dtype)
 
     def set_optimizer(self, optimizer) -> None:
+        had_master = self.optimizer.master
+        masters = {key: (slots[-1] if had_master else row) for key, slots, row in self._rows()}
         super().set_optimizer(optimizer)
         self.optimizer = _RoundingOptimizer(optimizer, self.dtype, self.slot_dtype)
         for key in self.slots:
             self.slots[key] = self.optimizer.initial_slots(self.dim)
+            if self.optimizer.master:
+                self.slots[key][-1] = masters[key]
+
+    def _rows(self):
+        return [(key, self.slots[key], self.rows[key]) for key in self.rows]
 
     def initial_values(self, keys):
         return round_to(super().initial_values(keys), self.dtype)
 
     def _insert(self, key: int) -> None:
         super()._insert(key)
+        if self.optimizer.master:
+            self.slots[key][-1] = self.rows[key]
         self.rows[key] = round_to(self.rows[key], self.dtype)
 
     def assign(self, keys, values) -> None:
-        super().assign(keys, round_to(np.asarray(values, np.float32), self.dtype))
+        values = np.asarray(values, np.float32)
+        super().assign(keys, round_to(values, self.dtype))
+        if self.optimizer.master:
+            for key, row in zip(_keys_list(keys), values):
+                self.slots[key][-1] = row
+
+    def write_state(self, keys, values, slots, steps) -> None:
+        super().write_state(
+            keys, round_to(np.asarray(values, np.float32), self.dtype), slots, steps
+        )
+        for key in _keys_list(keys):
+            n = self.optimizer.num_slots - int(self.optimizer.master)
+            self.slots[key][:n] = round_to(self.slots[key][:n], self.slot_dtype)

@@ -46,6 +46,8 @@ def optimizer_specs(draw):
         spec["momentum"] = draw(st.sampled_from([0.0, 0.9]))
     if kind == "adam":
         spec["step_mode"] = draw(st.sampled_from(["row", "table"]))
+    if draw(st.booleans()):
+        spec["multi_precision"] = True
     return spec
 
 
@@ -118,7 +120,19 @@ def test_half_table_matches_the_reference_and_the_float32_table(case):
     keys = np.arange(-4, 13, dtype=np.int64)
     got, ref_rows = table.lookup(keys), ref.lookup(keys)
     np.testing.assert_allclose(got, ref_rows, rtol=0, atol=_bound(dtype, scale, 2))
-    if slot_dtype == "float32" and case["optimizer"]["kind"] in (None, "sgd", "adagrad", "adam"):
+    if case["optimizer"].get("multi_precision"):
+        # The master copy is the float32 table's row (the same math from the same start,
+        # slots aside), and the 16-bit value is it rounded once.
+        assert table.num_slots == ref.num_slots == wide.num_slots + 1
+        stored = np.array(sorted(ref.rows), np.int64)
+        master = table.read_state(stored)[1][:, -1]
+        np.testing.assert_array_equal(table.lookup(stored), reference.round_to(master, dtype))
+        np.testing.assert_allclose(
+            master, ref.read_state(stored)[1][:, -1], rtol=0, atol=_bound(dtype, scale, 2)
+        )
+        if slot_dtype == "float32":
+            np.testing.assert_array_equal(master, wide.lookup(stored))
+    elif slot_dtype == "float32" and case["optimizer"]["kind"] in (None, "sgd", "adagrad", "adam"):
         # Their slots depend on the gradients only, so the 16-bit table is the float32 one
         # up to one rounding of the value per write.
         np.testing.assert_allclose(
@@ -274,6 +288,144 @@ def test_multi_precision_keeps_a_float32_master(kv):
     # Without a master the tiny steps round away; with one they add up (1 + 1e-3).
     np.testing.assert_array_equal(kv.pull(plain), np.ones(4, np.float16))
     assert float(kv.pull(key)[0]) == float(np.float16(np.float32(1) + np.float32(1e-4) * 10))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_multi_precision_sparse_rows_keep_a_float32_master(dtype):
+    """Ten steps of 1e-4 add up on a 16-bit table with multi_precision, and round away
+    without (MXNet's float16 row_sparse weights), in the core as in the NumPy model."""
+    sgd = {"kind": "sgd", "learning_rate": 1.0}
+    tables = {}
+    for multi in (False, True):
+        spec = dict(sgd, multi_precision=True) if multi else sgd
+        args = (4, {"kind": "zeros"}, spec, 0)
+        tables[multi] = (
+            _core.Table(*args, dtype=dtype),
+            reference.ReferenceHalfTable(*args, dtype=dtype),
+        )
+    keys = np.array([3, -7], np.int64)
+    for table, ref in tables.values():
+        for grad in [-1.0] + [-1e-4] * 10:
+            for t in (table, ref):
+                t.apply_gradients(keys, np.full((2, 4), grad, np.float32))
+        np.testing.assert_array_equal(table.lookup(keys), ref.lookup(keys))
+    total = np.float32(1)
+    for _ in range(10):
+        total = total + np.float32(1e-4)
+    plain, multi = tables[False][0], tables[True][0]
+    assert plain.num_slots == 0 and multi.num_slots == 1
+    np.testing.assert_array_equal(plain.lookup(keys), np.ones((2, 4), np.float32))
+    np.testing.assert_array_equal(
+        multi.lookup(keys), reference.round_to(np.full((2, 4), total), dtype)
+    )
+    if dtype == "float16":
+        assert multi.lookup(keys)[0, 0] > 1  # bfloat16's ulp (2**-7) is too coarse for 1e-3
+    # The master is the last slot of the state: read, written, and a float32 table has none.
+    values, slots, steps = multi.read_state(keys)
+    np.testing.assert_array_equal(slots[:, -1], np.full((2, 4), total))
+    other = _core.Table(4, {"kind": "zeros"}, dict(sgd, multi_precision=True), 0, dtype=dtype)
+    other.write_state(keys, values, slots, steps)
+    for t in (multi, other):
+        t.apply_gradients(keys, np.full((2, 4), -1e-4, np.float32))
+    np.testing.assert_array_equal(other.read_state(keys)[1], multi.read_state(keys)[1])
+    np.testing.assert_array_equal(other.lookup(keys), multi.lookup(keys))
+    # The two-step push of multi-table requests: a cancel puts the masters back too.
+    before = multi.read_state(keys)
+    multi.begin_push(np.append(keys, 11), np.full((3, 4), -1e-4, np.float32))
+    multi.cancel_push()
+    for got, was in zip(multi.read_state(keys), before):
+        np.testing.assert_array_equal(got, was)
+    assert len(multi) == 2
+    multi.begin_push(np.append(keys, 11), np.full((3, 4), -1e-4, np.float32))
+    multi.finish_push()
+    other.apply_gradients(np.append(keys, 11), np.full((3, 4), -1e-4, np.float32))
+    all_keys = np.append(keys, 11)
+    for got, want in zip(multi.read_state(all_keys), other.read_state(all_keys)):
+        np.testing.assert_array_equal(got, want)
+    wide = _core.Table(4, {"kind": "zeros"}, dict(sgd, multi_precision=True), 0)
+    assert wide.num_slots == 0
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_multi_precision_master_of_new_assigned_and_reoptimized_rows(dtype):
+    init = {"kind": "uniform", "a": -1.0, "b": 1.0}
+    adam = {"kind": "adam", "learning_rate": 1e-3, "multi_precision": True}
+    table = _core.Table(8, init, adam, 5, dtype=dtype)
+    ref = reference.ReferenceHalfTable(8, init, adam, 5, dtype=dtype)
+    wide = _core.Table(8, init, adam, 5)
+    rng = np.random.default_rng(2)
+    keys = np.arange(6, dtype=np.int64)
+    assigned = rng.standard_normal((2, 8)).astype(np.float32)
+    for t in (table, ref, wide):
+        t.lookup_or_insert(keys[:2])  # a new row's master: its float32 initial value
+        t.assign(keys[2:4], assigned)  # an assigned row's: the values given
+    for _ in range(5):
+        grads = rng.standard_normal((6, 8)).astype(np.float32)
+        for t in (table, ref, wide):
+            t.apply_gradients(keys, grads)  # rows 4 and 5 are new in the push
+    # The master runs the float32 table's math exactly; the value is it rounded once.
+    master = table.read_state(keys)[1][:, -1]
+    np.testing.assert_array_equal(master, wide.lookup(keys))
+    np.testing.assert_array_equal(table.lookup(keys), reference.round_to(master, dtype))
+    np.testing.assert_allclose(master, ref.read_state(keys)[1][:, -1], rtol=1e-6, atol=1e-7)
+    # set_optimizer keeps a master it has; turning multi_precision on makes one from the
+    # stored values, and off drops it.
+    table.set_optimizer(dict(adam, learning_rate=0.5))
+    np.testing.assert_array_equal(table.read_state(keys)[1][:, -1], master)
+    table.set_optimizer({"kind": "sgd", "learning_rate": 1.0})
+    assert table.num_slots == 0
+    stored = table.lookup(keys)
+    table.set_optimizer({"kind": "sgd", "learning_rate": 1.0, "multi_precision": True})
+    np.testing.assert_array_equal(table.read_state(keys)[1][:, 0], stored)
+    # An update that rounds to inf overflows, with the master put back too.
+    if dtype == "float16":
+        before = table.read_state(keys)
+        with pytest.raises(errors.UpdateOverflow, match="float16"):
+            table.apply_gradients(keys[:1], np.full((1, 8), -70000.0, np.float32))
+        for got, was in zip(table.read_state(keys), before):
+            np.testing.assert_array_equal(got, was)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_multi_precision_sparse_table_in_stores(kv, dtype, tmp_path):
+    key, plain = fresh("ms"), fresh("ms")
+    sgd = optimizers.SGD(learning_rate=1.0, multi_precision=True)
+    zeros = initializers.Zeros()
+    kv.init(key, kvsparse.SparseTable(4, initializer=zeros, optimizer=sgd, dtype=dtype))
+    kv.init(
+        plain,
+        kvsparse.SparseTable(
+            4, initializer=zeros, optimizer=optimizers.SGD(learning_rate=1.0), dtype=dtype
+        ),
+    )
+    ids = np.array([1, 2**40, -5])
+    tiny = np.full((3, 4), -1e-4, np.float32)
+    kv.push([key, plain], [(ids, np.full((3, 4), -1.0, np.float16))] * 2)
+    for _ in range(5):
+        kv.push([key, plain], [(ids, tiny)] * 2)
+    np.testing.assert_array_equal(kv.row_sparse_pull(plain, row_ids=ids), np.ones((3, 4)))
+    kv.save(str(tmp_path / "ckpt"))
+    states = str(tmp_path / "states.npz")
+    kv.save_optimizer_states(states)
+    for _ in range(5):
+        kv.push(key, (ids, tiny))
+    after = kv.row_sparse_pull(key, row_ids=ids)
+    total = np.float32(1)
+    for _ in range(10):
+        total = total + np.float32(1e-4)
+    np.testing.assert_array_equal(
+        after.astype(np.float32), reference.round_to(np.full((3, 4), total), dtype)
+    )
+    # A checkpoint keeps the master: the five steps after a load land where they did.
+    kv.load(str(tmp_path / "ckpt"))
+    for _ in range(5):
+        kv.push(key, (ids, tiny))
+    np.testing.assert_array_equal(kv.row_sparse_pull(key, row_ids=ids), after)
+    # So do the optimizer states (MXNet keeps its float32 copy there too).
+    kv.load_optimizer_states(states)
+    for _ in range(5):
+        kv.push(key, (ids, tiny))
+    np.testing.assert_array_equal(kv.row_sparse_pull(key, row_ids=ids), after)
 
 
 def test_checkpoint_and_export_keep_the_dtype(kv, tmp_path):
