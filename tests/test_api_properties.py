@@ -37,6 +37,12 @@ def _numpy_dtype(name: str):
     return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
+def _contiguous(array, dtype=None) -> np.ndarray:
+    """A C-contiguous copy that keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d:
+    a 0-d id then reached the store as shape (1,) while the model expected ())."""
+    return np.array(array, dtype=dtype, order="C")
+
+
 def _tensor(array: np.ndarray, kind: str, dtype: str):
     """array in the given framework and dtype (NumPy keeps a non-contiguous view as it is)."""
     if kind == "numpy":
@@ -45,11 +51,11 @@ def _tensor(array: np.ndarray, kind: str, dtype: str):
         if dtype in ("uint32", "uint64"):  # torch has no arithmetic on these: NumPy's own
             return array.astype(dtype)
         if dtype == "bfloat16":
-            return torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(torch.bfloat16)
+            return torch.from_numpy(_contiguous(array, np.float32)).to(torch.bfloat16)
         return torch.from_numpy(array.astype(dtype, copy=False))
     if dtype == "bfloat16":
-        return tf.cast(tf.constant(np.ascontiguousarray(array, np.float32)), tf.bfloat16)
-    return tf.constant(np.ascontiguousarray(array).astype(dtype))
+        return tf.cast(tf.constant(_contiguous(array, np.float32)), tf.bfloat16)
+    return tf.constant(_contiguous(array).astype(dtype))
 
 
 def _layout(array: np.ndarray, layout: str) -> np.ndarray:
@@ -176,6 +182,21 @@ def _run(kv, model: Model, call: dict) -> None:
 
 @hypothesis.settings(max_examples=200, deadline=None)
 @hypothesis.given(sequence=st.lists(calls(), min_size=1, max_size=6))
+@hypothesis.example(  # a 0-d TensorFlow id (once made 1-d by the test's own copy)
+    sequence=[
+        {
+            "op": "push",
+            "ids_shape": (),
+            "ids_dtype": "int16",
+            "ids_kind": "tensorflow",
+            "dtype": "bfloat16",
+            "kind": "numpy",
+            "shape": "exact",
+            "layout": "contiguous",
+            "seed": 0,
+        }
+    ]
+)
 def test_every_call_matches_the_reference_or_changes_nothing(sequence):
     kv = kvsparse.create("local")
     try:
