@@ -343,6 +343,30 @@ def unpack_header(frame, *, reply: bool = False) -> Header:
     )
 
 
+def pack_reply(
+    request: Header, num_frames: int, num_items: int, incarnation: int, status: int = 0
+) -> bytes:
+    """The packed header of the reply to request, stamped with the server's incarnation.
+
+    The same bytes as ``stamp_incarnation(request.reply(...).pack(), incarnation)``, in
+    one pack (a successful reply's header, on every request's path).
+    """
+    return HEADER.pack(
+        MAGIC,
+        VERSION,
+        request.op,
+        0,
+        status,
+        request.request_id,
+        request.client_id,
+        request.rank,
+        num_items,
+        request.clock,
+        num_frames,
+        incarnation,
+    )
+
+
 def stamp_incarnation(header_frame, incarnation: int) -> bytes:
     """A packed reply header with its incarnation field set to the server's.
 
@@ -604,6 +628,7 @@ __all__ = [
     "item_wire_dtypes",
     "make_items",
     "parse_items",
+    "pack_reply",
     "parse_message",
     "raise_remote_error",
     "stamp_incarnation",
