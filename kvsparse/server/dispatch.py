@@ -148,8 +148,8 @@ class Dispatcher:
     def finish(self, pending: Pending, result) -> None:
         """Sends pending's reply: a list of payload frames, or (frames, num_items)."""
         frames, num_items = result if isinstance(result, tuple) else (result, 0)
-        header = pending.header.reply(num_frames=len(frames), num_items=num_items)
-        self._complete(pending, [header.pack(), *frames])
+        head = protocol.pack_reply(pending.header, len(frames), num_items, self._incarnation)
+        self._complete(pending, [head, *frames], stamped=True)
 
     def fail(self, pending: Pending, exc: BaseException) -> None:
         """Sends pending's error reply; an unexpected exception's traceback goes to stderr."""
@@ -158,8 +158,12 @@ class Dispatcher:
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         self._complete(pending, protocol.error_reply(pending.header, exc))
 
-    def _complete(self, pending: Pending, frames: list) -> None:
-        self._send(pending.routing, frames)
+    def _complete(self, pending: Pending, frames: list, stamped: bool = False) -> None:
+        """Sends frames (stamped: their header carries the incarnation already), records them."""
+        if stamped:
+            self._send_frames(pending.routing, frames)
+        else:
+            self._send(pending.routing, frames)
         header = pending.header
         self._metrics.observe(_OP_NAMES[header.op], time.perf_counter() - pending.started)
         kept = frames if header.op in MUTATING_OPS else None

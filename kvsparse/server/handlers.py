@@ -223,21 +223,22 @@ class Handlers:
         items, keys = ops.PullSparse.decode_request(header, payload)
         if self._held_by_ssp(header, pending):
             return DEFERRED
-        self._count_items("pull_sparse", items)
-        table_ids = items["table_id"].tolist()
-        entries = [self._state.sparse_entry(t) for t in table_ids]  # all exist before any work
+        described = items.tolist()  # [(table_id, count, dim, flags)]: Python ints, read once
+        count_table = self._metrics.count_table
+        for table_id, count, _, _ in described:
+            count_table("pull_sparse", table_id, count)
+        entries = [self._state.sparse_entry(t) for t, _, _, _ in described]  # all exist first
         # The reply's size is known before any row is made (issue 11, defect 16), in the
         # dtype each item's rows travel in (2 bytes an element with a 16-bit wire_dtype).
-        element_bytes = [
-            np.dtype(protocol.WIRE_FRAME_DTYPES[d]).itemsize
-            for d in protocol.item_wire_dtypes(items)
-        ]
         self._limits.check_pull(
             pending.routing,
-            [(k.size, e.table.dim * b) for e, k, b in zip(entries, keys, element_bytes)],
+            [
+                (k.size, e.table.dim * protocol.item_element_bytes(flags))
+                for e, k, (_, _, _, flags) in zip(entries, keys, described)
+            ],
         )
         # Fresh arrays: safe to hand to ZeroMQ uncopied.
-        rows = [self._state.pull_sparse(table_id, k) for table_id, k in zip(table_ids, keys)]
+        rows = [self._state.pull_sparse(t, k) for (t, _, _, _), k in zip(described, keys)]
         return ops.PullSparse.encode_reply(items, rows)
 
     def _push_sparse(self, header, payload, pending):

@@ -180,12 +180,17 @@ class EventLoop:
             poller.unregister(fd)
             self._watched.pop(fd)()
         if self.socket in events:
+            socket = self.socket
             for _ in range(_BATCH):
                 try:
-                    frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 on_message(frames)
+                # Asked rather than found by a failing recv: raising zmq.Again cost more
+                # than the question, once per wake-up (issue 10).
+                if not socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
         if wake_fd in events:
             try:
                 while self._wake_read.recv(4096):

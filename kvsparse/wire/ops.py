@@ -49,7 +49,9 @@ from kvsparse.wire.protocol import (
     FLAG_DECLARE,
     FLAG_MONITOR,
     ITEM_DTYPE_MASK,
+    ITEM_DTYPE_SHIFT,
     ITEM_FLAG_STEP,
+    WIRE_DTYPE_NAMES,
     WIRE_FRAME_DTYPES,
     Header,
     Op,
@@ -557,15 +559,13 @@ class PullSparse(_Codec):
         array); float32 rows are sent uncopied.
         """
         reply_items = items.copy()
-        frames = []
-        for index, (item_rows, wire_dtype) in enumerate(
-            zip(rows, protocol.item_wire_dtypes(items))
-        ):
-            reply_items["dim"][index] = item_rows.shape[1]
+        reply_items["dim"] = [item_rows.shape[1] for item_rows in rows]
+        frames = [reply_items]
+        for item_rows, wire_dtype in zip(rows, protocol.item_wire_dtypes(items)):
             frames.append(
                 item_rows if wire_dtype == "float32" else _core.narrow(item_rows, wire_dtype)
             )
-        return Reply([reply_items, *frames], len(rows))
+        return Reply(frames, len(rows))
 
     @classmethod
     def decode_reply(cls, header: Header, payload, requested: Sequence) -> list:
@@ -669,13 +669,13 @@ class PushSparse(_Codec):
         """
         items = _request_items(header, payload, 2, "PUSH_SPARSE")
         entries = []
-        dtypes = protocol.item_wire_dtypes(items)
         for i, (table_id, count, dim, item_flags) in enumerate(items.tolist()):
-            keys, rows = _keys_and_rows(payload, i, count, dim, dtypes[i], "PUSH_SPARSE")
-            if dtypes[i] != "float32":
-                rows = _core.widen(rows, dtypes[i])
+            wire_dtype = WIRE_DTYPE_NAMES[item_flags >> ITEM_DTYPE_SHIFT]
+            keys, rows = _keys_and_rows(payload, i, count, dim, wire_dtype, "PUSH_SPARSE")
+            if wire_dtype != "float32":
+                rows = _core.widen(rows, wire_dtype)
             step = bool(item_flags & ITEM_FLAG_STEP)
-            entries.append(SparsePush(table_id, keys, rows, step, dtypes[i]))
+            entries.append(SparsePush(table_id, keys, rows, step, wire_dtype))
         return PushSparseRequest(items, entries)
 
 
