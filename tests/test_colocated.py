@@ -304,9 +304,9 @@ print(json.dumps({"waited": waited, "rows": rows.tolist(), "kind": type(backend)
 
 
 def test_colocated_bsp_push_waits_for_every_worker_and_applies_the_sum_once(tmp_path):
-    from kvsparse.cluster.launch import _free_port
+    from kvsparse.cluster.launch import free_port
 
-    peers = [f"tcp://127.0.0.1:{_free_port('127.0.0.1')}" for _ in range(2)]
+    peers = [f"tcp://127.0.0.1:{free_port('127.0.0.1')}" for _ in range(2)]
     outputs = run_workers(
         BSP_SCRIPT, peers, 2, tmp_path, timeout=120, env={"KVSPARSE_PEERS": ",".join(peers)}
     )

@@ -23,7 +23,13 @@ SOURCE_DIRECTORIES = ("kvsparse", "adapters")
 # path -> the functions in it that may touch the environment (None: the whole module).
 ALLOWED = {
     "kvsparse/config.py": None,
-    "kvsparse/cluster/process.py": {"worker_environment", "server_environment"},
+    # enter_worker_environment: a Ray actor running a colocated worker's code sets its own
+    # environment as kvsparse launch sets a worker's (kvsparse.ray.start_colocated).
+    "kvsparse/cluster/process.py": {
+        "worker_environment",
+        "server_environment",
+        "enter_worker_environment",
+    },
 }
 
 
@@ -152,7 +158,9 @@ MAY_IMPORT = {
     "serving": {"shard", "wire"},
     # "package": process.py finds the installed kvsparse to put it on a server's PYTHONPATH.
     "cluster": {"kvsparse.server.listening", "client", "shard", "wire", "package"},
-    "ray": {"cluster", "client", "kvsparse.server.listening"},
+    # kvsparse.store.colocated: a colocated worker actor closes the stores its code left
+    # open when the code returns, as a worker process's exit does.
+    "ray": {"cluster", "client", "kvsparse.server.listening", "kvsparse.store.colocated"},
     "cli": {"kvsparse", "store", "client", "wire", "shard", "server", "cluster", "serving"},
     "package": {"store"},  # kvsparse/__init__.py: create() and the public names
     "main": {"cli"},  # kvsparse/__main__.py

@@ -266,3 +266,186 @@ def test_restart_dead_starts_a_shard_out_of_restarts_on_its_address(ray_cluster)
         assert infos[0]["pid"] != old["pid"]
         assert all(ping(a, timeout=5.0) for a in addresses)
         assert group.restart_dead() == []
+
+
+# -- colocated workers on Ray: each worker actor hosts its shard (issue 14) ----------------
+
+
+def _colocated_job():
+    """The training code of a worker, the same for dist_sparse tasks and colocated actors.
+
+    `steps` BSP steps: each rank pushes gradients of its own (seeded by rank
+    and step) for overlapping ids of table 'emb' (Adagrad) and for dense key
+    'w', fused in one push. It returns the rows of every id, 'w', its
+    backend's class and KVSPARSE_RESTARTED.
+    """
+
+    def job(arguments, steps):
+        import numpy as np
+
+        import kvsparse
+        from kvsparse import config
+
+        kv = kvsparse.create("dist_sparse", **arguments)
+        kv.init(
+            "emb",
+            kvsparse.SparseTable(
+                dim=3,
+                initializer=kvsparse.initializers.Uniform(-1.0, 1.0),
+                optimizer=kvsparse.optimizers.Adagrad(learning_rate=0.1),
+                seed=7,
+            ),
+        )
+        kv.init("w", np.linspace(-1.0, 1.0, 6, dtype=np.float32).reshape(2, 3))
+        for step in range(kv.clock, steps):
+            rng = np.random.default_rng(100 * step + kv.rank)
+            ids = rng.integers(-30, 30, size=12)
+            kv.push(
+                ["emb", "w"],
+                [
+                    (ids, rng.standard_normal((12, 3)).astype(np.float32)),
+                    rng.standard_normal((2, 3)).astype(np.float32),
+                ],
+            )
+        kv.barrier()
+        rows = kv.row_sparse_pull("emb", row_ids=np.arange(-30, 30, dtype=np.int64))
+        dense = kv.pull("w")
+        backend = type(kv._backend).__name__
+        kv.close()
+        return rows, dense, backend, config.restarted()
+
+    return job
+
+
+def test_colocated_on_ray_gives_the_tables_of_dist_sparse_with_as_many_servers(ray_cluster):
+    job = _colocated_job()
+    with kvsparse_ray.start_servers(2, host="127.0.0.1") as servers:
+        task = ray.remote(num_cpus=1)(job)
+        dist = ray.get(
+            [task.remote(servers.store_arguments(rank, 2, timeout=30), 5) for rank in range(2)],
+            timeout=120,
+        )
+    with kvsparse_ray.start_colocated(2, host="127.0.0.1") as group:
+        assert len(set(group.addresses)) == 2
+        assert all(a.startswith("tcp://127.0.0.1:") for a in group.addresses)
+        env = group.environment(1)
+        assert env["KVSPARSE_PEERS"] == ",".join(group.addresses)
+        assert (env["KVSPARSE_RANK"], env["KVSPARSE_NUM_WORKERS"]) == ("1", "2")
+        assert "KVSPARSE_RESTARTED" not in env and "KVSPARSE_REJOIN_WINDOW" not in env
+        infos = group.info()
+        assert [i["address"] for i in infos] == group.addresses
+        # The same code, no arguments: the environment makes it colocated.
+        colocated = group.run(job, {}, 5, timeout=120)
+        # A second job on the same actors binds the same addresses again, as a fresh job.
+        again = group.run(job, {}, 5, timeout=120)
+        actor_pids = [i["actor_pid"] for i in group.info()]
+    assert [r[2] for r in dist] == ["RemoteBackend"] * 2
+    assert [r[2] for r in colocated] == ["ColocatedBackend"] * 2
+    assert [r[3] for r in colocated] == [0, 0]
+    for rows, dense, _, _ in colocated + dist:
+        np.testing.assert_array_equal(rows, dist[0][0])
+        np.testing.assert_array_equal(dense, dist[0][1])
+    # The second job trained on: its tables are the first job's, trained 5 steps more.
+    assert not np.array_equal(again[0][0], colocated[0][0])
+    np.testing.assert_array_equal(again[0][0], again[1][0])
+    assert not _wait_gone(actor_pids), "shutdown() left a worker actor's process"
+
+
+def test_start_colocated_rejects_bad_options(ray_cluster):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(kvsparse.errors.InvalidArgument, match="num_workers"):
+            kvsparse_ray.start_colocated(bad)
+    with pytest.raises(kvsparse.errors.InvalidArgument, match="max_restarts"):
+        kvsparse_ray.start_colocated(2, max_restarts=-2)
+    with pytest.raises(kvsparse.errors.InvalidArgument, match="KVSPARSE_RANK"):
+        kvsparse_ray.start_colocated(2, env={"KVSPARSE_RANK": "1"})
+    with pytest.raises(kvsparse.errors.InvalidArgument, match="staleness"):
+        kvsparse_ray.start_colocated(2, staleness=-1)
+
+
+def _checkpointed_job():
+    """A worker that checkpoints after `save_at` of `steps` SGD steps and may stop there.
+
+    Rank 1, on its first start, writes `markers`/reached after its push of
+    step save_at and waits for `markers`/go (the test kills its actor in
+    between); rank 0 saves a checkpoint after that step and writes
+    `markers`/saved. A restarted rank resumes at kv.clock.
+    """
+
+    def job(steps, save_at, markers):
+        import os
+        import time
+
+        import numpy as np
+
+        import kvsparse
+        from kvsparse import config
+
+        kv = kvsparse.create("dist_sparse", timeout=60)
+        kv.init(
+            "emb",
+            kvsparse.SparseTable(
+                dim=4,
+                initializer=kvsparse.initializers.Zeros(),
+                optimizer=kvsparse.optimizers.SGD(learning_rate=0.5),
+                partitioner=kvsparse.table.RangePartitioner([20]),
+            ),
+        )
+        ids = np.arange(40, dtype=np.int64)
+        gradient = np.full((40, 4), kv.rank + 1, np.float32)
+        resumed = kv.clock
+        for step in range(kv.clock, steps):
+            kv.push("emb", (ids, gradient))
+            if step + 1 != save_at or config.restarted():
+                continue
+            if kv.rank == 0:
+                kv.save()  # into KVSPARSE_CHECKPOINT_DIR
+                open(os.path.join(markers, "saved"), "w").close()
+            else:
+                open(os.path.join(markers, "reached"), "w").close()
+                while not os.path.exists(os.path.join(markers, "go")):
+                    time.sleep(0.05)
+        rows = kv.row_sparse_pull("emb", row_ids=ids)
+        kv.close()
+        return rows, resumed, config.restarted()
+
+    return job
+
+
+def test_a_killed_colocated_worker_actor_restarts_on_its_shard_from_the_checkpoint(
+    ray_cluster, tmp_path
+):
+    checkpoints, markers = tmp_path / "checkpoints", tmp_path / "markers"
+    markers.mkdir()
+    steps, save_at = 6, 3
+    group = kvsparse_ray.start_colocated(
+        2, host="127.0.0.1", max_restarts=2, checkpoint_dir=str(checkpoints), retry_window=60
+    )
+    try:
+        env = group.environment(0)
+        assert env["KVSPARSE_CHECKPOINT_DIR"] == str(checkpoints)
+        assert float(env["KVSPARSE_REJOIN_WINDOW"]) == float(env["KVSPARSE_RETRY_WINDOW"]) == 60
+        refs = group.submit(_checkpointed_job(), steps, save_at, str(markers))
+        assert _wait_for(
+            lambda: (markers / "saved").exists() and (markers / "reached").exists(), 120
+        ), ray.get(refs, timeout=1)
+        old = group.info()[1]
+        # Rank 1's actor dies with its shard (steps 1-3 of both ranks); Ray restarts it on
+        # the same address and runs its call again, which restores the checkpoint.
+        ray.kill(group.actors[1], no_restart=False)
+        assert not _wait_gone([old["actor_pid"]]), "the killed worker actor's process lives"
+        (markers / "go").touch()
+        results = ray.get(refs, timeout=180)
+        infos = group.info()
+    finally:
+        group.shutdown()
+    assert [i["restarts"] for i in infos] == [0, 1]
+    assert [i["address"] for i in infos] == group.addresses
+    assert infos[1]["actor_pid"] != old["actor_pid"]
+    # Rank 1 restarted once and resumed at the last step it pushed (redone, to no shard:
+    # both held it); rank 0 ran on. Without the checkpoint, shard 1 (ids >= 20) would have
+    # lost steps 1-3: every push acknowledged before the checkpoint is applied once.
+    assert [(r[1], r[2]) for r in results] == [(0, 0), (save_at - 1, 1)]
+    expected = np.full((NUM_IDS, 4), -LEARNING_RATE * 3 * steps, np.float32)
+    for rows, _, _ in results:
+        np.testing.assert_allclose(rows, expected, rtol=1e-6)

@@ -133,7 +133,19 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _check_extra_environment(extra: Optional[Mapping[str, str]]) -> dict:
+def check_worker_variables(extra: Optional[Mapping[str, str]]) -> dict:
+    """A copy of extra (variables for the workers), checked; None gives {}.
+
+    Raises:
+        InvalidArgument: a bad name, a value that is not a str, a variable
+            the launcher sets itself (server list, rank, ...), or DMLC_ROLE.
+
+    Thread-safe.
+
+    Example:
+        >>> check_worker_variables({'OMP_NUM_THREADS': '4'})
+        {'OMP_NUM_THREADS': '4'}
+    """
     extra = dict(extra or {})
     for key, value in extra.items():
         if not isinstance(key, str) or not key or "=" in key:
@@ -235,7 +247,7 @@ class _Cluster:
                 process.ipc_bind_address(self.socket_directory, f"worker-{index}")
                 for index in range(count)
             ]
-        return [config.format_address(host, _free_port(host)) for _ in range(count)]
+        return [config.format_address(host, free_port(host)) for _ in range(count)]
 
     def start_servers(
         self, count: int, host: str, startup_timeout: float, transport: str = "tcp"
@@ -494,8 +506,12 @@ def _signals_stop(cluster: _Cluster) -> Iterator[None]:
             signal.signal(s, h)
 
 
-def _free_port(host: str) -> int:
-    """A tcp port of host that is free now (bound to port 0, then released)."""
+def free_port(host: str) -> int:
+    """A tcp port of host that is free now (bound to port 0, then released). Thread-safe.
+
+    Another process may take it before the caller binds it (a race ``kvsparse
+    launch --colocated`` accepts: a worker that cannot bind says so).
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
@@ -650,7 +666,7 @@ def launch(
     command = [os.fspath(part) for part in command] if command is not None else []
     if not command:
         raise errors.InvalidArgument("launch needs a worker command, e.g. ['python', 'train.py']")
-    extra = _check_extra_environment(env)
+    extra = check_worker_variables(env)
     for name, value in (("startup_timeout", startup_timeout), ("grace_period", grace_period)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise errors.InvalidArgument(f"{name} must be a number of seconds >= 0, got {value!r}")
@@ -761,4 +777,4 @@ def local_cluster(
         cluster.stop()
 
 
-__all__ = ["launch", "local_cluster"]
+__all__ = ["check_worker_variables", "free_port", "launch", "local_cluster"]

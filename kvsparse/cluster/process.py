@@ -268,6 +268,28 @@ def server_environment(base: Optional[Mapping[str, str]] = None) -> dict:
     return env
 
 
+def enter_worker_environment(variables: Mapping[str, str]) -> None:
+    """Makes this process's own environment a worker's: the rule above, then variables.
+
+    For a process that kvsparse did not start but that runs a worker's code
+    (a Ray actor of `kvsparse.ray.start_colocated`): the variables it
+    inherited that place a process (a previous job's rank, say) go, and
+    variables (the ``KVSPARSE_*`` of this job) are set, so that
+    ``kvsparse.create('dist_sparse')`` there sees what it would see in a
+    worker that ``kvsparse launch`` started.
+
+    Not thread-safe: call it while no other thread of the process reads the
+    environment.
+
+    Example:
+        >>> enter_worker_environment({'KVSPARSE_RANK': '1'})  # doctest: +SKIP
+    """
+    for name in config.FOREIGN_ROLE_VARIABLES + PLACEMENT_VARIABLES:
+        os.environ.pop(name, None)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.update(variables)
+
+
 class LineWriter:
     """Writes whole lines from several threads to one text stream, each with a prefix.
 
@@ -579,6 +601,7 @@ __all__ = [
     "checkpoint_root_arguments",
     "restore_arguments",
     "server_command",
+    "enter_worker_environment",
     "server_environment",
     "socket_directory",
     "start_server",

@@ -149,11 +149,17 @@ class ColocatedBackend(RemoteBackend):
         Skips the barrier when the process is dying of an uncaught exception.
         Idempotent; a failed barrier (a worker that left) is reported on stderr.
         """
+        self._close(barrier=not _crash.happened)
+
+    def _close(self, barrier: bool) -> None:
         if self._closed:
             return
         self._closed = True
+        with _open_lock:
+            _open_backends.discard(self)
+        atexit.unregister(self.close)
         try:
-            if not _crash.happened:
+            if barrier:
                 self.barrier()
         except errors.KVSparseError as exc:
             print(
@@ -191,6 +197,33 @@ class _CrashWatch:
 
 
 _crash = _CrashWatch()
+# The stores of this process not closed yet (what its exit would close): see close_open_stores.
+_open_backends: set = set()
+_open_lock = threading.Lock()
+
+
+def close_open_stores(crashed: bool = False) -> int:
+    """Closes this process's colocated stores that are still open, as its exit would.
+
+    For a worker that runs the training code in a process that goes on
+    living after it (a Ray actor, `kvsparse.ray.start_colocated`): when the
+    code returns, each open store closes as at exit (a barrier with the other
+    workers, then its shard stops serving); with crashed (the code raised),
+    without the barrier, and the requests of other workers that wait for
+    this rank fail at once, as when a worker process dies of an exception.
+
+    Returns how many stores it closed. Thread-safe (each store closes once).
+
+    Example:
+        >>> close_open_stores()  # doctest: +SKIP
+        1
+    """
+    with _open_lock:
+        backends = list(_open_backends)
+        _open_backends.clear()
+    for backend in backends:
+        backend._close(barrier=not crashed)
+    return len(backends)
 
 
 def _has_checkpoint(path: str) -> bool:
@@ -304,7 +337,14 @@ def create_colocated_backend(
     _crash.install()
     # A strong reference: the shard must outlive this worker's use of it (others need it).
     atexit.register(backend.close)
+    with _open_lock:
+        _open_backends.add(backend)
     return backend
 
 
-__all__ = ["DEFAULT_STARTUP_TIMEOUT", "ColocatedBackend", "create_colocated_backend"]
+__all__ = [
+    "DEFAULT_STARTUP_TIMEOUT",
+    "ColocatedBackend",
+    "close_open_stores",
+    "create_colocated_backend",
+]
