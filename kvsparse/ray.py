@@ -1040,10 +1040,8 @@ def start_colocated(
             f"max_restarts must be an integer >= 0, or -1 (forever), got {max_restarts!r}"
         )
     extra = check_worker_variables(env)
-    # Checked now, with placeholder addresses, so a bad value fails before anything starts.
-    cluster_config.ClusterConfig(
-        ["tcp://127.0.0.1:1"] * num_workers, 0, num_workers, worker_timeout, staleness
-    )
+    # Checked now, with a placeholder address, so a bad value fails before anything starts.
+    cluster_config.ClusterConfig(["tcp://127.0.0.1:1"], 0, num_workers, worker_timeout, staleness)
     if retry_window is None and max_restarts != 0:
         retry_window = DEFAULT_RETRY_WINDOW
     if retry_window is not None and (
