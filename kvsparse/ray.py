@@ -47,6 +47,18 @@ declare their tables again and resend the request in flight: training goes
 on from the checkpoint (pushes after it are lost). A shard whose actor ran
 out of restarts is started again by `ServerGroup.restart_dead`.
 
+Colocated workers (issue 14). `start_colocated` is ``kvsparse launch
+--colocated`` on Ray: one `ColocatedWorker` actor per worker, whose shard
+address (a free port of its node) is kept in the same registry; its
+`ColocatedGroup.submit` runs the training code in every actor with the
+``KVSPARSE_*`` variables of a launched colocated worker, so that the code's
+``kvsparse.create('dist_sparse')`` hosts the actor's shard. With
+``max_restarts``, an actor that Ray restarts runs its call again, binds the
+same address and restores its shard from ``checkpoint_dir`` (as
+``--restart-workers``)::
+
+    results = kvsparse.ray.run_colocated(train, 2, args=(epochs,))
+
 The server process is tied to its actor: it gets SIGKILL when the actor's
 process dies (Linux ``PR_SET_PDEATHSIG``), and `ServerGroup.shutdown` stops
 the servers, then the actors, then frees the placement group. It is started
