@@ -452,3 +452,72 @@ def test_a_killed_colocated_worker_actor_restarts_on_its_shard_from_the_checkpoi
     expected = np.full((NUM_IDS, 4), -LEARNING_RATE * 3 * steps, np.float32)
     for rows, _, _ in results:
         np.testing.assert_allclose(rows, expected, rtol=1e-6)
+
+
+def _failing_job():
+    """Rank 1 raises at step 3 of 5; rank 0 pushes on (its push of step 3 waits for rank 1)."""
+
+    def job():
+        import numpy as np
+
+        import kvsparse
+
+        kv = kvsparse.create("dist_sparse", timeout=60)
+        kv.init("emb", kvsparse.SparseTable(dim=2))
+        ids = np.arange(40, dtype=np.int64)
+        for step in range(5):
+            if kv.rank == 1 and step == 3:
+                raise RuntimeError("rank 1 fails")
+            kv.push("emb", (ids, np.ones((40, 2), np.float32)))
+        return kv.rank
+
+    return job
+
+
+def test_a_colocated_worker_actor_that_raises_fails_the_others_and_the_job(ray_cluster):
+    with kvsparse_ray.start_colocated(2, host="127.0.0.1") as group:
+        started = time.monotonic()
+        refs = group.submit(_failing_job())
+        with pytest.raises(ray.exceptions.RayTaskError, match="rank 1 fails"):
+            ray.get(refs[1], timeout=60)
+        with pytest.raises(ray.exceptions.RayTaskError) as failed:
+            ray.get(refs[0], timeout=60)
+        # Rank 1's stores closed without the barrier as its code raised: rank 0 hears it
+        # from its own shard (rank 1 left) or from rank 1's (closed), not at its 60 s timeout.
+        assert time.monotonic() - started < 30
+        error = str(failed.value)
+        assert ("WorkerLeft" in error and "rank 1" in error) or (
+            "ServerUnavailable" in error and group.addresses[1] in error
+        ), error
+        # The actors live on (an exception is no process death) and run the next job;
+        # one job at a time.
+        refs = group.submit(_sleeping_job(), 2.0)
+        with pytest.raises(kvsparse.errors.InvalidArgument, match="still runs"):
+            group.submit(_sleeping_job(), 0.0)
+        assert ray.get(refs, timeout=60) == [2.0, 2.0]
+
+
+def _sleeping_job():
+    def job(seconds):
+        import time
+
+        time.sleep(seconds)
+        return seconds
+
+    return job
+
+
+def test_run_colocated_returns_each_ranks_result_and_ends_its_actors(ray_cluster):
+    def job(scale):
+        import kvsparse
+        from kvsparse import config
+
+        kv = kvsparse.create("dist_sparse")
+        kv.close()
+        return scale * kv.rank, config.colocated_peers()
+
+    results = kvsparse_ray.run_colocated(job, 2, args=(10,), host="127.0.0.1")
+    assert [r[0] for r in results] == [0, 10]
+    assert results[0][1] == results[1][1] and len(set(results[0][1])) == 2
+    with pytest.raises(kvsparse.errors.InvalidArgument):
+        kvsparse_ray.find_servers(name_prefix=kvsparse_ray.WORKER_NAME_PREFIX)
