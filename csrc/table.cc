@@ -37,9 +37,6 @@ int64_t RowsPerChunkLog2(int64_t row_floats) {
 
 std::string KeyText(int64_t key) { return std::to_string(key); }
 
-// Whether x[0..n) holds no inf or NaN (batch.h's vectorized bit test).
-bool AllFinite(const float* x, int64_t n) { return AllFiniteFloats(x, n); }
-
 // Values and slots of one row as float32, for tables that store 16-bit rows:
 // the most slots an optimizer keeps is 3 (centered RMSProp with momentum).
 constexpr int64_t kMaxRowStateFloats = kMaxDim * 4;
@@ -832,7 +829,7 @@ int64_t EmbeddingTable::ComputeFreshRows(PushPlan* plan, bool skipping) {
                       values_.Round(w);
                       slots_.Round(w + dim);
                     }
-                    p.fresh_overflows[i + k] = !AllFinite(w, stride);
+                    p.fresh_overflows[i + k] = !AllFiniteFloats(w, stride);
                   }
                 }
               });
@@ -918,7 +915,7 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
         values_.Round(w);
         slots_.Round(slots);
       }
-      if (!AllFinite(w, dim) || !AllFinite(slots, slot_floats)) {
+      if (!AllFiniteFloats(w, dim) || !AllFiniteFloats(slots, slot_floats)) {
         RestoreRow(row, saved, meta);
         p.overflows[e] = 1;
         overflowed = true;

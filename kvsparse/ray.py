@@ -333,6 +333,20 @@ class _Shard:
     arguments: dict
 
 
+def _wait_gone(actors: list, timeout: float = 30.0) -> None:
+    """Waits (at most timeout seconds in all) until every actor's `info` call fails: gone."""
+    deadline = time.monotonic() + timeout
+    for actor in actors:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.info.remote(), timeout=1.0)
+            except ray.exceptions.RayActorError:
+                break
+            except ray.exceptions.GetTimeoutError:
+                continue
+            time.sleep(0.1)
+
+
 class ServerGroup:
     """The server actors started by `start_servers`; use `shutdown` (or ``with``) to stop them.
 
@@ -518,16 +532,7 @@ class ServerGroup:
             ray.kill(shard.actor, no_restart=True)
             _registry_delete(actor_name(index, self.name_prefix), self.namespace)
         # ray.kill is asynchronous: wait until the actors are gone before the bundles go.
-        deadline = time.monotonic() + 30
-        for shard in self._shards:
-            while time.monotonic() < deadline:
-                try:
-                    ray.get(shard.actor.info.remote(), timeout=1.0)
-                except ray.exceptions.RayActorError:
-                    break
-                except ray.exceptions.GetTimeoutError:
-                    continue
-                time.sleep(0.1)
+        _wait_gone([shard.actor for shard in self._shards])
         remove_placement_group(self.placement_group)
 
     def __enter__(self):
@@ -949,16 +954,7 @@ class ColocatedGroup:
             ray.kill(actor, no_restart=True)
             _registry_delete(actor_name(rank, self.name_prefix), self.namespace)
         # ray.kill is asynchronous: wait until the actors are gone before the bundles go.
-        deadline = time.monotonic() + 30
-        for actor in self.actors:
-            while time.monotonic() < deadline:
-                try:
-                    ray.get(actor.info.remote(), timeout=1.0)
-                except ray.exceptions.RayActorError:
-                    break
-                except ray.exceptions.GetTimeoutError:
-                    continue
-                time.sleep(0.1)
+        _wait_gone(self.actors)
         remove_placement_group(self.placement_group)
 
     def __enter__(self):

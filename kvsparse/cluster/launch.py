@@ -221,33 +221,28 @@ class _Cluster:
 
     def _bind_addresses(self, count: int, transport: str, host: str) -> list[str]:
         if transport == "ipc":
-            try:
-                self.socket_directory = process.socket_directory()
-            except OSError as exc:
-                raise errors.InvalidArgument(
-                    f"cannot make a directory for the ipc sockets: {exc}"
-                ) from None
-            return [
-                process.ipc_bind_address(self.socket_directory, f"server-{index}")
-                for index in range(count)
-            ]
+            return self._ipc_addresses("server", count)
         # Port 0: each server picks a free port and says which in its listening line.
         return [config.format_address(host, 0)] * count
 
     def colocated_addresses(self, count: int, transport: str, host: str) -> list[str]:
         """The shard address of each colocated worker (see `launch`'s ``colocated``)."""
         if transport == "ipc":
-            try:
-                self.socket_directory = process.socket_directory()
-            except OSError as exc:
-                raise errors.InvalidArgument(
-                    f"cannot make a directory for the ipc sockets: {exc}"
-                ) from None
-            return [
-                process.ipc_bind_address(self.socket_directory, f"worker-{index}")
-                for index in range(count)
-            ]
+            return self._ipc_addresses("worker", count)
         return [config.format_address(host, free_port(host)) for _ in range(count)]
+
+    def _ipc_addresses(self, role: str, count: int) -> list[str]:
+        """``ipc://`` addresses role-0 .. role-(count-1) in a new private socket directory."""
+        try:
+            self.socket_directory = process.socket_directory()
+        except OSError as exc:
+            raise errors.InvalidArgument(
+                f"cannot make a directory for the ipc sockets: {exc}"
+            ) from None
+        return [
+            process.ipc_bind_address(self.socket_directory, f"{role}-{index}")
+            for index in range(count)
+        ]
 
     def start_servers(
         self, count: int, host: str, startup_timeout: float, transport: str = "tcp"

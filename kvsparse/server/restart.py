@@ -35,22 +35,13 @@ import base64
 import numpy as np
 
 from kvsparse import errors
-from kvsparse.wire.protocol import Op, unpack_header
+from kvsparse.wire.protocol import MUTATING_OPS, Op, unpack_header
 
-# Replies worth keeping: those of requests that change tables. A HELLO is sent again anyway,
-# and a CHECKPOINT reply (a manifest) can be large. A reply over this size is left out (the
-# client's resend then runs again).
-_KEPT_OPS = frozenset(
-    {
-        Op.INIT_SPARSE,
-        Op.INIT_DENSE,
-        Op.SET_OPTIMIZER,
-        Op.PUSH_SPARSE,
-        Op.PUSH_DENSE,
-        Op.ASSIGN_SPARSE,
-        Op.LOAD_OPTIMIZER_STATES,
-    }
-)
+# Replies worth keeping: those of the requests that change a shard (`MUTATING_OPS`, the
+# resend cache's), but for a HELLO (sent again anyway), a BARRIER or an EVICT (nothing to
+# redo wrongly), and a CHECKPOINT (its reply, a manifest, can be large). A reply over
+# _MAX_REPLY_BYTES is left out (the client's resend then runs again).
+_KEPT_OPS = MUTATING_OPS - {Op.HELLO, Op.BARRIER, Op.EVICT, Op.CHECKPOINT}
 _MAX_REPLY_BYTES = 64 * 1024
 
 
