@@ -81,6 +81,11 @@ RESTARTED = "KVSPARSE_RESTARTED"
 # Seconds a colocated shard holds the requests that wait for a worker that left, for it
 # to come back restarted, before they fail with WorkerLeft (0: fail as soon as it left).
 REJOIN_WINDOW = "KVSPARSE_REJOIN_WINDOW"
+# `kvsparse launch --colocated` over tcp: the number of an inherited file descriptor, a tcp
+# socket the launcher bound and listens on at this worker's shard address, which the
+# worker's shard serves (ZMQ_USE_FD) instead of binding the port again: the port is held
+# from before the job starts to its end, restarts included, so no other process can take it.
+SHARD_FD = "KVSPARSE_SHARD_FD"
 # For server processes only.
 BIND = "KVSPARSE_BIND"
 SERVER_ID = "KVSPARSE_SERVER_ID"
@@ -515,6 +520,31 @@ def restarted(environ: Optional[Mapping] = None) -> int:
         value = -1
     if value < 0:
         raise InvalidArgument(f"{RESTARTED} must be an integer >= 0, got {text!r}")
+    return value
+
+
+def shard_fd(environ: Optional[Mapping] = None) -> Optional[int]:
+    """The inherited listening socket of this worker's shard (``KVSPARSE_SHARD_FD``), or None.
+
+    Set by ``kvsparse launch --colocated`` over tcp. Raises InvalidArgument
+    for a value that is not an integer >= 0. Thread-safe.
+
+    Example:
+        >>> shard_fd({"KVSPARSE_SHARD_FD": "5"})
+        5
+        >>> shard_fd({}) is None
+        True
+    """
+    environ = os.environ if environ is None else environ
+    text = _get(environ, SHARD_FD)
+    if text is None:
+        return None
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidArgument(f"{SHARD_FD} must be a file descriptor number >= 0, got {text!r}")
     return value
 
 

@@ -75,6 +75,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -745,8 +746,6 @@ class ColocatedWorker:
     def __init__(
         self, rank: int, num_workers: int, name: str, namespace: str, host: Optional[str] = None
     ):
-        from kvsparse.cluster.launch import free_port
-
         self.rank = rank
         self.num_workers = num_workers
         self.name = name
@@ -754,7 +753,10 @@ class ColocatedWorker:
         record = _registry_get(name, namespace)
         if record is None:
             host = host or ray.util.get_node_ip_address()
-            self.address = cluster_config.format_address(host, free_port(host))
+            # Held from now on, and served by this rank's shard (KVSPARSE_SHARD_FD): no other
+            # process can take the port between the choice and the bind.
+            self._listener = _listen(host, 0)
+            self.address = cluster_config.format_address(host, self._listener.getsockname()[1])
             self.restarts = 0
             record = {"rank": rank, "address": self.address}
         else:
@@ -762,6 +764,11 @@ class ColocatedWorker:
             # rank's shard (on another node, its host is not ours: the bind fails, and says so).
             self.address = record["address"]
             self.restarts = record["restarts"] + 1
+            host, port = self.address[len("tcp://") :].rsplit(":", 1)
+            try:
+                self._listener = _listen(host.strip("[]"), int(port))
+            except OSError:
+                self._listener = None  # the store's own bind says why it cannot have it
         record.update(
             restarts=self.restarts,
             actor_pid=os.getpid(),
@@ -803,6 +810,8 @@ class ColocatedWorker:
         variables = dict(environment)
         if restarted:
             variables[cluster_config.RESTARTED] = str(restarted)
+        if self._listener is not None:
+            variables[cluster_config.SHARD_FD] = str(self._listener.fileno())
         server_process.enter_worker_environment(variables)
         try:
             result = function(*args, **kwargs)
@@ -811,6 +820,12 @@ class ColocatedWorker:
             raise
         colocated.close_open_stores()
         return result
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A tcp socket listening at host:port (port 0: a free one). Raises OSError."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)
 
 
 _ColocatedWorkerActor = ray.remote(ColocatedWorker)

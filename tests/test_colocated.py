@@ -336,6 +336,58 @@ def test_launch_colocated_runs_a_dist_sparse_script_unchanged(tmp_path):
         np.testing.assert_array_equal(np.array(result["rows"]), np.full((50, 2), -3.0))
 
 
+PORT_HELD_SCRIPT = """
+import errno, json, os, socket, time
+import numpy as np
+import kvsparse
+
+rank = int(os.environ["KVSPARSE_RANK"])
+peers = os.environ["KVSPARSE_PEERS"].split(",")
+taken = None
+if rank == 0:
+    # Before worker 1 made its store: its port must already be held for it.
+    host, port = peers[1][len("tcp://"):].rsplit(":", 1)
+    with socket.socket() as intruder:
+        try:
+            intruder.bind((host, int(port)))
+            taken = False
+        except OSError as exc:
+            taken = exc.errno == errno.EADDRINUSE
+else:
+    time.sleep(1.5)
+kv = kvsparse.create("dist_sparse")
+kv.init("emb", kvsparse.SparseTable(dim=2, initializer=kvsparse.initializers.Zeros()))
+kv.set_optimizer(kvsparse.optimizers.SGD(learning_rate=1.0))
+ids = np.arange(20, dtype=np.int64)
+kv.push("emb", (ids, np.ones((20, 2), np.float32)))
+kv.barrier()
+rows = kv.row_sparse_pull("emb", row_ids=ids)
+print(json.dumps({"taken": taken, "fd": os.environ.get("KVSPARSE_SHARD_FD"),
+                  "rows": rows.tolist()}))
+"""
+
+
+def test_launch_colocated_holds_each_shard_port_until_its_worker_serves_it(tmp_path):
+    # The launcher listens on every worker's port and the worker's shard serves that very
+    # socket (KVSPARSE_SHARD_FD): another process cannot take a port in between.
+    script = tmp_path / "train.py"
+    script.write_text(PORT_HELD_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvsparse", "launch", "--colocated", "-n", "2", "--",
+         sys.executable, str(script)],
+        capture_output=True, text=True, env=subprocess_env(), cwd=str(REPO_ROOT), timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = []
+    for rank in (0, 1):
+        lines = [line for line in done.stdout.splitlines() if line.startswith(f"[worker {rank}] ")]
+        results.append(json.loads(lines[-1].split("] ", 1)[1]))
+    assert results[0]["taken"] is True, done.stdout + done.stderr
+    assert all(result["fd"] is not None for result in results)
+    for result in results:  # SGD lr 1 on zeros, BSP: both workers' ones summed
+        np.testing.assert_array_equal(np.array(result["rows"]), np.full((20, 2), -2.0))
+
+
 def test_launch_colocated_refuses_server_options():
     for options in (["-s", "2"], ["--restart-servers"]):
         done = subprocess.run(

@@ -44,9 +44,10 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   directory; ``keep`` (``--keep N``) bounds the delta chain.
 - ``colocated`` (``--colocated``, issue 14): no server processes; worker
   ``r`` hosts shard ``r`` itself (`kvsparse.store.colocated`). The launcher
-  gives each worker a shard address (tcp: a free port of ``host``, found by
-  binding port 0 and releasing it, so another process could take it before
-  the worker binds it; ipc: ``ipc:///tmp/kvsparse-XXXXXXXX/worker-R``) and
+  gives each worker a shard address (tcp: a port of ``host`` the launcher
+  binds and listens on for the whole job, whose socket the worker inherits
+  and serves, ``KVSPARSE_SHARD_FD``, so no other process can take it;
+  ipc: ``ipc:///tmp/kvsparse-XXXXXXXX/worker-R``) and
   sets ``KVSPARSE_PEERS`` (every worker's, in rank order; also as
   ``KVSPARSE_SERVERS``, so that ``kvsparse stats`` finds the shards), with
   which ``kvsparse.create('dist_sparse')`` (or any dist kind) is colocated.
@@ -180,6 +181,8 @@ class _Cluster:
         self.checkpoint_dir: Optional[str] = None
         self.server_env = process.server_environment()
         self.socket_directory: Optional[str] = None  # the ipc sockets' (transport 'ipc')
+        # Colocated over tcp: rank -> the listening socket its shard inherits and serves.
+        self.shard_listeners: dict[int, socket.socket] = {}
         self.restarts: dict[int, int] = {}
         self.restart_workers = False
         self.worker_restarts: dict[int, int] = {}
@@ -226,10 +229,31 @@ class _Cluster:
         return [config.format_address(host, 0)] * count
 
     def colocated_addresses(self, count: int, transport: str, host: str) -> list[str]:
-        """The shard address of each colocated worker (see `launch`'s ``colocated``)."""
+        """The shard address of each colocated worker (see `launch`'s ``colocated``).
+
+        tcp: each port is bound and listened on here, and held until the job
+        ends; worker r inherits its socket (`config.SHARD_FD`) and serves it,
+        so no other process can take the port first, nor while r restarts.
+        """
         if transport == "ipc":
             return self._ipc_addresses("worker", count)
-        return [config.format_address(host, free_port(host)) for _ in range(count)]
+        # Where a worker binds for host (loopback or an IP as is, a name on all interfaces).
+        bind_host = config.peer_bind_address(config.format_address(host, 1))[len("tcp://") :]
+        bind_host = bind_host.rsplit(":", 1)[0].strip("[]")
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        addresses = []
+        for rank in range(count):
+            try:
+                listener = socket.create_server(
+                    ("" if bind_host == "*" else bind_host, 0), family=family, backlog=128
+                )
+            except OSError as exc:
+                raise errors.InvalidArgument(
+                    f"cannot listen on {host} for colocated worker {rank}'s shard: {exc}"
+                ) from None
+            self.shard_listeners[rank] = listener
+            addresses.append(config.format_address(host, listener.getsockname()[1]))
+        return addresses
 
     def _ipc_addresses(self, role: str, count: int) -> list[str]:
         """``ipc://`` addresses role-0 .. role-(count-1) in a new private socket directory."""
@@ -351,10 +375,17 @@ class _Cluster:
             worker_env = dict(env)
             worker_env.update(worker_config.to_environment())
             worker_env.update(extra)
+            listener = self.shard_listeners.get(rank)
+            if listener is not None:
+                worker_env[config.SHARD_FD] = str(listener.fileno())
             self._worker_starts[rank] = (list(command), worker_env, cwd)
             try:
                 child = process.ChildProcess(
-                    command, worker_env, cwd=cwd, **self._relayed("worker", rank)
+                    command,
+                    worker_env,
+                    cwd=cwd,
+                    pass_fds=self._passed_fds(rank),
+                    **self._relayed("worker", rank),
                 )
             except OSError as exc:
                 raise errors.InvalidArgument(
@@ -363,6 +394,11 @@ class _Cluster:
             self.workers.append(child)
             self._watch("worker", rank, child)
             self.log(f"worker {rank} (pid {child.pid}) started: {shlex.join(command)}")
+
+    def _passed_fds(self, rank: int) -> tuple:
+        """The file descriptors worker rank inherits: its shard's listening socket, if any."""
+        listener = self.shard_listeners.get(rank)
+        return (listener.fileno(),) if listener is not None else ()
 
     def restart_worker(self, rank: int) -> bool:
         """Starts colocated worker rank again (``KVSPARSE_RESTARTED`` = its restart count).
@@ -375,7 +411,13 @@ class _Cluster:
         env = dict(env)
         env[config.RESTARTED] = str(count)
         try:
-            child = process.ChildProcess(command, env, cwd=cwd, **self._relayed("worker", rank))
+            child = process.ChildProcess(
+                command,
+                env,
+                cwd=cwd,
+                pass_fds=self._passed_fds(rank),
+                **self._relayed("worker", rank),
+            )
         except OSError as exc:
             self.log(f"cannot start worker {rank} again: {exc}")
             return False
@@ -475,6 +517,9 @@ class _Cluster:
             for child in self.workers + self.servers:
                 child.finish_output(1.0)
         finally:
+            for listener in self.shard_listeners.values():
+                listener.close()
+            self.shard_listeners.clear()
             if self.socket_directory is not None:
                 shutil.rmtree(self.socket_directory, ignore_errors=True)
 
@@ -504,8 +549,8 @@ def _signals_stop(cluster: _Cluster) -> Iterator[None]:
 def free_port(host: str) -> int:
     """A tcp port of host that is free now (bound to port 0, then released). Thread-safe.
 
-    Another process may take it before the caller binds it (a race ``kvsparse
-    launch --colocated`` accepts: a worker that cannot bind says so).
+    Another process may take it before the caller binds it (tests and
+    benchmarks use it; ``kvsparse launch --colocated`` holds its ports instead).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:

@@ -340,6 +340,7 @@ class ChildProcess:
             a Ctrl-C in the terminal reaches only the parent); False: only a
             process group of its own, in the parent's session.
         preexec_fn: run in the child before the command (see `subprocess`).
+        pass_fds: file descriptors the child inherits (see `subprocess`).
 
     Raises:
         OSError: the command cannot be started.
@@ -367,6 +368,7 @@ class ChildProcess:
         cwd: Optional[str] = None,
         new_session: bool = True,
         preexec_fn: Optional[Callable[[], None]] = None,
+        pass_fds: Sequence[int] = (),
     ):
         self.label = label
         self._on_stdout = on_stdout
@@ -382,6 +384,7 @@ class ChildProcess:
             stderr=subprocess.PIPE,
             start_new_session=new_session,
             preexec_fn=preexec_fn,
+            pass_fds=tuple(pass_fds),
         )
         self.pid = self.process.pid
         self._threads = [

@@ -57,6 +57,8 @@ class EmbeddedServer:
         rejoin_window: see `Server`.
         restore: (checkpoint path, shard index, number of shards): loaded
             (`Server.restore`) before the shard serves anything.
+        use_fd: a listening tcp socket's file descriptor to serve instead of
+            binding bind (see `Server`); the shard takes it over.
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
@@ -77,6 +79,7 @@ class EmbeddedServer:
         heartbeat_timeout: Optional[float] = None,
         rejoin_window: float = 0.0,
         restore: Optional[tuple] = None,
+        use_fd: Optional[int] = None,
     ):
         self.lock = threading.RLock()
         self.server = Server(
@@ -87,6 +90,7 @@ class EmbeddedServer:
             heartbeat_timeout=heartbeat_timeout,
             guard=self.lock,
             rejoin_window=rejoin_window,
+            use_fd=use_fd,
         )
         if restore is not None:
             try:

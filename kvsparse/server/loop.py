@@ -59,6 +59,10 @@ class EventLoop:
             (never while it waits), for a server whose state other threads
             use too (issue 14: a colocated worker runs requests to its own
             shard on its own thread, holding the same lock). None: no lock.
+        use_fd: a tcp socket already bound and listening, whose file
+            descriptor the ROUTER takes over (ZeroMQ closes it) instead of
+            binding ``bind`` itself (ZMQ_USE_FD: `kvsparse launch --colocated`
+            holds each worker's port from the start). None: bind.
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
@@ -80,6 +84,7 @@ class EventLoop:
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         guard=None,
+        use_fd: int | None = None,
     ):
         self._guard = guard if guard is not None else contextlib.nullcontext()
         self._serving_thread: int | None = None  # threading.get_ident() of serve(), while it runs
@@ -111,6 +116,8 @@ class EventLoop:
                 from kvsparse.wire import security
 
                 self._authenticator = security.secure_server_socket(self.socket, self.context, keys)
+            if use_fd is not None:
+                self.socket.setsockopt(zmq.USE_FD, int(use_fd))
             self.socket.bind(bind)
         except (zmq.ZMQError, errors.KVSparseError):
             self.socket.disable_monitor()

@@ -102,6 +102,8 @@ class Server:
             are held for it to come back (a colocated worker restarted by
             ``launch --restart-workers``) before they fail with WorkerLeft;
             0: they fail as soon as it is found gone (`kvsparse.server.liveness`).
+        use_fd: a listening tcp socket's file descriptor to serve instead of
+            binding (`kvsparse.server.loop.EventLoop`); None: bind.
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
@@ -133,6 +135,7 @@ class Server:
         heartbeat_timeout: float | None = None,
         guard=None,
         rejoin_window: float = 0.0,
+        use_fd: int | None = None,
     ):
         limits = limits if limits is not None else ServerLimits()
         if "://" not in bind:  # 'host:port', as clients accept it (inproc:// etc. pass as is)
@@ -146,6 +149,7 @@ class Server:
             max_message_size=max_message_size,
             heartbeat_timeout=heartbeat_timeout,
             guard=guard,
+            use_fd=use_fd,
         )
         self.address = self._loop.address
         try:

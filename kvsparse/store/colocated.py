@@ -61,6 +61,7 @@ peers; then ``kvsparse.create('dist_sparse')`` is colocated)::
 from __future__ import annotations
 
 import atexit
+import socket
 import sys
 import threading
 import time
@@ -244,6 +245,27 @@ def _wait_answering(address: str, deadline: float, keys: Optional[str]) -> bool:
     return True
 
 
+def _listener_for(bind: str, fd: Optional[int]) -> Optional[int]:
+    """A duplicate of fd (for the shard to own) if fd is a tcp socket listening at bind."""
+    if fd is None or not bind.startswith("tcp://"):
+        return None
+    try:
+        family = socket.AF_INET6 if bind.startswith("tcp://[") else socket.AF_INET
+        listener = socket.fromfd(fd, family, socket.SOCK_STREAM)  # a duplicate
+    except OSError:
+        return None
+    with listener:
+        try:
+            listening = listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            host, port = listener.getsockname()[:2]
+        except OSError:
+            return None
+        everywhere = host in ("0.0.0.0", "::") and bind == f"tcp://*:{port}"
+        if not listening or not (everywhere or config.format_address(host, port) == bind):
+            return None
+        return listener.detach()
+
+
 def create_colocated_backend(
     peers,
     rank: int,
@@ -258,6 +280,7 @@ def create_colocated_backend(
     restarted: bool = False,
     checkpoint_dir: Optional[str] = None,
     rejoin_window: float = 0.0,
+    listener_fd: Optional[int] = None,
 ) -> ColocatedBackend:
     """Binds this worker's shard at peers[rank], waits for the other shards, greets all.
 
@@ -266,6 +289,11 @@ def create_colocated_backend(
     checkpoint_dir (if any) and it resumes this rank's clock. rejoin_window:
     seconds its shard holds the requests waiting for a worker that left,
     for it to come back restarted (`kvsparse.server.liveness`).
+    listener_fd: an inherited tcp socket listening at peers[rank]
+    (``KVSPARSE_SHARD_FD``, from ``kvsparse launch --colocated``): the shard
+    serves a duplicate of it instead of binding, so the port the launcher
+    reserved cannot have been taken meanwhile. One listening elsewhere (the
+    caller named other peers) is not used.
 
     Raises:
         InvalidArgument: num_workers is not len(peers), a malformed address.
@@ -295,6 +323,7 @@ def create_colocated_backend(
         try:
             shard = EmbeddedServer(
                 bind,
+                use_fd=_listener_for(bind, listener_fd),
                 keys=keys,
                 limits=config.server_limits(),
                 restarted=restarted,

@@ -162,6 +162,7 @@ def create_colocated_store(
         restarted=cluster_config.restarted() > 0,
         checkpoint_dir=cluster_config.checkpoint_dir(),
         rejoin_window=cluster_config.rejoin_window(),
+        listener_fd=cluster_config.shard_fd(),
     )
     return KVStore(backend, kind, wire_dtype)
 
