@@ -55,7 +55,7 @@ from kvsparse.shard.checkpoint.format import CheckpointError, read_shard_file
 from kvsparse.shard.checkpoint.shard_io import Resharding
 
 DEFAULTS = ("zeros", "initializer")
-_ROWS_PER_ASSIGN = 65536  # marker-extended copies are made this many rows at a time
+_ROWS_PER_ASSIGN = 65536  # rows written per call (bounds a float16 export's float32 copy)
 
 
 @dataclass(frozen=True)
@@ -215,15 +215,16 @@ class Update:
             total = sum(int(keys.size) for keys, _ in change.blocks)
             if total:
                 table.reserve(len(table) + total)
-            dim = info.dim
             for keys, values in change.blocks:
                 for start in range(0, keys.size, _ROWS_PER_ASSIGN):
                     part = slice(start, start + _ROWS_PER_ASSIGN)
-                    part_keys = np.ascontiguousarray(keys[part])
-                    wide = np.empty((part_keys.size, dim + 1), np.float32)
-                    wide[:, :dim] = values[part]
-                    wide[:, dim] = 1.0
-                    table.assign(part_keys, wide)
+                    # Widened to the marker column in C++, without the GIL: the NumPy
+                    # widening copy held it 2-4 ms per 65,536 rows, and the lookup threads
+                    # waited (issue 13). Rows of checkpoints are float32 views of the file
+                    # (no copy here); float16/bfloat16 export parts are converted a chunk
+                    # at a time.
+                    part_values = np.ascontiguousarray(values[part], np.float32)
+                    _core.assign_marked_rows(table, keys[part], part_values, 1.0)
         side.version = dict(self.version, applied=time.time())
 
 
