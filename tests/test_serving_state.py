@@ -19,7 +19,7 @@ from kvsparse import _core, errors
 from kvsparse.serving import EmbeddingLookup
 from kvsparse.serving import state as serving_state
 from kvsparse.serving.follow import Follower
-from kvsparse.serving.state import Selection, ServingState, read_export
+from kvsparse.serving.state import Selection, ServingState, read_checkpoint, read_export
 from kvsparse.shard.checkpoint.format import BLOCK_ROWS, read_shard_file
 
 DIM = 4
@@ -249,3 +249,24 @@ def test_an_export_is_served_with_its_values_whatever_its_dtype(tmp_path, dtype)
     assert version["kind"] == "export" and rows.dtype == np.float32
     expected = np.asarray(EmbeddingLookup(os.fspath(tmp_path)).lookup("emb", ids))
     np.testing.assert_array_equal(rows, expected.astype(np.float32))
+
+
+def test_a_hash_shard_of_a_checkpoint_saved_on_another_shard_count(tmp_path):
+    # Blocks are sorted by shard in parts (state._RESHARD_ROWS): ids across parts and blocks.
+    num_rows = BLOCK_ROWS + 5000
+    kv, ids = _store(num_rows)
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(num_rows, DIM)).astype(np.float32)
+    kv.push("emb", (ids, values))
+    kv.save(tmp_path)
+    owner = _core.shard_of(ids, 3)
+    held = 0
+    for index in range(3):
+        state = ServingState()
+        state.apply(read_checkpoint(os.fspath(tmp_path), Selection(shard=(index, 3)))[0])
+        rows, _ = state.lookup("emb", ids)
+        mine = owner == index
+        np.testing.assert_array_equal(rows[mine], values[mine])
+        np.testing.assert_array_equal(rows[~mine], np.zeros((int((~mine).sum()), DIM)))
+        held += state.describe()["tables"]["emb"]["rows"]
+    assert held == num_rows
