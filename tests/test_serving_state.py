@@ -9,7 +9,9 @@ wrapper, against a NumPy reference), `ServingState` and `Follower.poll_once`.
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -270,3 +272,28 @@ def test_a_hash_shard_of_a_checkpoint_saved_on_another_shard_count(tmp_path):
         np.testing.assert_array_equal(rows[~mine], np.zeros((int((~mine).sum()), DIM)))
         held += state.describe()["tables"]["emb"]["rows"]
     assert held == num_rows
+
+
+def _nice_of(thread_id: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, thread_id)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread: Linux")
+def test_the_polling_thread_lowers_its_own_priority_only(tmp_path):
+    base = _nice_of(threading.get_native_id())
+    follower = Follower(str(tmp_path), ServingState(), Selection(), interval=0.01, niceness=3)
+    follower.start()
+    try:
+        deadline = time.monotonic() + 10
+        while _nice_of(follower._thread.native_id) != base + 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _nice_of(follower._thread.native_id) == base + 3
+        assert _nice_of(threading.get_native_id()) == base  # the caller's thread keeps its own
+    finally:
+        follower.stop()
+
+
+@pytest.mark.parametrize("niceness", [-1, 1.5, True, "10"])
+def test_a_bad_niceness_is_refused(tmp_path, niceness):
+    with pytest.raises(errors.InvalidArgument, match="niceness"):
+        Follower(str(tmp_path), ServingState(), Selection(), niceness=niceness)
