@@ -68,14 +68,22 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=float, default=5.0)
     p.add_argument("--freshness-seconds", type=float, default=30.0)
     p.add_argument(
+        "--apply-niceness",
+        type=int,
+        default=None,
+        help="the replica's --apply-niceness (default: its own default)",
+    )
+    p.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "serving.json")
     )
     return p.parse_args(argv)
 
 
-def start_replica(path: str):
+def start_replica(path: str, apply_niceness=None):
     argv = [sys.executable, "-m", "kvsparse", "serve", "--checkpoint-dir", path, "--follow"]
     argv += ["--bind", "tcp://127.0.0.1:0", "--http-port", "0", "--poll-interval", "0.05"]
+    if apply_niceness is not None:
+        argv += ["--apply-niceness", str(apply_niceness)]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     first = read_first_line(process.stdout, deadline).decode()
@@ -203,7 +211,7 @@ def main(argv=None) -> int:
         delta_seqs.append(kv.save(path, incremental=True))
     lander = DeltaLander(path, delta_seqs)
     reference = EmbeddingLookup(os.path.join(path, "export"))
-    process, address, url = start_replica(path)
+    process, address, url = start_replica(path, args.apply_niceness)
     result = {"config": vars(args), "idle": {}, "during_delta": {}, "rounds": {}, "freshness": {}}
     client = Client([address])
     session = requests.Session()
