@@ -469,6 +469,37 @@ def test_freshness_is_recorded_and_exported(tmp_path, replicas):
     assert 0 <= float(line.split()[1]) < time.time() - before + 1
 
 
+def _thread_nice_values(pid: int) -> list:
+    values = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            # After "(comm)": state is field 3, nice field 19 (proc(5)).
+            fields = f.read().rsplit(")", 1)[1].split()
+        values.append(int(fields[16]))
+    return values
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and per-thread nice")
+def test_the_follower_thread_alone_runs_at_a_lower_priority(tmp_path, replicas):
+    kv, ids = _constant_store(10)
+    _set_all(kv, ids, 1.0)
+    kv.save(tmp_path)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    replica = replicas(tmp_path, "--follow", "--apply-niceness", "7", http=False)
+    deadline = time.monotonic() + 10
+    while base + 7 not in _thread_nice_values(replica.process.pid):
+        assert time.monotonic() < deadline, _thread_nice_values(replica.process.pid)
+        time.sleep(0.02)
+    values = _thread_nice_values(replica.process.pid)
+    assert values.count(base + 7) == 1 and values.count(base) == len(values) - 1, values
+    replica.stop()
+    # --apply-niceness 0: every thread at the process's priority.
+    replica = replicas(tmp_path, "--follow", "--apply-niceness", "0", http=False)
+    with Client([replica.address]) as client:
+        np.testing.assert_array_equal(client.lookup("emb", ids), np.ones((ids.size, 8)))
+    assert set(_thread_nice_values(replica.process.pid)) == {base}
+
+
 def test_serve_an_export_and_refuse_bad_directories(tmp_path, replicas):
     kv, ids = _store()
     kv.export(tmp_path / "emb")

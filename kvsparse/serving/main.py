@@ -27,6 +27,7 @@ from typing import Optional
 
 from kvsparse import errors
 from kvsparse.serving.server import (
+    DEFAULT_APPLY_NICENESS,
     DEFAULT_MAX_BATCH,
     DEFAULT_WORKERS,
     HTTP_PREFIX,
@@ -71,6 +72,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="IDS")
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="ZeroMQ worker threads")
+    p.add_argument(
+        "--apply-niceness",
+        type=int,
+        default=DEFAULT_APPLY_NICENESS,
+        metavar="N",
+        help="lower the CPU priority of the thread applying checkpoints by N, so that "
+        "lookups go first on busy cores (Linux; 0: don't)",
+    )
     return p
 
 
@@ -96,6 +105,7 @@ def main(argv: Optional[list] = None) -> int:
         poll_interval=args.poll_interval,
         max_batch=args.max_batch,
         workers=args.workers,
+        apply_niceness=args.apply_niceness,
     )
     server = ServingServer(config)
     stop = threading.Event()

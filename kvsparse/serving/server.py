@@ -50,6 +50,7 @@ log = logging.getLogger("kvsparse.serving")
 
 DEFAULT_MAX_BATCH = 1 << 20  # ids in one lookup request
 DEFAULT_WORKERS = 2
+DEFAULT_APPLY_NICENESS = 10  # the follower's: lookups first (issue 13)
 LISTENING_PREFIX = "kvsparse serve listening on "
 HTTP_PREFIX = "kvsparse serve http on "
 
@@ -67,6 +68,8 @@ class ServingConfig:
     poll_interval: seconds between polls.
     max_batch: ids allowed in one lookup.
     workers: ZeroMQ worker threads.
+    apply_niceness: how much the follower's thread lowers its CPU priority
+        (`kvsparse.serving.follow`; 0: not at all).
     """
 
     path: str
@@ -78,6 +81,7 @@ class ServingConfig:
     poll_interval: float = 0.2
     max_batch: int = DEFAULT_MAX_BATCH
     workers: int = DEFAULT_WORKERS
+    apply_niceness: int = DEFAULT_APPLY_NICENESS
 
 
 class ServingServer:
@@ -121,6 +125,7 @@ class ServingServer:
                 config.selection,
                 config.poll_interval,
                 on_update=self.metrics.on_update,
+                niceness=config.apply_niceness,
             )
             self.follower.poll_once()  # an empty directory is fine: served once one arrives
         else:

@@ -10,7 +10,10 @@ the *active* copy; an update is applied to the other one (which no lookup
 reads), the copies swap under a lock held for a pointer assignment, and once
 the lookups still reading the old copy are done the update is applied to it
 too. Lookups never wait for an update, so their latency does not grow while
-a large delta lands; the price is twice the rows' memory. Building the new
+a large delta lands; the price is twice the rows' memory. Nor do they wait
+for the GIL: an update's rows are checked (zlib) and written (C++,
+`_core.assign_marked_rows`) with it released, and what runs with it held
+lasts under a millisecond at a time (1e5-row deltas, issue 13). Building the new
 state aside and swapping a reference needs a third copy for a delta (or a
 copy per delta); a lock that lookups take would stall them for the whole
 apply (tens of milliseconds for 10^5 rows).
@@ -55,7 +58,8 @@ from kvsparse.shard.checkpoint.format import CheckpointError, read_shard_file
 from kvsparse.shard.checkpoint.shard_io import Resharding
 
 DEFAULTS = ("zeros", "initializer")
-_ROWS_PER_ASSIGN = 65536  # marker-extended copies are made this many rows at a time
+_ROWS_PER_ASSIGN = 65536  # rows written per call (bounds a float16 export's float32 copy)
+_RESHARD_ROWS = 8192  # rows of a checkpoint block sorted by shard at a time (GIL held)
 
 
 @dataclass(frozen=True)
@@ -167,11 +171,26 @@ def _new_table(info: TableInfo) -> _core.Table:
 
 @dataclass
 class TableChange:
-    """One table's part of an update: ids to remove, then (keys, values) blocks to write."""
+    """One table's part of an update: ids to remove, then (keys, values) blocks to write.
+
+    dtype: how the blocks' values are stored: 'float32', 'float16', or
+    'bfloat16' (uint16 bit patterns, as exports hold them); they are widened
+    to float32 a chunk at a time when applied.
+    """
 
     info: TableInfo
     removed: list = field(default_factory=list)  # int64 arrays
-    blocks: list = field(default_factory=list)  # (keys int64, values float32 n x dim)
+    blocks: list = field(default_factory=list)  # (keys int64, values n x dim)
+    dtype: str = "float32"
+
+
+def _float32_rows(values: np.ndarray, dtype: str) -> np.ndarray:
+    """values (stored as dtype, see TableChange) as C-contiguous float32; no copy if they are."""
+    if dtype in ("float16", "bfloat16"):
+        # Exact, without the GIL; bfloat16 arrives as bit patterns (uint16), which a
+        # float32 cast would take for integers.
+        return _core.widen(np.ascontiguousarray(values).view(np.uint16), dtype)
+    return np.ascontiguousarray(values, np.float32)
 
 
 @dataclass
@@ -215,15 +234,16 @@ class Update:
             total = sum(int(keys.size) for keys, _ in change.blocks)
             if total:
                 table.reserve(len(table) + total)
-            dim = info.dim
             for keys, values in change.blocks:
                 for start in range(0, keys.size, _ROWS_PER_ASSIGN):
                     part = slice(start, start + _ROWS_PER_ASSIGN)
-                    part_keys = np.ascontiguousarray(keys[part])
-                    wide = np.empty((part_keys.size, dim + 1), np.float32)
-                    wide[:, :dim] = values[part]
-                    wide[:, dim] = 1.0
-                    table.assign(part_keys, wide)
+                    # Widened to the marker column in C++, without the GIL (issue 13): the
+                    # NumPy widening copy held it about 3 ms per 65,536 rows, the longest
+                    # stretch of an apply (0.5 ms now), while lookup threads waited. Rows
+                    # of checkpoints are float32 views of the file (no copy here); 16-bit
+                    # export parts are widened a chunk at a time.
+                    part_values = _float32_rows(values[part], change.dtype)
+                    _core.assign_marked_rows(table, keys[part], part_values, 1.0)
         side.version = dict(self.version, applied=time.time())
 
 
@@ -387,10 +407,18 @@ def read_checkpoints(
                     raise CheckpointError(f"{f.path}: table {table!r} changed width to {dim}")
                 change = TableChange(info)
                 change.removed.append(np.array(f.removed(section)))
-                for keys, values, slots, steps_ in f.sparse_blocks(section):
-                    if reshard is not None and not reshard.same:
-                        keys, values, *_ = reshard.sparse_rows(keys, values, slots, steps_)
-                    change.blocks.append((keys, values))
+                for keys, values, _, _ in f.sparse_blocks(section):
+                    if reshard is None or reshard.same:
+                        change.blocks.append((keys, values))
+                        continue
+                    # This replica's ids of a checkpoint saved on another shard count. In
+                    # parts: a NumPy gather holds the GIL (about 3 ms for a 65,536-row
+                    # block of dim 32, 0.3 ms for _RESHARD_ROWS), and lookups wait for it.
+                    for start in range(0, keys.size, _RESHARD_ROWS):
+                        part = slice(start, start + _RESHARD_ROWS)
+                        mine = _core.shard_of(keys[part], reshard.count) == reshard.index
+                        if mine.any():
+                            change.blocks.append((keys[part][mine], values[part][mine]))
                 changes.append(change)
     return Update(reset, changes, checkpoint_version(steps[-1]))
 
@@ -451,7 +479,8 @@ def read_export(path: str, selection: Selection | None = None) -> Update:
                 mine = _core.shard_of(np.ascontiguousarray(keys), count) == index
                 keys, values = keys[mine], values[mine]
             info = TableInfo.from_spec(str(table["name"]), int(table["dim"]), table.get("spec"))
-            changes.append(TableChange(info, [], [(keys, values)]))
+            dtype = str(table.get("dtype", "float32"))  # export version 1: float32, no dtype
+            changes.append(TableChange(info, [], [(keys, values)], dtype))
     if len(export_ids) != 1 or len(counts) != 1:
         raise errors.InvalidArgument(f"{path}: parts of different exports are mixed")
     if sorted(parts) != list(range(counts.pop())):
