@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,10 @@ _names = itertools.count()
 class DrivenJob:
     """num_workers tests/store_driver.py processes, one store each, driven command by command."""
 
-    def __init__(self, envs: list, workdir: Path, expected_backend: str):
+    def __init__(
+        self, envs: list, workdir: Path, expected_backend: str, sockets: Path | None = None
+    ):
+        self.sockets = sockets  # the ipc sockets' directory, removed by close()
         self.processes = []
         self.lines: list[queue.Queue] = []
         self.stderr = []
@@ -72,7 +76,7 @@ class DrivenJob:
             {"KVSPARSE_PEERS": peers, "KVSPARSE_RANK": rank, "KVSPARSE_NUM_WORKERS": num_workers}
             for rank in range(num_workers)
         ]
-        return cls(envs, workdir, "ColocatedBackend")
+        return cls(envs, workdir, "ColocatedBackend", sockets)
 
     @classmethod
     def dist(cls, servers: list, workdir: Path) -> DrivenJob:
@@ -131,6 +135,8 @@ class DrivenJob:
                 process.wait()
         for err in self.stderr:
             err.close()
+        if self.sockets is not None:
+            shutil.rmtree(self.sockets, ignore_errors=True)
 
     def __enter__(self):
         return self
