@@ -1071,3 +1071,4 @@ def gather_widen_from_shards(list shard_rows, offsets_arg, slot_arg, out_arg, dt
 
 
 include "dlpack.pxi"
+include "serve_loop.pxi"
