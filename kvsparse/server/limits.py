@@ -64,12 +64,21 @@ class ReplyBudget:
         send: ``send(routing, frames)`` of the event loop
             (`kvsparse.server.loop.EventLoop.send`).
         limits: the server's `ServerLimits` (``max_unread_reply_bytes``).
+        on_held: see below (`kvsparse.server.fastpath`); None: nobody is told.
 
     Threads: not thread-safe; the server's event loop thread only.
     """
 
-    def __init__(self, send: Callable[[bytes, list], None], limits: ServerLimits):
+    def __init__(
+        self,
+        send: Callable[[bytes, list], None],
+        limits: ServerLimits,
+        on_held: Callable[[bytes, bool], None] | None = None,
+    ):
         self._send = send
+        # on_held(routing, True) once replies to routing are tracked, (routing, False) once
+        # none is (the C++ fast path leaves that connection's pulls to this budget).
+        self._on_held = on_held
         self._limit = limits.max_unread_reply_bytes
         # routing id -> [(tracker, bytes)] of its replies ZeroMQ still holds.
         self._held: dict[bytes, list] = {}
@@ -94,7 +103,12 @@ class ReplyBudget:
             # The Frame objects hold a reference to their message: dropped here, so that
             # the tracker is done once ZeroMQ has written the message (or dropped it).
             frames.clear()
-        self._held.setdefault(routing, []).extend(tracked)
+        held = self._held.get(routing)
+        if held is None:
+            held = self._held[routing] = []
+            if self._on_held is not None:
+                self._on_held(routing, True)
+        held.extend(tracked)
         self._tracked_sends += 1
         if self._tracked_sends % _SWEEP_EVERY == 0:
             for peer in list(self._held):
@@ -108,6 +122,8 @@ class ReplyBudget:
         held[:] = [(tracker, size) for tracker, size in held if not tracker.done]
         if not held:
             del self._held[routing]
+            if self._on_held is not None:
+                self._on_held(routing, False)
             return 0
         return sum(size for _, size in held)
 
