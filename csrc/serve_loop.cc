@@ -672,6 +672,9 @@ bool FastServeLoop::Drain(FastDrain* out) {
       out->clocks.emplace_back(static_cast<int64_t>(rank), clocks_[rank]);
       clock_changed_[rank] = 0;
     }
+    // The highest clock since the last drain: Python's gate may have restarted its clocks
+    // (a new job's HELLO) meanwhile, and only moves them forward.
+    clocks_[rank] = 0;
   }
   out->tables.clear();
   for (auto& counts : table_counts_) {

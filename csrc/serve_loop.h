@@ -214,7 +214,7 @@ class FastServeLoop {
   std::deque<ZmqMsg> frames_;  // the message being served (a deque: its msgs never move)
   bool dirty_ = false;
   std::vector<uint64_t> dirty_clients_;
-  std::vector<int64_t> clocks_;
+  std::vector<int64_t> clocks_;  // per rank, the highest clock since the last Drain()
   std::vector<char> clock_changed_;
   std::unordered_map<uint64_t, FastTableCount> table_counts_[kFastOps];
   FastDrain pending_;

@@ -5,6 +5,13 @@ the callback `EventLoop.serve` was given, sends what it is told to send, and
 wakes up when another thread (a metrics scrape, a signal handler) writes to
 its wake-up socket. Waiting blocks in zmq_poll, which releases the GIL.
 
+The loop itself runs Python and needs the GIL while it handles a message. With
+the fast path (`kvsparse.server.fastpath`, `EventLoop.forward_from`) a C++
+thread reads the ROUTER instead and answers pulls and pushes without the GIL;
+the loop then receives only what that thread forwards, over a PAIR socket,
+and still sends its replies on the ROUTER (holding the guard, the shard mutex
+both threads share).
+
 Peers that leave (issue 11, defect 9): a socket monitor reports each closed
 connection (a worker that exited or was killed: its kernel closes the
 socket), and ZeroMQ's own heartbeats (ZMTP PING/PONG, answered by the
