@@ -343,7 +343,9 @@ def test_a_checkpoint_after_fast_pushes_replays_the_last_one_after_a_restart(tmp
     ckpt = str(tmp_path / "ckpt")
     with serving(True) as server:
         kv = kvsparse.create("dist_async", servers=[server.address], rank=0, num_workers=2)
-        kv.init("t", kvsparse.SparseTable(dim=1, initializer=Zeros(), optimizer=SGD(learning_rate=1.0)))
+        kv.init(
+            "t", kvsparse.SparseTable(dim=1, initializer=Zeros(), optimizer=SGD(learning_rate=1.0))
+        )
         client = RawClient(server.address, client_id=44, rank=1)
         assert client.hello(num_workers=2, mode="asp")[0].status == 0
         table_id = table_id_of("t")
@@ -427,9 +429,7 @@ def _busy_host_latencies(env: dict, busy_seconds: float) -> list:
     )
     try:
         address = host.stdout.readline().strip()
-        kv = kvsparse.create(
-            "dist_async", servers=[address], rank=0, num_workers=1, timeout=60
-        )
+        kv = kvsparse.create("dist_async", servers=[address], rank=0, num_workers=1, timeout=60)
         kv.init("t", kvsparse.SparseTable(dim=16, optimizer=SGD(learning_rate=0.1)))
         ids = np.arange(512)
         host.stdin.write("go\n")
