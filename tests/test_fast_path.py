@@ -11,7 +11,6 @@ proves that the fast server answered them on its C++ thread.
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 import textwrap
