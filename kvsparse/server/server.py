@@ -8,9 +8,10 @@ Start one per shard (`kvsparse.server.main`)::
 The server holds a `kvsparse.shard.state.ShardState` (the same code the `local`
 store runs) and applies optimizers there. It learns the number of workers and
 the consistency mode from the first client's HELLO; a later HELLO that
-disagrees gets an error reply. The event loop is single-threaded: table
-operations release the GIL inside the C++ core, and waiting on the socket
-blocks in zmq_poll without the GIL.
+disagrees gets an error reply. PULL_SPARSE and PUSH_SPARSE are answered by a
+C++ thread without the GIL when they can be (`kvsparse.server.fastpath`); the
+Python event loop serves the rest, one message at a time: table operations
+release the GIL inside the C++ core, and waiting blocks in zmq_poll without it.
 
 `Server` composes one object per concern, each in its own module:
 
