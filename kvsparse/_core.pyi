@@ -1,7 +1,7 @@
 """Type stub of kvsparse._core (cython_src/_core.pyx + cython_src/dlpack.pxi)."""
 
-from collections.abc import Iterator
-from typing import Any, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
