@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <new>
 #include <chrono>
 #include <cstring>
 #include <system_error>
@@ -38,6 +40,7 @@ bool ZmqApi::Load(const char* path, ZmqApi* api, std::string* error) {
   };
   find(&api->msg_init, "zmq_msg_init");
   find(&api->msg_init_size, "zmq_msg_init_size");
+  find(&api->msg_init_data, "zmq_msg_init_data");
   find(&api->msg_recv, "zmq_msg_recv");
   find(&api->msg_send, "zmq_msg_send");
   find(&api->msg_close, "zmq_msg_close");
@@ -390,14 +393,19 @@ bool FastServeLoop::ServePull(const Header& header, Client* client) {
     const Item& item = items_[i];
     if (zmq_.msg_size(&frames_[3 + i]) != static_cast<size_t>(item.count) * 8) return false;
     const TableEntry& entry = tables_.at(item.table_id);
-    const int64_t frame_bytes = item.count * entry.dim * ElementBytes(item.flags);
-    // Python's ReplyBudget tracks frames from this size up: such replies stay its own.
-    if (frame_bytes >= track_bytes_) return false;
     rows += item.count;
-    reply_bytes += frame_bytes;
+    reply_bytes += item.count * entry.dim * ElementBytes(item.flags);
   }
   if (rows > max_rows_ || reply_bytes > max_reply_bytes_) return false;
+  // The reply budget (kvsparse/server/limits.py): a connection whose large replies Python
+  // tracks is Python's until they are read; else the loop's own unread bytes are checked
+  // as Python checks them (Python adds them to its count when it decides).
   if (!budget_held_.empty() && budget_held_.count(client->routing)) return false;
+  if (static_cast<int64_t>(num_items * kItemSize) >= track_bytes_) return false;
+  std::shared_ptr<UnreadBytes>& unread = unread_[client->routing];
+  if (!unread) unread = std::make_shared<UnreadBytes>();
+  const int64_t held = unread->bytes.load();
+  if (held && held + reply_bytes > max_unread_) return false;
 
   std::vector<ZmqMsg> reply(3 + num_items);
   for (ZmqMsg& msg : reply) zmq_.msg_init(&msg);
@@ -414,7 +422,25 @@ bool FastServeLoop::ServePull(const Header& header, Client* client) {
     Write<int32_t>(reply_items + i * kItemSize, 16, static_cast<int32_t>(entry.dim));
     const int64_t n = item.count * entry.dim;
     const size_t bytes = static_cast<size_t>(n * ElementBytes(item.flags));
-    if (zmq_.msg_init_size(&reply[3 + i], bytes) != 0) {
+    if (static_cast<int64_t>(bytes) >= track_bytes_) {
+      // Counted as unread until ZeroMQ lets go of it, as Python's budget tracks its frames.
+      void* buffer = std::malloc(bytes);
+      auto* hint = buffer ? new (std::nothrow) TrackedFrame{unread, static_cast<int64_t>(bytes)}
+                          : nullptr;
+      if (hint == nullptr) {
+        std::free(buffer);
+        zmq_.msg_init(&reply[3 + i]);
+        ok = false;
+        break;
+      }
+      unread->bytes += hint->bytes;
+      if (zmq_.msg_init_data(&reply[3 + i], buffer, bytes, &FreeTrackedFrame, hint) != 0) {
+        FreeTrackedFrame(buffer, hint);
+        zmq_.msg_init(&reply[3 + i]);
+        ok = false;
+        break;
+      }
+    } else if (zmq_.msg_init_size(&reply[3 + i], bytes) != 0) {
       zmq_.msg_init(&reply[3 + i]);
       ok = false;
       break;
@@ -614,6 +640,18 @@ bool FastServeLoop::ServePush(const Header& header, Client* client) {
   return true;
 }
 
+void FastServeLoop::FreeTrackedFrame(void* data, void* hint) {
+  auto* tracked = static_cast<TrackedFrame*>(hint);
+  tracked->unread->bytes -= tracked->bytes;
+  delete tracked;
+  std::free(data);
+}
+
+int64_t FastServeLoop::Unread(const std::string& routing) const {
+  auto found = unread_.find(routing);
+  return found == unread_.end() ? 0 : found->second->bytes.load();
+}
+
 void FastServeLoop::CountTable(int op, uint64_t table_id, int64_t keys) {
   FastTableCount& count = table_counts_[op][table_id];
   count.op = op;
@@ -710,9 +748,11 @@ void FastServeLoop::SetJob(bool configured, int64_t num_workers, bool pulls, boo
   }
 }
 
-void FastServeLoop::SetLimits(int64_t max_rows, int64_t max_reply_bytes, int64_t track_bytes) {
+void FastServeLoop::SetLimits(int64_t max_rows, int64_t max_reply_bytes, int64_t max_unread,
+                              int64_t track_bytes) {
   max_rows_ = max_rows;
   max_reply_bytes_ = max_reply_bytes;
+  max_unread_ = max_unread;
   track_bytes_ = track_bytes;
 }
 
@@ -741,6 +781,11 @@ bool FastServeLoop::SetClient(uint64_t client_id, const std::string& routing,
 void FastServeLoop::RemoveClient(uint64_t client_id) {
   auto found = clients_.find(client_id);
   if (found == clients_.end()) return;
+  auto unread = unread_.find(found->second.routing);
+  if (unread != unread_.end() && unread->second->bytes.load() == 0 &&
+      unread->second.use_count() == 1) {
+    unread_.erase(unread);  // else its frames' free functions still need it
+  }
   clients_.erase(found);  // Python drains before it unregisters anyone
 }
 

@@ -46,6 +46,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -113,7 +114,13 @@ class FastServeLoop {
   // The job: whether HELLO configured it, its number of workers, and which ops the
   // loop may answer (pulls: no staleness bound; pushes: ASP).
   void SetJob(bool configured, int64_t num_workers, bool pulls, bool pushes);
-  void SetLimits(int64_t max_rows, int64_t max_reply_bytes, int64_t track_bytes);
+  // max_rows_per_request, max_reply_bytes, max_unread_reply_bytes, and the size from which
+  // a reply frame counts as unread until ZeroMQ lets go of it (Python's TRACK_BYTES).
+  void SetLimits(int64_t max_rows, int64_t max_reply_bytes, int64_t max_unread,
+                 int64_t track_bytes);
+  // Bytes of the loop's replies to routing that ZeroMQ still holds (what Python's reply
+  // budget adds to its own count).
+  int64_t Unread(const std::string& routing) const;
   void ClearTables();
   void AddTable(uint64_t table_id, EmbeddingTable* table, bool skip_nonfinite);
   // A client whose HELLO was accepted, on routing; last_request_id: the last one Python
@@ -158,6 +165,16 @@ class FastServeLoop {
     int32_t dim;
     uint32_t flags;
   };
+  // Bytes of tracked replies to one connection that ZeroMQ holds; the free function of
+  // each tracked frame takes its bytes off (from libzmq's I/O thread).
+  struct UnreadBytes {
+    std::atomic<int64_t> bytes{0};
+  };
+  struct TrackedFrame {
+    std::shared_ptr<UnreadBytes> unread;
+    int64_t bytes;
+  };
+  static void FreeTrackedFrame(void* data, void* hint);
   struct TableEntry {
     EmbeddingTable* table;
     int64_t dim;
@@ -203,7 +220,9 @@ class FastServeLoop {
   bool pushes_ = false;
   int64_t max_rows_ = 0;
   int64_t max_reply_bytes_ = 0;
+  int64_t max_unread_ = 0;
   int64_t track_bytes_ = 0;
+  std::unordered_map<std::string, std::shared_ptr<UnreadBytes>> unread_;
   std::unordered_map<uint64_t, TableEntry> tables_;
   std::unordered_map<uint64_t, Client> clients_;
   std::unordered_set<std::string> budget_held_;

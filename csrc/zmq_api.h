@@ -40,6 +40,10 @@ constexpr int kZmqPollIn = 1;       // ZMQ_POLLIN
 struct ZmqApi {
   int (*msg_init)(ZmqMsg* msg) = nullptr;
   int (*msg_init_size)(ZmqMsg* msg, size_t size) = nullptr;
+  // data is handed over: libzmq calls free_fn(data, hint) once it is done with it, from
+  // whichever thread lets go of the message last (its I/O thread, usually).
+  int (*msg_init_data)(ZmqMsg* msg, void* data, size_t size, void (*free_fn)(void*, void*),
+                       void* hint) = nullptr;
   int (*msg_recv)(ZmqMsg* msg, void* socket, int flags) = nullptr;
   int (*msg_send)(ZmqMsg* msg, void* socket, int flags) = nullptr;
   int (*msg_close)(ZmqMsg* msg) = nullptr;

@@ -56,7 +56,9 @@ cdef extern from "serve_loop.h" namespace "kvsparse" nogil:
         void Stop()
         void Wake()
         void SetJob(cbool configured, int64_t num_workers, cbool pulls, cbool pushes)
-        void SetLimits(int64_t max_rows, int64_t max_reply_bytes, int64_t track_bytes)
+        void SetLimits(int64_t max_rows, int64_t max_reply_bytes, int64_t max_unread,
+                       int64_t track_bytes)
+        int64_t Unread(const string& routing)
         void ClearTables()
         void AddTable(uint64_t table_id, EmbeddingTable* table, cbool skip_nonfinite)
         cbool SetClient(uint64_t client_id, const string& routing, uint64_t last_request_id)

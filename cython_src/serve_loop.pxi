@@ -109,9 +109,15 @@ cdef class FastServeLoop:
         """The job's configuration: which ops the thread may answer."""
         self.c_loop.get().SetJob(configured, num_workers, pulls, pushes)
 
-    def set_limits(self, int64_t max_rows, int64_t max_reply_bytes, int64_t track_bytes):
-        """max_rows_per_request, max_reply_bytes, and the reply budget's TRACK_BYTES."""
-        self.c_loop.get().SetLimits(max_rows, max_reply_bytes, track_bytes)
+    def set_limits(self, int64_t max_rows, int64_t max_reply_bytes, int64_t max_unread,
+                   int64_t track_bytes):
+        """max_rows_per_request, max_reply_bytes, max_unread_reply_bytes, and the reply
+        budget's TRACK_BYTES."""
+        self.c_loop.get().SetLimits(max_rows, max_reply_bytes, max_unread, track_bytes)
+
+    def unread(self, bytes routing):
+        """Bytes of the thread's replies to routing that ZeroMQ still holds."""
+        return self.c_loop.get().Unread(routing)
 
     def set_tables(self, tables):
         """tables: [(table_id, Table, skip_nonfinite)], every table the thread may serve."""

@@ -59,6 +59,12 @@ def answered_fast(server: Server) -> int:
         return server.fast_path_requests
 
 
+def requests_handled(server: Server) -> int:
+    with server._guard:
+        server.sync_fast_path()
+        return server.state.counters.requests
+
+
 def setup_client(server: Server, client_id: int, mode: str = "asp") -> RawClient:
     client = RawClient(server.address, client_id=client_id)
     assert client.hello(num_workers=1, mode=mode)[0].status == 0
@@ -487,3 +493,46 @@ def test_the_fast_path_is_off_with_the_environment_variable():
     )
     assert out.stdout.strip() == b"False", out.stderr
     assert zmq.zmq_version_info()[0] >= 4
+
+
+def test_large_pulls_are_served_fast_and_count_against_the_unread_budget():
+    limits = ServerLimits(max_reply_bytes=16 << 20, max_unread_reply_bytes=48 << 20)
+    with serving(True, limits=limits) as server:
+        client = RawClient(server.address, client_id=12)
+        # A peer that does not read: its socket takes one message and a small TCP buffer.
+        client.socket.close(0)
+        client.socket = zmq.Context.instance().socket(zmq.DEALER)
+        client.socket.setsockopt(zmq.LINGER, 0)
+        client.socket.setsockopt(zmq.RCVHWM, 1)
+        client.socket.setsockopt(zmq.RCVBUF, 1 << 16)
+        client.socket.connect(server.address)
+        assert client.hello(num_workers=1, mode="asp")[0].status == 0
+        spec = kvsparse.SparseTable(dim=1024, initializer=Zeros()).to_dict()
+        body = {"table_id": 11, "name": "wide", "spec": spec}
+        assert client.request(Op.INIT_SPARSE, [protocol.encode_json(body)])[0].status == 0
+        frames, n = pull_request([(11, np.arange(2048), 0)])  # an 8 MiB reply
+        sent = 40
+        for _ in range(sent):  # none read before all are sent and handled
+            client.send(Op.PULL_SPARSE, frames, num_items=n)
+        deadline = time.monotonic() + 60
+        while requests_handled(server) < sent + 2:  # HELLO, INIT_SPARSE and the pulls
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        answered, refused = 0, []
+        for _ in range(sent):
+            header, payload = client.recv(timeout=60)
+            if header.status == 0:
+                answered += 1
+                assert len(payload[1]) == 8 << 20
+            else:
+                assert protocol.ERROR_CLASSES[header.status] is errors.LimitExceeded
+                refused.append(bytes(payload[0]).decode())
+        assert answered >= 1 and refused, (answered, len(refused))
+        assert "--max-unread-reply-bytes" in refused[0] and "read the replies" in refused[0]
+        assert answered_fast(server) >= 1  # large replies are the C++ thread's too
+        # Read now: pulls are answered again.
+        for _ in range(3):
+            request_id = client.send(Op.PULL_SPARSE, frames, num_items=n)
+            header, _ = client.recv(timeout=60)
+            assert header.request_id == request_id and header.status == 0
+        client.close()

@@ -117,7 +117,12 @@ class FastPath:
         except errors.KVSparseError:
             self.close()
             raise
-        self._loop.set_limits(limits.max_rows_per_request, limits.max_reply_bytes, TRACK_BYTES)
+        self._loop.set_limits(
+            limits.max_rows_per_request,
+            limits.max_reply_bytes,
+            limits.max_unread_reply_bytes,
+            TRACK_BYTES,
+        )
         self._tables_version = -1
         self._job = None
         self._running = False
@@ -198,6 +203,11 @@ class FastPath:
         """Python's reply budget tracks (held) or no longer tracks replies to routing: the
         C++ thread leaves that connection's pulls to Python meanwhile."""
         self._loop.set_budget_held(routing, held)
+
+    def unread(self, routing: bytes) -> int:
+        """Bytes of the C++ thread's replies to routing that ZeroMQ still holds (counted by
+        the reply budget with its own: one budget per connection, whoever answered)."""
+        return self._loop.unread(routing)
 
     def drain(self) -> None:
         """Takes what the C++ thread did since the last drain into Python's state."""

@@ -170,7 +170,9 @@ class Server:
             self._loop.close()
             raise
         self.limits = limits
-        budget = ReplyBudget(self._loop.send, limits, on_held=self._budget_held)
+        budget = ReplyBudget(
+            self._loop.send, limits, on_held=self._budget_held, also_unread=self._fast_unread
+        )
         # Random per start: a client that sees it change knows this shard restarted.
         self.incarnation = secrets.randbits(32) or 1
         self.state = ShardState()
@@ -238,6 +240,9 @@ class Server:
     def _budget_held(self, routing: bytes, held: bool) -> None:
         if self._fast is not None:
             self._fast.budget_held(routing, held)
+
+    def _fast_unread(self, routing: bytes) -> int:
+        return 0 if self._fast is None else self._fast.unread(routing)
 
     def _client_changed(self, client_id: int, routing) -> None:
         if self._fast is not None:
