@@ -328,10 +328,8 @@ const int64_t* FastServeLoop::AlignedKeys(const ZmqMsg* frame, int64_t count,
   return scratch->data();
 }
 
-const float* FastServeLoop::AlignedRows(int item, const ZmqMsg* frame, int64_t count,
-                                        int64_t dim, uint32_t flags,
-                                        std::vector<float>* scratch) {
-  (void)item;
+const float* FastServeLoop::AlignedRows(const ZmqMsg* frame, int64_t count, int64_t dim,
+                                        uint32_t flags, std::vector<float>* scratch) {
   const void* data = zmq_.msg_data(const_cast<ZmqMsg*>(frame));
   const int64_t n = count * dim;
   if (n == 0) return nullptr;
@@ -525,8 +523,7 @@ bool FastServeLoop::ServePush(const Header& header, Client* client) {
     }
     rows_total += item.count;
     Part part{AlignedKeys(keys_frame, item.count, &key_copies[i]),
-              AlignedRows(static_cast<int>(i), rows_frame, item.count, item.dim, item.flags,
-                          &row_copies[i]),
+              AlignedRows(rows_frame, item.count, item.dim, item.flags, &row_copies[i]),
               item.count};
     if (!entry.skip_nonfinite && item.count &&
         FirstNonFiniteRow(part.rows, item.count, item.dim) >= 0) {

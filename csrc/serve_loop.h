@@ -18,7 +18,9 @@
 // id above every one seen from that client, once Python has handled every message
 // forwarded before (so replies keep the order requests came in), when the job
 // allows it (pulls: no SSP gate; pushes: ASP only), on registered tables, within
-// the request limits. Anything else, and any request that would fail (unknown
+// the request limits and the connection's unread-reply budget (large reply frames
+// are counted until libzmq frees them, as Python's ReplyBudget counts its own, and
+// Python adds this count to its own). Anything else, and any request that would fail (unknown
 // table, bad frame sizes, shape, a NaN gradient on a table that does not skip
 // them, an overflow of the update, a limit), is forwarded before anything changed,
 // so that Python sends the one error reply. A push is applied to all its tables
@@ -193,8 +195,9 @@ class FastServeLoop {
   bool ParseItems(const Header& header, size_t frames_per_item, std::vector<Item>* items);
   bool ServePull(const Header& header, Client* client);
   bool ServePush(const Header& header, Client* client);
-  const float* AlignedRows(int item, const ZmqMsg* frame, int64_t count, int64_t dim,
-                           uint32_t flags, std::vector<float>* scratch);
+  // A push item's rows as float32 (16-bit rows widened, misaligned ones copied).
+  const float* AlignedRows(const ZmqMsg* frame, int64_t count, int64_t dim, uint32_t flags,
+                           std::vector<float>* scratch);
   const int64_t* AlignedKeys(const ZmqMsg* frame, int64_t count, std::vector<int64_t>* scratch);
   void PackReply(const Header& header, uint32_t num_frames, uint32_t num_items,
                  unsigned char* out) const;
