@@ -20,6 +20,8 @@ run, side by side:
                 their prefetch too (`prefetch_together`).
 - dist_sparse_per_table: the same, one push and one prefetch per table (the loop
                 before `push_together` / `prefetch_together`: 4 exchanges a step, not 2).
+- dist_sparse_nofast: dist_sparse with servers that serve every request in Python
+                (``--no-fast-path``: no C++ serving thread, `kvsparse.server.fastpath`).
 
 Every system trains from scratch in every round (fresh tables; fresh servers for
 dist_sparse), on the same batches in the same order, with the same dense initial weights;
@@ -76,12 +78,13 @@ import kvsparse  # noqa: E402
 from kvsparse.server.listening import parse_listening_line, read_first_line  # noqa: E402
 
 NUM_SERVERS = 2
-SYSTEMS = ("plain_torch", "local", "dist_sparse", "dist_sparse_per_table")
+SYSTEMS = ("plain_torch", "local", "dist_sparse", "dist_sparse_per_table", "dist_sparse_nofast")
 DESCRIPTIONS = {
     "plain_torch": "nn.Embedding(sparse=True) + torch.optim.Adagrad, one process",
     "local": "kvsparse local store via kvsparse.adapters.torch",
     "dist_sparse": f"kvsparse dist_sparse, 1 worker + {NUM_SERVERS} servers on tcp loopback",
     "dist_sparse_per_table": "the same, one push and one prefetch per table",
+    "dist_sparse_nofast": "dist_sparse, servers with --no-fast-path (all in Python)",
 }
 # The example's settings (examples/movielens_torch.py defaults).
 EMBEDDING_DIM = 16
@@ -94,7 +97,9 @@ PROFILE_TOP = 15
 
 
 @contextlib.contextmanager
-def kvsparse_servers(count: int, profile_paths: list | None = None, timeout: float = 60.0):
+def kvsparse_servers(
+    count: int, profile_paths: list | None = None, timeout: float = 60.0, extra_args: tuple = ()
+):
     """Starts `count` `python -m kvsparse.server` processes on free ports; yields their addresses.
 
     profile_paths: run server i under cProfile, writing profile_paths[i] when it stops (a
@@ -105,6 +110,7 @@ def kvsparse_servers(count: int, profile_paths: list | None = None, timeout: flo
     try:
         for index in range(count):
             argv = [sys.executable, "-m", "kvsparse.server", "--bind", "tcp://127.0.0.1:0"]
+            argv += extra_args
             if profile_paths:
                 argv[1:1] = ["-m", "cProfile", "-o", profile_paths[index]]
             started.append(
@@ -284,7 +290,10 @@ def run_once(system: str, work: Workload, seed: int, profile_dir: str | None = N
             if system == "local":
                 kv = kvsparse.create("local")
             else:
-                servers = stack.enter_context(kvsparse_servers(NUM_SERVERS, server_profiles))
+                extra = ("--no-fast-path",) if system == "dist_sparse_nofast" else ()
+                servers = stack.enter_context(
+                    kvsparse_servers(NUM_SERVERS, server_profiles, extra_args=extra)
+                )
                 kv = kvsparse.create("dist_sparse", servers=servers, rank=0, num_workers=1)
             stack.callback(kv.close)
             model = kvsparse_model(kv, num_fields, seed)

@@ -94,6 +94,7 @@ ALL_SYSTEMS = (
     "torch_rpc",
     "mxnet_pslite",
     "dist_sparse",
+    "dist_sparse_nofast",
     "dist_sparse_ipc",
     "dist_sparse_unique",
     "dist_sparse_fp16",
@@ -111,6 +112,7 @@ DESCRIPTIONS = {
     "torch_rpc": "torch.distributed.rpc parameter server ({fold}-row folded table)",
     "mxnet_pslite": "MXNet 1.9.1 dist_sync ps-lite ({fold}-row folded table)",
     "dist_sparse": "kvsparse dist_sparse, driven with NumPy",
+    "dist_sparse_nofast": "dist_sparse, servers with --no-fast-path (all in Python)",
     "dist_sparse_ipc": "dist_sparse with its servers on ipc:// sockets (same host)",
     "dist_sparse_unique": "dist_sparse fed the peers' deduplicated ids + summed gradients",
     "dist_sparse_fp16": "dist_sparse, float16 rows and gradients on the wire (tcp)",
@@ -252,17 +254,19 @@ def start_kvsparse_servers(
     count: int,
     profile_paths: list | None = None,
     socket_dir: str | None = None,
+    extra_args: tuple = (),
 ) -> tuple[list, list]:
     """Starts `count` servers on free ports; (their addresses, their pids).
 
     profile_paths: run server i under cProfile writing profile_paths[i] (the servers stop
     cleanly on SIGTERM, so the file is written when they are stopped).
     socket_dir: bind ``ipc://socket_dir/server-i`` instead of a tcp port.
+    extra_args: more ``kvsparse server`` flags (``--no-fast-path``).
     """
     servers = []
     for i in range(count):
         bind = f"ipc://{socket_dir}/server-{i}" if socket_dir else "tcp://127.0.0.1:0"
-        argv = [sys.executable, "-m", "kvsparse.server", "--bind", bind]
+        argv = [sys.executable, "-m", "kvsparse.server", "--bind", bind, *extra_args]
         if profile_paths:
             argv[1:1] = ["-m", "cProfile", "-o", profile_paths[i]]
         servers.append(processes.start(f"kvsparse_server{i}", argv))
@@ -406,6 +410,16 @@ def run_dist_sparse_unique(work: wl.Workload, args, log_dir: str) -> dict:
         addresses, pids = start_kvsparse_servers(processes, NUM_SERVERS)
         with kvsparse.create("dist_sparse", servers=addresses, rank=0, num_workers=1) as kv:
             return drive_store(kv, work, args, unique_inputs=True, server_pids=pids)
+
+
+def run_dist_sparse_nofast(work: wl.Workload, args, log_dir: str) -> dict:
+    """dist_sparse with servers that serve every request in Python (no C++ fast path)."""
+    with procs.Processes(log_dir) as processes:
+        addresses, pids = start_kvsparse_servers(
+            processes, NUM_SERVERS, extra_args=("--no-fast-path",)
+        )
+        with kvsparse.create("dist_sparse", servers=addresses, rank=0, num_workers=1) as kv:
+            return drive_store(kv, work, args, server_pids=pids)
 
 
 def run_dist_sparse_ipc(work: wl.Workload, args, log_dir: str) -> dict:
@@ -557,6 +571,8 @@ RATIOS = (
     ("dist_sparse / raw_zmq", "dist_sparse", "step", "raw_zmq", "step", None),
     ("dist_sparse_ipc / mxnet_pslite", "dist_sparse_ipc", "step", "mxnet_pslite", "step", 5.0),
     ("dist_sparse_ipc / dist_sparse", "dist_sparse_ipc", "step", "dist_sparse", "step", None),
+    ("dist_sparse / dist_sparse_nofast", "dist_sparse", "step", "dist_sparse_nofast", "step", None),
+    ("fast push / nofast push", "dist_sparse", "push", "dist_sparse_nofast", "push", None),
     ("dist_sparse_fp16 / mxnet_pslite", "dist_sparse_fp16", "step", "mxnet_pslite", "step", 5.0),
     ("dist_sparse_fp16 / dist_sparse", "dist_sparse_fp16", "step", "dist_sparse", "step", None),
     ("dist_sparse_fp16 / raw_zmq", "dist_sparse_fp16", "step", "raw_zmq", "step", None),
@@ -895,6 +911,8 @@ def run_system(name: str, work: wl.Workload, work_path: str, args, log_dir: str)
         return run_dist_sparse_unique(work, args, log_dir)
     if name == "dist_sparse_ipc":
         return run_dist_sparse_ipc(work, args, log_dir)
+    if name == "dist_sparse_nofast":
+        return run_dist_sparse_nofast(work, args, log_dir)
     if name in WIRE_SYSTEMS:
         return run_dist_sparse_wire(work, args, log_dir, WIRE_SYSTEMS[name])
     if name in TWO_WORKER_SYSTEMS:

@@ -1240,3 +1240,29 @@ def heartbeat_timeout(environ: Optional[Mapping] = None) -> float:
 
 __all__ += ["DEFAULT_HEARTBEAT_TIMEOUT", "HEARTBEAT_TIMEOUT", "heartbeat_timeout"]
 __all__ += ["REJOIN_WINDOW", "RESTARTED", "rejoin_window", "restarted"]
+
+
+FAST_PATH = "KVSPARSE_FAST_PATH"
+
+
+def fast_path(environ: Optional[Mapping] = None) -> bool:
+    """Whether servers answer pulls and pushes on their C++ thread (``KVSPARSE_FAST_PATH``).
+
+    On by default (unset, or ``1``); ``0`` serves every request in Python, as
+    before the fast path (`kvsparse.server.fastpath`): for benchmarks that compare
+    the two, or to fall back. Raises InvalidArgument for any other value. Thread-safe.
+
+    Example:
+        >>> fast_path({"KVSPARSE_FAST_PATH": "0"})
+        False
+    """
+    environ = os.environ if environ is None else environ
+    text = _get(environ, FAST_PATH)
+    if text is None or text.strip() in ("", "1"):
+        return True
+    if text.strip() == "0":
+        return False
+    raise InvalidArgument(f"{FAST_PATH} must be 0 or 1, got {text!r}")
+
+
+__all__ += ["FAST_PATH", "fast_path"]

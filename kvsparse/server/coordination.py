@@ -193,6 +193,11 @@ class SspGate:
             self._clocks[rank] = clock
             self._changed = True
 
+    @property
+    def staleness(self) -> int | None:
+        """The staleness bound in force (None: not SSP, the gate never holds a pull)."""
+        return self._staleness
+
     def clocks(self) -> list:
         """Each rank's clock as seen here: the highest clock of any request of it.
 

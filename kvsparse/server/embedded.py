@@ -10,16 +10,21 @@ or later from the serving thread when a BSP round completes) is handed to
 the ``deliver`` callable the caller attached for its routing id
 (`kvsparse.client.local`).
 
-One lock serializes everything that touches the server's state: the serving
-thread holds it while it handles what a poll returned (never while it waits
-in zmq_poll), and `handle` holds it for the whole request. A reply that the
-caller's thread produces for a remote peer (the last push of a BSP round) is
-queued for the serving thread, which alone uses the ROUTER socket
-(`kvsparse.server.loop.EventLoop`).
+One lock, the shard mutex (`kvsparse._core.ShardLock`, a C++ mutex whose
+acquire waits without the GIL), serializes everything that touches the
+server's state: the fast path's C++ thread holds it while it serves a batch,
+the Python serving thread while it handles what a poll returned (never while
+it waits), and `handle` for the whole request. A reply that the caller's
+thread produces for a remote peer (the last push of a BSP round) is queued for
+the serving thread (`kvsparse.server.loop.EventLoop`).
 
-Not GIL-free: the serving thread runs the Python dispatch and takes the GIL
-for it (the C++ table operations release it per batch). The issue's GIL-free
-serving loop is not built yet.
+GIL-free serving (issue 14): the other workers' PULL_SPARSE and PUSH_SPARSE
+are read and answered by the server's C++ thread without the GIL
+(`kvsparse.server.fastpath`), so a worker busy in Python does not stall its
+peers; only what the fast path leaves to Python (HELLO, errors, BSP and SSP
+coordination, checkpoints, stats...) waits for this process's GIL. With the
+fast path off (``KVSPARSE_FAST_PATH=0``, or no libzmq reachable) every request
+is served by the Python serving thread, which needs the GIL.
 
 Example:
     >>> shard = EmbeddedServer("tcp://127.0.0.1:0")  # doctest: +SKIP
@@ -30,12 +35,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from typing import Callable, Optional
 
 import zmq
 
+from kvsparse._core import ShardLock
 from kvsparse.config import ServerLimits
 from kvsparse.server.server import Server
 
@@ -59,6 +66,7 @@ class EmbeddedServer:
             (`Server.restore`) before the shard serves anything.
         use_fd: a listening tcp socket's file descriptor to serve instead of
             binding bind (see `Server`); the shard takes it over.
+        fast_path: see `Server` (None: ``KVSPARSE_FAST_PATH``, on by default).
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
@@ -80,8 +88,9 @@ class EmbeddedServer:
         rejoin_window: float = 0.0,
         restore: Optional[tuple] = None,
         use_fd: Optional[int] = None,
+        fast_path: Optional[bool] = None,
     ):
-        self.lock = threading.RLock()
+        self.lock = ShardLock()
         self.server = Server(
             bind,
             keys=keys,
@@ -91,6 +100,7 @@ class EmbeddedServer:
             guard=self.lock,
             rejoin_window=rejoin_window,
             use_fd=use_fd,
+            fast_path=fast_path,
         )
         if restore is not None:
             try:
@@ -110,9 +120,13 @@ class EmbeddedServer:
         """The shard's `kvsparse.shard.state.ShardState` (use it only inside `locked()`)."""
         return self.server.state
 
+    @contextlib.contextmanager
     def locked(self):
-        """The lock, as a context manager: hold it to read or change `state` directly."""
-        return self.lock
+        """Holds the lock (a context manager) to read or change `state` directly; what the
+        fast path did is in `state` by then."""
+        with self.lock:
+            self.server.sync_fast_path()
+            yield
 
     def _serve(self) -> None:
         try:

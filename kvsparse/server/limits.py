@@ -64,12 +64,26 @@ class ReplyBudget:
         send: ``send(routing, frames)`` of the event loop
             (`kvsparse.server.loop.EventLoop.send`).
         limits: the server's `ServerLimits` (``max_unread_reply_bytes``).
+        on_held: see below (`kvsparse.server.fastpath`); None: nobody is told.
+        also_unread: ``also_unread(routing)``, bytes of replies to routing that another
+            sender (the fast path's thread) tracks; None: none.
 
     Threads: not thread-safe; the server's event loop thread only.
     """
 
-    def __init__(self, send: Callable[[bytes, list], None], limits: ServerLimits):
+    def __init__(
+        self,
+        send: Callable[[bytes, list], None],
+        limits: ServerLimits,
+        on_held: Callable[[bytes, bool], None] | None = None,
+        also_unread: Callable[[bytes], int] | None = None,
+    ):
         self._send = send
+        # on_held(routing, True) once replies to routing are tracked, (routing, False) once
+        # none is (the C++ fast path leaves that connection's pulls to this budget).
+        self._on_held = on_held
+        # also_unread(routing): unread bytes of replies sent by someone else (the fast path).
+        self._also_unread = also_unread
         self._limit = limits.max_unread_reply_bytes
         # routing id -> [(tracker, bytes)] of its replies ZeroMQ still holds.
         self._held: dict[bytes, list] = {}
@@ -94,20 +108,31 @@ class ReplyBudget:
             # The Frame objects hold a reference to their message: dropped here, so that
             # the tracker is done once ZeroMQ has written the message (or dropped it).
             frames.clear()
-        self._held.setdefault(routing, []).extend(tracked)
+        held = self._held.get(routing)
+        if held is None:
+            held = self._held[routing] = []
+            if self._on_held is not None:
+                self._on_held(routing, True)
+        held.extend(tracked)
         self._tracked_sends += 1
         if self._tracked_sends % _SWEEP_EVERY == 0:
             for peer in list(self._held):
-                self.unread(peer)
+                self._own_unread(peer)
 
     def unread(self, routing: bytes) -> int:
         """Bytes of replies to routing that ZeroMQ still holds."""
+        own = self._own_unread(routing)
+        return own if self._also_unread is None else own + self._also_unread(routing)
+
+    def _own_unread(self, routing: bytes) -> int:
         held = self._held.get(routing)
         if not held:
             return 0
         held[:] = [(tracker, size) for tracker, size in held if not tracker.done]
         if not held:
             del self._held[routing]
+            if self._on_held is not None:
+                self._on_held(routing, False)
             return 0
         return sum(size for _, size in held)
 

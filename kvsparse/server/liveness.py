@@ -63,6 +63,9 @@ class Liveness:
         log: where a rank's leaving and coming back are told (default: stderr).
         rejoin_window: seconds a rank found gone has to come back before it
             counts as left (0: at once).
+        on_client: ``on_client(client_id, routing)`` when a worker is tracked from
+            now on or speaks on a new routing id, ``on_client(client_id, None)``
+            when it is found gone (`kvsparse.server.fastpath`); None: nobody.
 
     Threads: not thread-safe; the server's event loop thread only.
     """
@@ -75,6 +78,7 @@ class Liveness:
         incarnation: int,
         log: Callable[[str], None] | None = None,
         rejoin_window: float = 0.0,
+        on_client: Callable[[int, bytes | None], None] | None = None,
     ):
         self._coordination = coordination
         self._routable = routable
@@ -87,22 +91,27 @@ class Liveness:
         self._rejoin_window = float(rejoin_window)
         # Ranks found gone and given the rejoin window to come back -> that window's token.
         self._awaited: dict[int, object] = {}
+        self._on_client = on_client or (lambda client_id, routing: None)
 
     def joined(self, client_id: int, rank: int, routing: bytes) -> None:
         """A worker's HELLO was accepted: it is tracked from now on."""
         self._gone.pop(client_id, None)
         self._clients[client_id] = [rank, routing]
+        self._on_client(client_id, routing)
         self._back(rank)
 
     def heard(self, client_id: int, routing: bytes) -> None:
         """Any message from client_id (cheap: called for every message)."""
         entry = self._clients.get(client_id)
         if entry is not None:
-            entry[1] = routing  # a replaced socket's new routing id
+            if entry[1] != routing:
+                entry[1] = routing  # a replaced socket's new routing id
+                self._on_client(client_id, routing)
             return
         rank = self._gone.pop(client_id, None)
         if rank is not None:  # a client found gone speaks again (e.g. it was stopped)
             self._clients[client_id] = [rank, routing]
+            self._on_client(client_id, routing)
             self._back(rank)
 
     def disconnected(self) -> None:
@@ -128,6 +137,7 @@ class Liveness:
             if not self._routable(routing, [header.pack(), *ops.Ping.encode_reply(0).frames]):
                 del self._clients[client_id]
                 self._gone[client_id] = rank
+                self._on_client(client_id, None)
         while len(self._gone) > _GONE_KEPT:
             del self._gone[next(iter(self._gone))]
         present = self._present()

@@ -5,6 +5,13 @@ the callback `EventLoop.serve` was given, sends what it is told to send, and
 wakes up when another thread (a metrics scrape, a signal handler) writes to
 its wake-up socket. Waiting blocks in zmq_poll, which releases the GIL.
 
+The loop itself runs Python and needs the GIL while it handles a message. With
+the fast path (`kvsparse.server.fastpath`, `EventLoop.forward_from`) a C++
+thread reads the ROUTER instead and answers pulls and pushes without the GIL;
+the loop then receives only what that thread forwards, over a PAIR socket,
+and still sends its replies on the ROUTER (holding the guard, the shard mutex
+both threads share).
+
 Peers that leave (issue 11, defect 9): a socket monitor reports each closed
 connection (a worker that exited or was killed: its kernel closes the
 socket), and ZeroMQ's own heartbeats (ZMTP PING/PONG, answered by the
@@ -136,8 +143,21 @@ class EventLoop:
         # fd -> callback run by serve() once fd is readable (a forked checkpoint writer's pipe).
         self._watched: dict[int, Callable[[], None]] = {}
         self._poller: zmq.Poller | None = None
+        # The fast path (`forward_from`): messages come from this PAIR, not the ROUTER.
+        self._inbox: zmq.Socket | None = None
+        self._socket_used: Callable[[], None] | None = None
         self._timers: list[tuple[float, int, Callable[[], None]]] = []  # a heap
         self._timer_ids = itertools.count()
+
+    def forward_from(self, inbox: zmq.Socket, socket_used: Callable[[], None]) -> None:
+        """Receives messages from inbox instead of the ROUTER (`kvsparse.server.fastpath`).
+
+        Another thread then reads the ROUTER (holding the guard) and forwards here
+        what it does not answer; the loop still sends on the ROUTER (holding the
+        guard) and calls socket_used() after each send. Before serve() only.
+        """
+        self._inbox = inbox
+        self._socket_used = socket_used
 
     def serve(
         self,
@@ -153,7 +173,7 @@ class EventLoop:
         when due. No callback may raise.
         """
         poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.socket if self._inbox is None else self._inbox, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         # Registered by fd: zmq.Poller reports a non-zmq socket by its fd, not the object.
         wake_fd = self._wake_read.fileno()
@@ -186,8 +206,8 @@ class EventLoop:
         for fd in [fd for fd in self._watched if fd in events]:
             poller.unregister(fd)
             self._watched.pop(fd)()
-        if self.socket in events:
-            socket = self.socket
+        socket = self.socket if self._inbox is None else self._inbox
+        if socket in events:
             for _ in range(_BATCH):
                 try:
                     frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -265,6 +285,11 @@ class EventLoop:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             return False
+        finally:
+            if self._socket_used is not None:
+                # The send may have taken the ROUTER's ZMQ_FD signal of a message that
+                # arrived meanwhile: the fast path's thread asks the socket again.
+                self._socket_used()
         return True
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> None:

@@ -148,6 +148,12 @@ def _parser() -> argparse.ArgumentParser:
         "pushes of a BSP step the dead server completed are applied alone",
     )
     parser.add_argument(
+        "--no-fast-path",
+        action="store_true",
+        help="serve every request in Python: no C++ thread answering pulls and pushes "
+        "without the GIL (also KVSPARSE_FAST_PATH=0; for comparisons, or to fall back)",
+    )
+    parser.add_argument(
         "--max-message-size",
         type=int,
         default=DEFAULT_MAX_MESSAGE_SIZE,
@@ -270,6 +276,7 @@ def main(argv=None) -> int:
             max_message_size=args.max_message_size,
             restarted=args.restarted,
             limits=limits,
+            fast_path=False if args.no_fast_path else None,
         )
     except zmq.ZMQError as exc:
         print(f"kvsparse server: cannot bind {bind}: {exc}", file=sys.stderr)

@@ -125,6 +125,28 @@ class ResendCache:
             if reply is not None:
                 record.reply = reply
 
+    def record_answered(
+        self, client_id: int, request_id: int, reply: list | None, last_push: int, pushes: int
+    ) -> None:
+        """Notes requests answered elsewhere (the C++ fast path, `kvsparse.server.fastpath`).
+
+        request_id: the client's latest one, newer than any this cache holds for
+        it (admitted NEW and completed with reply, as `admit` and `complete`
+        would have); last_push: the request id of its latest push among them
+        (-1: none); pushes: how many pushes they were.
+        """
+        record = self._records.get(client_id)
+        if record is None:
+            record = self._new_record(client_id)
+        else:
+            self._records.move_to_end(client_id)
+        record.request_id = int(request_id)
+        record.pending = None
+        record.reply = reply
+        if last_push >= 0:
+            record.last_push = int(last_push)
+        self.pushes += pushes
+
     def answered(self) -> list[tuple[int, int, int, list]]:
         """(client_id, request_id, last_push, reply frames) of every record with a kept reply.
 

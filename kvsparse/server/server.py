@@ -8,9 +8,10 @@ Start one per shard (`kvsparse.server.main`)::
 The server holds a `kvsparse.shard.state.ShardState` (the same code the `local`
 store runs) and applies optimizers there. It learns the number of workers and
 the consistency mode from the first client's HELLO; a later HELLO that
-disagrees gets an error reply. The event loop is single-threaded: table
-operations release the GIL inside the C++ core, and waiting on the socket
-blocks in zmq_poll without the GIL.
+disagrees gets an error reply. PULL_SPARSE and PUSH_SPARSE are answered by a
+C++ thread without the GIL when they can be (`kvsparse.server.fastpath`); the
+Python event loop serves the rest, one message at a time: table operations
+release the GIL inside the C++ core, and waiting blocks in zmq_poll without it.
 
 `Server` composes one object per concern, each in its own module:
 
@@ -50,15 +51,17 @@ blocks in zmq_poll without the GIL.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 
 import zmq
 
-from kvsparse import config, errors
+from kvsparse import _core, config, errors
 from kvsparse.config import ServerLimits
 from kvsparse.server import restart
 from kvsparse.server.coordination import Coordination
 from kvsparse.server.dispatch import Dispatcher
+from kvsparse.server.fastpath import FastPath
 from kvsparse.server.handlers import Handlers
 from kvsparse.server.limits import ReplyBudget, RequestLimits
 from kvsparse.server.liveness import Liveness
@@ -98,6 +101,10 @@ class Server:
         guard: a lock serve() holds while it handles messages (not while it
             waits), so that other threads holding it may call handle() and
             `attach` too (`kvsparse.server.embedded`, issue 14). None: none.
+        fast_path: answer PULL_SPARSE and PUSH_SPARSE on a C++ thread without the
+            GIL (`kvsparse.server.fastpath`); None: `kvsparse.config.fast_path`
+            (``KVSPARSE_FAST_PATH``, on by default). Needs guard None or a
+            `kvsparse._core.ShardLock`; another guard turns it off.
         rejoin_window: seconds the requests that wait for a worker that left
             are held for it to come back (a colocated worker restarted by
             ``launch --restart-workers``) before they fail with WorkerLeft;
@@ -136,8 +143,15 @@ class Server:
         guard=None,
         rejoin_window: float = 0.0,
         use_fd: int | None = None,
+        fast_path: bool | None = None,
     ):
         limits = limits if limits is not None else ServerLimits()
+        if fast_path is None:
+            fast_path = config.fast_path()
+        if fast_path and guard is None:
+            guard = _core.ShardLock()
+        self._guard = guard if guard is not None else contextlib.nullcontext()
+        self._fast: FastPath | None = None
         if "://" not in bind:  # 'host:port', as clients accept it (inproc:// etc. pass as is)
             bind = config.parse_bind_address(bind, "bind")
         if heartbeat_timeout is None:
@@ -160,7 +174,9 @@ class Server:
             self._loop.close()
             raise
         self.limits = limits
-        budget = ReplyBudget(self._loop.send, limits)
+        budget = ReplyBudget(
+            self._loop.send, limits, on_held=self._budget_held, also_unread=self._fast_unread
+        )
         # Random per start: a client that sees it change knows this shard restarted.
         self.incarnation = secrets.randbits(32) or 1
         self.state = ShardState()
@@ -175,6 +191,7 @@ class Server:
             self._loop.call_later,
             self.incarnation,
             rejoin_window=rejoin_window,
+            on_client=self._client_changed,
         )
         handlers = Handlers(
             self.state,
@@ -196,6 +213,44 @@ class Server:
             self.incarnation,
             liveness=self._liveness,
         )
+        if fast_path and isinstance(guard, _core.ShardLock):
+            self._fast = FastPath.create(
+                self._loop.socket,
+                self._loop.context,
+                guard,
+                self.incarnation,
+                self.state,
+                resend,
+                coordination,
+                self.metrics,
+                limits,
+            )
+        if self._fast is not None:
+            self._loop.forward_from(self._fast.inbox, self._fast.wake)
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether a C++ thread answers pulls and pushes (`kvsparse.server.fastpath`)."""
+        return self._fast is not None
+
+    @property
+    def fast_path_requests(self) -> int:
+        """Requests the fast path's thread answered so far (0 without it; guard held)."""
+        if self._fast is None:
+            return 0
+        self._fast.drain()
+        return self._fast.answered
+
+    def _budget_held(self, routing: bytes, held: bool) -> None:
+        if self._fast is not None:
+            self._fast.budget_held(routing, held)
+
+    def _fast_unread(self, routing: bytes) -> int:
+        return 0 if self._fast is None else self._fast.unread(routing)
+
+    def _client_changed(self, client_id: int, routing) -> None:
+        if self._fast is not None:
+            self._fast.client_changed(client_id, routing)
 
     def restore(self, path: str, shard_index: int, num_shards: int) -> None:
         """Loads shard shard_index of num_shards of the latest checkpoint in path, before serving.
@@ -224,11 +279,44 @@ class Server:
 
     def serve(self) -> None:
         """Serves requests until stop() (or a signal handler calling it)."""
-        self._loop.serve(self._dispatcher.handle, self._answer_metrics, self._liveness.disconnected)
+        fast = self._fast
+        if fast is None:
+            self._loop.serve(
+                self._dispatcher.handle, self._answer_metrics, self._liveness.disconnected
+            )
+            return
+        with self._guard:
+            fast.sync()
+        fast.start()
+        try:
+            self._loop.serve(self._forwarded, self._answer_metrics, self._liveness.disconnected)
+        finally:
+            fast.stop()
+
+    def _forwarded(self, frames: list) -> None:
+        """A message the fast path's thread left to Python (guard held)."""
+        fast = self._fast
+        fast.drain()
+        self._dispatcher.handle(frames)
+        fast.after_python(forwarded=True)
 
     def handle(self, frames: list) -> None:
-        """Handles one received message (routing id frame first); never raises."""
+        """Handles one received message (routing id frame first); never raises.
+
+        With the fast path on, the caller holds the guard (`kvsparse.server.embedded`).
+        """
+        fast = self._fast
+        if fast is None:
+            self._dispatcher.handle(frames)
+            return
+        fast.drain()
         self._dispatcher.handle(frames)
+        fast.after_python(forwarded=False)
+
+    def sync_fast_path(self) -> None:
+        """Brings the state up to date with what the fast path's thread did (guard held)."""
+        if self._fast is not None:
+            self._fast.drain()
 
     def attach(self, routing: bytes, deliver) -> None:
         """Replies for routing go to deliver(frames), not the socket (a client in this process)."""
@@ -249,6 +337,9 @@ class Server:
 
     def metrics_snapshot(self) -> dict:
         """Counters and table sizes, copied (serving thread only; see server.metrics)."""
+        if self._fast is not None:
+            with self._guard:
+                self._fast.drain()
         return self.metrics.snapshot(table_names(self.state), self.state.stats())
 
     def _answer_metrics(self) -> None:
@@ -259,4 +350,7 @@ class Server:
 
         linger: seconds to go on sending the replies already given to ZeroMQ.
         """
+        if self._fast is not None:
+            self._fast.stop()
+            self._fast.close()
         self._loop.close(linger)

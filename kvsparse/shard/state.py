@@ -46,6 +46,41 @@ def _without_stream_version(spec: dict) -> dict:
     return {**spec, "initializer": initializer}
 
 
+class TableDict(dict):
+    """A dict that counts its changes in `version` (the serving fast path re-registers the
+    tables when it moved: `kvsparse.server.fastpath`). Not thread-safe (ShardState's rule)."""
+
+    version = 0
+
+    def __setitem__(self, key, value):
+        self.version += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.version += 1
+        super().__delitem__(key)
+
+    def clear(self):
+        self.version += 1
+        super().clear()
+
+    def update(self, *args, **kwargs):
+        self.version += 1
+        super().update(*args, **kwargs)
+
+    def pop(self, *args):
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.version += 1
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self.version += 1
+        return super().setdefault(key, default)
+
+
 @dataclass
 class SparseEntry:
     """A sparse table of this shard: its key name, spec and rows (ShardState's thread rule)."""
@@ -227,7 +262,7 @@ class ShardState:
     """
 
     def __init__(self):
-        self.sparse: dict[int, SparseEntry] = {}
+        self.sparse: TableDict = TableDict()  # table id -> SparseEntry
         self.dense: dict[int, DenseEntry] = {}
         self.default_optimizer: dict | None = None
         self.counters = ShardCounters()
