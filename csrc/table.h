@@ -582,6 +582,8 @@ class EmbeddingTable {
   // Updates the plan's stored rows in place; a row whose result is not
   // finite is put back at once and flagged. Returns whether any was.
   bool UpdateExistingRows(PushPlan* plan);
+  // Prefetches (for writing) every line the update of a stored row touches.
+  void PrefetchRowState(int64_t row) const;
   void RestoreExistingRows(const PushPlan& plan);
   // Puts back a row's values, slots and metadata (step, stamp, touches, last step).
   void RestoreRow(int64_t row, const float* saved, const uint32_t* meta);
