@@ -127,7 +127,9 @@ size_t EmbeddingTable::HomeLine(int64_t key) const {
       (static_cast<unsigned __int128>(Mix64(static_cast<uint64_t>(key))) * lines_) >> 64);
 }
 
-inline __attribute__((always_inline)) int64_t EmbeddingTable::ProbeRow(size_t l, int64_t key) const {
+// Inlined into the lookup's per-key pipeline: GCC made it a call there.
+inline __attribute__((always_inline)) int64_t EmbeddingTable::ProbeRow(size_t l,
+                                                                       int64_t key) const {
   // One compare of the five keys and no branch on where the key sits: with a
   // branch per slot (mispredicted about once a key) and 12-byte buckets, the
   // probe of a dim-8 lookup cost twice the row copy. A matching slot can be
