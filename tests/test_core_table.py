@@ -261,6 +261,82 @@ def test_backward_shift_removal_in_one_cluster(homes):
         assert sorted(table_state(table)[0].tolist()) == sorted(keys[list(present)].tolist())
 
 
+def keys_homed_on(count, lines, line_count=4, start=0):
+    """Keys whose home line (Mix64(key) * line_count >> 64) is in `lines`.
+
+    A new table's map has 4 lines of 5 slots (csrc/table.h, BucketLine)."""
+    candidates = np.arange(start, start + 4000 * count, dtype=np.int64)
+    homes = np.array([(int(h) * line_count) >> 64 for h in reference.mix64(candidates)])
+    chosen = candidates[np.isin(homes, lines)]
+    assert len(chosen) >= count
+    return chosen[:count]
+
+
+@pytest.mark.parametrize("lines", [[3], [0], [2, 3]], ids=str)
+def test_lines_full_from_home_lose_no_key_to_removes(lines):
+    """15 keys (load 3/4 of a new table's 20 slots) homed on one or two lines fill
+    three lines, wrapping around the map; removes (backward shifts across lines)
+    and re-inserts in random order, with lookups of every key after each step:
+    keys past their home line take the slow probe, and a removed key's stale copy
+    in its home line must neither be found nor hide the key re-inserted elsewhere."""
+    dim = 2
+    keys = keys_homed_on(15, lines)
+    absent = keys_homed_on(5, lines, start=int(keys[-1]) + 1)  # never stored
+    values = rows_for(keys, dim)
+    rng = np.random.default_rng(sum(lines))
+    for trial in range(40):
+        table = _core.Table(dim, {"kind": "constant", "a": -5.0})
+        order = rng.permutation(len(keys))
+        for i in order:  # one at a time: no growth past the 4 lines
+            table.assign(keys[i : i + 1], values[i : i + 1])
+        present = set(range(len(keys)))
+        for _ in range(40):
+            i = int(rng.integers(len(keys)))
+            if i in present:
+                assert table.remove(keys[i : i + 1]) == 1
+                present.discard(i)
+            else:
+                table.assign(keys[i : i + 1], values[i : i + 1])
+                present.add(i)
+            expected = np.where(
+                np.isin(np.arange(len(keys)), list(present))[:, None], values, np.float32(-5)
+            )
+            np.testing.assert_array_equal(table.lookup(keys), expected, err_msg=f"trial {trial}")
+            np.testing.assert_array_equal(table.lookup(absent), np.full((5, dim), -5, np.float32))
+            assert table.size() == len(present)
+        assert table.memory_bytes() < 8 * 1024  # still the 4 lines: no growth happened
+        assert sorted(table_state(table)[0].tolist()) == sorted(keys[list(present)].tolist())
+
+
+@pytest.mark.parametrize("dim,dtype", [(8, "float32"), (5, "float32"), (8, "bfloat16")])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 32, 33, 48, 49, 63, 64, 65, 97, 20000])
+def test_lookup_batches_around_the_pipeline_stages(n, dim, dtype):
+    """The lookup probes key i's line 16 keys after prefetching it and copies its
+    row 32 keys later (csrc/table.cc, LookupRangeFor): batch sizes around those
+    distances, stored and unstored keys mixed, give each key its row or its
+    initial value; 20000 keys are split over threads."""
+    rng = np.random.default_rng(n)
+    table = _core.Table(dim, {"kind": "uniform", "a": -1, "b": 1}, seed=3, dtype=dtype)
+    stored = rng.integers(INT64_MIN, INT64_MAX, size=max(n, 64), dtype=np.int64)
+    table.assign(stored, rows_for(stored, dim))
+    expected_stored = table.lookup(stored)  # the stored (rounded) rows, row by row below
+    unstored = rng.integers(INT64_MIN, INT64_MAX, size=n, dtype=np.int64)
+    unstored = unstored[~np.isin(unstored, stored)]
+    take_stored = rng.random(len(unstored)) < 0.5
+    picked = rng.integers(0, len(stored), size=len(unstored))
+    keys = np.where(take_stored, stored[picked], unstored)
+    expected = np.where(
+        take_stored[:, None], expected_stored[picked], table.initial_values(unstored)
+    )
+    np.testing.assert_array_equal(table.lookup(keys), expected)
+    for i in range(min(len(stored), 64)):
+        np.testing.assert_array_equal(
+            expected_stored[i], table.lookup(stored[i : i + 1])[0], err_msg=str(i)
+        )
+    if dtype == "float32":
+        np.testing.assert_array_equal(expected_stored, rows_for(stored, dim))
+
+
 def test_many_removes_and_reinserts_match_a_dict():
     dim = 3
     rng = np.random.default_rng(11)
