@@ -12,20 +12,19 @@
 // socket may consume its signal, so the thread asks ZMQ_EVENTS again after every
 // wake-up and before it sleeps.
 //
-// It answers only the success path of a request Python registered everything for:
-// a PULL_SPARSE or PUSH_SPARSE with a valid header, from a client Python
-// registered (its HELLO accepted, on the routing id it registered), with a request
-// id above every one seen from that client, once Python has handled every message
-// forwarded before (so replies keep the order requests came in), when the job
-// allows it (pulls: no SSP gate; pushes: ASP only), on registered tables, within
-// the request limits and the connection's unread-reply budget (large reply frames
-// are counted until libzmq frees them, as Python's ReplyBudget counts its own, and
-// Python adds this count to its own). Anything else, and any request that would fail (unknown
-// table, bad frame sizes, shape, a NaN gradient on a table that does not skip
-// them, an overflow of the update, a limit), is forwarded before anything changed,
-// so that Python sends the one error reply. A push is applied to all its tables
-// or none, as ShardState.push_sparse_tables does, and every reply byte is the one
-// the Python path would send.
+// It answers only the success path of a request Python registered everything for: a
+// PULL_SPARSE or PUSH_SPARSE with a valid header, from a client Python registered (its
+// HELLO accepted, on the routing id it registered), with a request id above every one
+// seen from that client, once Python has handled every message forwarded before (so
+// replies keep the order requests came in), when the job allows it (pulls: no SSP gate;
+// pushes: ASP, or BSP with one worker), on registered tables, within the request limits
+// and the connection's unread-reply budget (large reply frames are counted until libzmq
+// frees them, as Python's ReplyBudget counts its own, and Python adds this count to its
+// own). Anything else, and any request that would fail (unknown table, bad frame sizes,
+// shape, a NaN gradient on a table that does not skip them, an overflow of the update,
+// a limit), is forwarded before anything changed, so that Python sends the one error
+// reply. A push is applied to all its tables or none, as ShardState.push_sparse_tables
+// does, and every reply byte is the one the Python path would send.
 //
 // What the thread did is recorded (per client: the last request and, for a push,
 // its reply header; per rank: the highest clock; counts per op and table,
@@ -114,7 +113,7 @@ class FastServeLoop {
   void Wake();
 
   // The job: whether HELLO configured it, its number of workers, and which ops the
-  // loop may answer (pulls: no staleness bound; pushes: ASP).
+  // loop may answer (pulls: no staleness bound; pushes: ASP, or BSP with one worker).
   void SetJob(bool configured, int64_t num_workers, bool pulls, bool pushes);
   // max_rows_per_request, max_reply_bytes, max_unread_reply_bytes, and the size from which
   // a reply frame counts as unread until ZeroMQ lets go of it (Python's TRACK_BYTES).

@@ -381,26 +381,48 @@ def test_a_checkpoint_after_fast_pushes_replays_the_last_one_after_a_restart(tmp
         restored.close()
 
 
-def test_a_bsp_or_ssp_push_stays_pythons():
-    for mode in ("bsp", "ssp"):
-        with serving(True) as server:
+@pytest.mark.parametrize(
+    "mode, num_workers, fast",
+    [
+        ("bsp", 2, 1),  # a round waits for every worker: the push is Python's, the pull fast
+        ("ssp", 1, 0),  # the SSP gate: neither
+        ("bsp", 1, 2),  # one worker: each push completes its round at once, both fast
+    ],
+)
+def test_a_push_that_a_round_may_hold_stays_pythons(mode, num_workers, fast):
+    def run(fast_path: bool) -> tuple:
+        with serving(fast_path) as server:
             client = RawClient(server.address, client_id=8)
             staleness = 2 if mode == "ssp" else None
-            assert client.hello(num_workers=1, mode=mode, staleness=staleness)[0].status == 0
-            init = {
-                "table_id": 11,
-                "name": "t",
-                "spec": kvsparse.SparseTable(dim=4).to_dict(),
-            }
+            hello = client.hello(num_workers=num_workers, mode=mode, staleness=staleness)
+            assert hello[0].status == 0
+            other = None
+            if num_workers == 2:  # the second worker's push completes the round
+                other = RawClient(server.address, client_id=9, rank=1)
+                assert other.hello(num_workers=2, mode=mode)[0].status == 0
+            spec = kvsparse.SparseTable(dim=4, optimizer=SGD(learning_rate=0.5)).to_dict()
+            init = {"table_id": 11, "name": "t", "spec": spec}
             assert client.request(Op.INIT_SPARSE, [protocol.encode_json(init)])[0].status == 0
             frames, n = push_request([(11, [1], np.ones((1, 4), np.float32), 0)])
-            reply = exchange(client, Op.PUSH_SPARSE, frames, n)
+            if other is None:
+                reply = exchange(client, Op.PUSH_SPARSE, frames, n)
+            else:
+                client.send(Op.PUSH_SPARSE, frames, num_items=n)
+                assert not client.socket.poll(300)  # held: its round waits for rank 1
+                done = exchange(other, Op.PUSH_SPARSE, frames, n)
+                assert protocol.unpack_header(done[0], reply=True).status == 0
+                assert client.socket.poll(10_000)
+                reply = client.socket.recv_multipart()
+                other.close()
             assert protocol.unpack_header(reply[0], reply=True).status == 0
             frames, n = pull_request([(11, [1], 0)])
-            exchange(client, Op.PULL_SPARSE, frames, n)
-            # BSP: the pull is the fast path's (no gate), the push Python's; SSP: neither.
-            assert answered_fast(server) == (1 if mode == "bsp" else 0)
+            rows = exchange(client, Op.PULL_SPARSE, frames, n)[2]
             client.close()
+            return bytes(rows), answered_fast(server)
+
+    rows, answered = run(True)
+    assert answered == fast
+    assert run(False) == (rows, 0)  # the same row as Python's path gives
 
 
 # -- issue 14: a colocated worker busy in Python does not stall its peers ----------------------

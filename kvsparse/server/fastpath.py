@@ -6,7 +6,8 @@ busy in Python stalled the peers its shard serves. With the fast path a C++
 thread (`kvsparse._core.FastServeLoop`, csrc/serve_loop.h) reads the ROUTER
 socket. It answers, itself and without the GIL, the pulls and pushes it can
 answer from start to end (registered client, new request id, a mode that holds
-nothing, registered tables, within the limits, no error). It forwards every
+nothing: pulls without an SSP gate, pushes under ASP or under BSP with one
+worker; registered tables, within the limits, no error). It forwards every
 other message unchanged over an inproc PAIR socket to the Python serving
 thread, whose `kvsparse.server.loop.EventLoop` polls that PAIR instead of the
 ROUTER. Errors are always Python's: a request that would fail is forwarded
@@ -183,7 +184,10 @@ class FastPath:
         job = self._coordination.job
         if job.configured:
             staleness = self._coordination.ssp.staleness
-            current = (True, job.num_workers, staleness is None, job.mode == Mode.ASP)
+            # BSP with one worker: every push completes its round at once, applied as
+            # ASP applies it (BspRounds: no round is ever held, no orphan after a restart).
+            pushes = job.mode == Mode.ASP or (job.mode == Mode.BSP and job.num_workers == 1)
+            current = (True, job.num_workers, staleness is None, pushes)
         else:
             current = (False, 0, False, False)
         if current != self._job:
