@@ -558,3 +558,30 @@ def test_large_pulls_are_served_fast_and_count_against_the_unread_budget():
             header, _ = client.recv(timeout=60)
             assert header.request_id == request_id and header.status == 0
         client.close()
+
+
+def test_find_libzmq_takes_pyzmqs_own_copy_or_none_when_unsure(tmp_path):
+    import os
+
+    from kvsparse.server.fastpath import find_libzmq
+
+    bundled = os.path.join(os.path.dirname(os.path.dirname(zmq.__file__)), "pyzmq.libs")
+    ours = os.path.realpath(os.path.join(bundled, "libzmq-abc.so.5.2.5"))
+    other = "/usr/lib/x86_64-linux-gnu/libzmq.so.5.2.4"
+    third = "/opt/mxnet/libzmq.so.5"
+
+    def maps(*paths) -> str:
+        text = "".join(
+            f"7f00{i:04x}000-7f00{i:04x}100 r-xp 00000000 08:01 {i} {path}\n"
+            for i, path in enumerate(paths)
+        )
+        text += "7ffd0000-7ffd1000 rw-p 00000000 00:00 0 [stack]\n"
+        path = tmp_path / f"maps{len(paths)}-{abs(hash(paths))}"
+        path.write_text(text)
+        return str(path)
+
+    assert find_libzmq(maps(other, ours, other)) == ours  # pyzmq's bundled copy wins
+    assert find_libzmq(maps(other, other)) == other  # the only one (pyzmq built against it)
+    assert find_libzmq(maps(other, third)) is None  # which one is pyzmq's? not known: off
+    assert find_libzmq(maps()) is None
+    assert find_libzmq(str(tmp_path / "missing")) is None

@@ -52,23 +52,35 @@ from kvsparse.wire.ops import Mode
 _OPS = ("pull_sparse", "push_sparse")  # the C++ loop's op indices
 
 
-def find_libzmq() -> str | None:
+def find_libzmq(maps: str = "/proc/self/maps") -> str | None:
     """The path of the libzmq that pyzmq loaded into this process, or None.
 
     Read from /proc/self/maps (Linux): the C++ loop opens that same copy with
-    RTLD_NOLOAD and never loads one of its own.
+    RTLD_NOLOAD and never loads one of its own. The copy a pyzmq wheel bundles
+    (``pyzmq.libs``, beside the ``zmq`` package) is taken when it is mapped;
+    otherwise the only libzmq mapped. None when several others are mapped (which
+    one pyzmq's sockets belong to is not known: the fast path stays off).
+    maps: the memory map to read (tests give another file).
     """
+    bundled = os.path.realpath(
+        os.path.join(os.path.dirname(os.path.dirname(zmq.__file__)), "pyzmq.libs")
+    )
+    found = []
     try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
+        with open(maps) as lines:
+            for line in lines:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6:
                     path = fields[5].strip()
-                    if os.path.basename(path).startswith("libzmq") and ".so" in path:
-                        return path
+                    name = os.path.basename(path)
+                    if name.startswith("libzmq") and ".so" in name and path not in found:
+                        found.append(path)
     except OSError:
         return None
-    return None
+    for path in found:
+        if os.path.dirname(os.path.realpath(path)) == bundled:
+            return path
+    return found[0] if len(found) == 1 else None
 
 
 class FastPath:
