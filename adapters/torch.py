@@ -27,7 +27,11 @@ Rules worth knowing:
 - ``module.prefetch(next_ids)`` pulls the next batch's rows on a background
   thread; the next forward uses them if its ids are equal. Called after this
   step's backward, the prefetched rows include this step's update. An error of
-  the background pull is raised by the next forward, never in the thread.
+  the background pull is raised by the next forward, never in the thread. One
+  thread per store runs its prefetches, in order.
+- ``push_together(kv, wait=False)`` sends a step's push without waiting for
+  the servers' acknowledgements; the next prefetch (or any store call)
+  collects them, and raises a failure then.
 - The adapters call a store under `store_lock(kv)`; take it too if you call
   the store from another thread while a prefetch may be in flight.
 - ``torch.compile`` works: the pull runs eagerly (a graph break), the layers
@@ -50,7 +54,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as functional
@@ -70,6 +77,54 @@ def _check_ids(ids) -> torch.Tensor:
     return ids
 
 
+class _PrefetchThread:
+    """The thread that runs one store's background pulls, one at a time, in order.
+
+    One per store, started by its first prefetch and ended when the store is
+    garbage-collected: a thread started per prefetch cost the training thread
+    about 0.4 ms a step (issue 10, benchmarks/end_to_end.py's profile).
+    """
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="kvsparse-prefetch", daemon=True)
+        self._thread.start()
+
+    def submit(self, job) -> None:
+        """Runs job() on the thread after the jobs before it; job must not raise."""
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        """Ends the thread once the jobs before are done."""
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+            # Hold nothing while idle: a tensor freed by this thread during interpreter
+            # shutdown ends in std::terminate (torch drops the GIL in its dealloc).
+            del job
+
+
+_prefetch_threads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_prefetch_threads_guard = threading.Lock()
+
+
+def _prefetch_thread(kv) -> _PrefetchThread:
+    """kv's prefetch thread (a new one in a forked child: threads do not survive a fork)."""
+    with _prefetch_threads_guard:
+        worker = _prefetch_threads.get(kv)
+        if worker is None or worker.pid != os.getpid():
+            worker = _prefetch_threads[kv] = _PrefetchThread()
+            # Not at exit: the daemon thread then just stays blocked until the process ends.
+            weakref.finalize(kv, worker.stop).atexit = False
+        return worker
+
+
 class _BackgroundPull:
     """One background pull of one or more tables; keeps its rows or its error, never raises."""
 
@@ -79,14 +134,17 @@ class _BackgroundPull:
         self.error_reported = False
         self._pull = pull
         self._args = (lookups, ids)
-        self._thread = threading.Thread(target=self._run, name="kvsparse-prefetch", daemon=True)
-        self._thread.start()
+        self._done = threading.Event()
+        _prefetch_thread(lookups[0].kv).submit(self._run)
 
     def _run(self):
         try:
             self.rows = self._pull(*self._args)
         except BaseException as exc:  # noqa: BLE001 - stored for the caller, see wait()
             self.error = exc
+        finally:
+            self._args = None
+            self._done.set()
 
     def wait(self) -> list | None:
         """Waits for the pull; raises its error, if any, in the caller's thread.
@@ -94,7 +152,7 @@ class _BackgroundPull:
         The error is raised once, to the first table that waits; the other
         tables of the pull then get None (no rows: they pull again).
         """
-        self._thread.join()
+        self._done.wait()
         if self.error is not None:
             if self.error_reported:
                 return None
@@ -259,8 +317,9 @@ class _PushBatch:
     _active: dict = {}  # id(kv) -> the store's open batch
     _guard = threading.Lock()
 
-    def __init__(self, kv):
+    def __init__(self, kv, wait: bool = True):
         self.kv = kv
+        self.wait = wait
         self.pushes: dict = {}  # key -> [(ids, grad)], in the order backward produced them
 
     @classmethod
@@ -293,11 +352,11 @@ class _PushBatch:
         keys = list(self.pushes)
         values = [parts[0] if len(parts) == 1 else parts for parts in self.pushes.values()]
         with store_lock(self.kv):
-            self.kv.push(keys, values)
+            self.kv.push(keys, values, wait=self.wait)
 
 
 @contextlib.contextmanager
-def push_together(kv):
+def push_together(kv, wait: bool = True):
     """Within the block, the modules' backward pushes to kv go out as one push at its end.
 
     A step's tables then cost one request per server instead of one per table
@@ -307,16 +366,25 @@ def push_together(kv):
     is pushed. On a synchronous store every worker must use the same blocks.
     Blocks do not nest; one store's block is open in one thread at a time.
 
+    wait=False: the block ends once the push is sent (``kv.push(...,
+    wait=False)``); the servers' acknowledgements are collected by the
+    store's next call, typically the `prefetch` of the next batch, which then
+    pulls rows that include this push. The training thread no longer waits
+    for them (issue 10: about 0.8 ms a step of the MovieLens DeepFM). A
+    failure the servers report (a worker that left, a server gone) is then
+    raised by that next call: with a prefetch, by the next forward.
+
     Raises:
         kvsparse.errors.InvalidArgument: a block for kv is already open, or a
             table without optimizer (raised in the backward, as without the block).
         what `kv.push` raises, at the end of the block.
 
     Example:
-        >>> with push_together(kv):
+        >>> with push_together(kv, wait=False):
         ...     loss.backward()  # both tables' gradients: one request per server
+        >>> model.prefetch(next_ids)  # collects the push's acknowledgements, then pulls
     """
-    batch = _PushBatch(kv)
+    batch = _PushBatch(kv, wait)
     batch.open()
     try:
         yield

@@ -18,6 +18,10 @@ run, side by side:
                 `python -m kvsparse.server` processes on 127.0.0.1, driven the same way:
                 both tables' pushes in one request per server (`push_together`), and
                 their prefetch too (`prefetch_together`).
+                The pushes are sent without waiting for the servers' acknowledgements
+                (``push_together(kv, wait=False)``): the next prefetch collects them.
+- dist_sparse_push_wait: the same, but each push waits for its acknowledgements in the
+                training thread (``push_together(kv)``, the loop before issue 10's wait=False).
 - dist_sparse_per_table: the same, one push and one prefetch per table (the loop
                 before `push_together` / `prefetch_together`: 4 exchanges a step, not 2).
 - dist_sparse_nofast: dist_sparse with servers that serve every request in Python
@@ -78,11 +82,19 @@ import kvsparse  # noqa: E402
 from kvsparse.server.listening import parse_listening_line, read_first_line  # noqa: E402
 
 NUM_SERVERS = 2
-SYSTEMS = ("plain_torch", "local", "dist_sparse", "dist_sparse_per_table", "dist_sparse_nofast")
+SYSTEMS = (
+    "plain_torch",
+    "local",
+    "dist_sparse",
+    "dist_sparse_push_wait",
+    "dist_sparse_per_table",
+    "dist_sparse_nofast",
+)
 DESCRIPTIONS = {
     "plain_torch": "nn.Embedding(sparse=True) + torch.optim.Adagrad, one process",
     "local": "kvsparse local store via kvsparse.adapters.torch",
     "dist_sparse": f"kvsparse dist_sparse, 1 worker + {NUM_SERVERS} servers on tcp loopback",
+    "dist_sparse_push_wait": "dist_sparse, each push waits for its acknowledgements",
     "dist_sparse_per_table": "the same, one push and one prefetch per table",
     "dist_sparse_nofast": "dist_sparse, servers with --no-fast-path (all in Python)",
 }
@@ -238,11 +250,18 @@ def train_plain(model: DeepFM, batches: list) -> tuple[list, list]:
 
 
 def train_kvsparse(
-    kv, model: DeepFM, batches: list, profiler=None, per_table: bool = False
+    kv,
+    model: DeepFM,
+    batches: list,
+    profiler=None,
+    per_table: bool = False,
+    push_wait: bool = False,
 ) -> tuple[list, list]:
     """The example's loop for one worker: pull in forward, push in backward, prefetch the
     next batch after the push, average dense gradients through the store, Adam.
-    per_table: each table pushes and prefetches on its own (two requests, not one)."""
+    per_table: each table pushes and prefetches on its own (two requests, not one).
+    push_wait: each push waits for the servers' acknowledgements (else the prefetch
+    collects them)."""
     dense_sync = DenseGradientSync(kv, model.parameters(), key="deepfm_dense")
     dense_optimizer = torch.optim.Adam(model.parameters(), lr=DENSE_LR)
     loss_function = nn.BCEWithLogitsLoss()
@@ -254,7 +273,8 @@ def train_kvsparse(
                 step_start = time.perf_counter()
                 loss = loss_function(model(batch_ids), batch_labels)
                 dense_optimizer.zero_grad()
-                with contextlib.nullcontext() if per_table else push_together(kv):
+                together = push_together(kv, wait=push_wait)
+                with contextlib.nullcontext() if per_table else together:
                     loss.backward()  # pushes the embedding gradients
                 if step + 1 < len(epoch_batches):
                     next_ids = epoch_batches[step + 1][0]
@@ -298,7 +318,12 @@ def run_once(system: str, work: Workload, seed: int, profile_dir: str | None = N
             stack.callback(kv.close)
             model = kvsparse_model(kv, num_fields, seed)
             epoch_seconds, step_seconds = train_kvsparse(
-                kv, model, work.batches, profiler, per_table=system == "dist_sparse_per_table"
+                kv,
+                model,
+                work.batches,
+                profiler,
+                per_table=system == "dist_sparse_per_table",
+                push_wait=system == "dist_sparse_push_wait",
             )
             auc = evaluate(model, work.data.test_ids, work.data.test_labels)
             result = {

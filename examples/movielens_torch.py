@@ -140,12 +140,15 @@ def main(argv=None) -> int:
             logits = model(torch.from_numpy(batch_ids))
             loss = loss_function(logits, torch.from_numpy(batch_labels))
             dense_optimizer.zero_grad()
-            with push_together(kv):  # both tables' gradients: one request per server
+            # Both tables' gradients: one request per server, sent without waiting for
+            # the servers' acknowledgements (the next store call collects them).
+            with push_together(kv, wait=False):
                 loss.backward()
             if args.prefetch and step + 1 < len(epoch_batches):
-                # After the push (BSP: every worker's gradients are applied by
-                # now), so the prefetched rows are exact; the pull runs while
-                # this worker averages and applies its dense gradients.
+                # After the push: the prefetch collects its acknowledgements first
+                # (BSP: once every worker's gradients are applied), so the rows it
+                # pulls are exact; it runs while this worker averages and applies
+                # its dense gradients.
                 model.prefetch(torch.from_numpy(epoch_batches[step + 1][0]))
             dense_sync.synchronize()
             dense_optimizer.step()

@@ -639,6 +639,60 @@ def test_prefetch_together_checks_its_arguments(kv):
         prefetch_together([first, vectors], torch.tensor([1.5]))
 
 
+def _train_steps(kv, prefix: str, wait: bool) -> list:
+    """Four steps of the example's loop (push_together, then prefetch of the next batch)."""
+    first, vectors = _two_tables(kv, prefix)
+    batches = [torch.tensor([[1, 2], [2, 9]]), torch.tensor([[9, 4]]), torch.tensor([[1, 1]])]
+    batches.append(batches[0])
+    for step, ids in enumerate(batches):
+        with push_together(kv, wait=wait):
+            _two_table_loss(first, vectors, ids).backward()
+        if step + 1 < len(batches):
+            prefetch_together([first, vectors], batches[step + 1])
+    assert (first.prefetch_hits, vectors.prefetch_hits) == (3, 3)
+    ids = torch.tensor([1, 2, 4, 9])
+    return [first(ids).detach().numpy(), vectors(ids).detach().numpy()]
+
+
+def test_push_together_without_waiting_trains_the_same_rows(two_servers):
+    waited = _train_steps(two_servers, "push_waited_", wait=True)
+    sent = _train_steps(two_servers, "push_sent_", wait=False)
+    local = _train_steps(kvsparse.create("local"), "", wait=False)
+    for a, b, c in zip(waited, sent, local):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+
+
+def test_a_push_sent_without_waiting_fails_in_the_next_forward(two_servers):
+    emb = Embedding(
+        two_servers,
+        "push_overflow",
+        embedding_dim=2,
+        initializer=initializers.Zeros(),
+        optimizer=optimizers.SGD(learning_rate=1e30),
+    )
+    ids = torch.tensor([3])
+    with push_together(two_servers, wait=False):
+        (emb(ids) * 1e10).sum().backward()  # the servers refuse the update: it overflows
+    emb.prefetch(ids)
+    with pytest.raises(errors.UpdateOverflow, match="id 3"):
+        emb(ids)
+    np.testing.assert_array_equal(emb(ids).detach().numpy(), np.zeros((1, 2)))
+
+
+def test_one_prefetch_thread_per_store_runs_every_prefetch(kv):
+    def prefetch_threads():
+        return [t for t in threading.enumerate() if t.name == "kvsparse-prefetch"]
+
+    before = set(prefetch_threads())  # other stores' (a collected store's ends)
+    emb = Embedding(kv, "user", embedding_dim=2)
+    for step in range(5):
+        emb.prefetch(torch.tensor([step]))
+        emb(torch.tensor([step]))
+    assert emb.prefetch_hits == 5
+    assert len(set(prefetch_threads()) - before) == 1
+
+
 # -- several workers -------------------------------------------------------------------------
 
 WORKER = r"""

@@ -135,13 +135,16 @@ def test_any_operation_sequence_gives_the_same_tables(server_sets, data, num_ser
             if op == "push_sparse":
                 key = data.draw(st.sampled_from(sorted(tables)), "key")
                 value = sparse_push_value(key)
+                # wait=False: the next operation collects the acknowledgements first.
+                wait = data.draw(st.booleans(), "wait")
                 for store in stores:
-                    store.push(key, value)
+                    store.push(key, value, wait=wait)
             elif op == "push_dense" and dense:
                 key = data.draw(st.sampled_from(sorted(dense)), "key")
                 grad = rng.standard_normal(dense[key]).astype(np.float32)
+                wait = data.draw(st.booleans(), "wait")
                 for store in stores:
-                    store.push(key, grad)
+                    store.push(key, grad, wait=wait)
             elif op == "fused_push":
                 keys = data.draw(
                     st.lists(
@@ -158,8 +161,9 @@ def test_any_operation_sequence_gives_the_same_tables(server_sets, data, num_ser
                     else rng.standard_normal(dense[k]).astype(np.float32)
                     for k in keys
                 ]
+                wait = data.draw(st.booleans(), "wait")
                 for store in stores:
-                    store.push(keys, values)
+                    store.push(keys, values, wait=wait)
             elif op == "set_optimizer":
                 optimizer = data.draw(OPTIMIZERS, "optimizer")
                 store_optimizer_exact = store_optimizer_exact and exact_kind(optimizer)

@@ -145,10 +145,26 @@ class RemoteBackend:
         """Pushes this worker made (the session's clock: `kvsparse.KVStore.clock`)."""
         return self.session.clock
 
-    def _exchange(self, codec, requests: dict, *, push: bool = False) -> dict:
-        """{server: request of codec's op} -> {server: codec's decoded reply}."""
+    def _exchange(self, codec, requests: dict, *, push: bool = False, wait: bool = True) -> dict:
+        """{server: request of codec's op} -> {server: codec's decoded reply}.
+
+        wait=False (a push): {} once sent; the replies are decoded when the
+        session collects them (`Session.exchange`).
+        """
+        if not wait:
+            self.session.exchange(requests, push=push, wait=False, check=self._checker(codec))
+            return {}
         answers = self.session.exchange(requests, push=push)
         return {server: self._decode(server, codec, answer) for server, answer in answers.items()}
+
+    def _checker(self, codec):
+        """A check of replies to codec's requests: raises ProtocolError for a malformed one."""
+
+        def check(answers: dict) -> None:
+            for server, answer in answers.items():
+                self._decode(server, codec, answer)
+
+        return check
 
     def _everywhere(self, codec, request: Optional[ops.Request] = None) -> list:
         """The same request (default: codec's plain one) to every server -> replies in order."""
@@ -264,12 +280,13 @@ class RemoteBackend:
                     shard_rows[server] = np.empty((0, dims[index]), WIRE_FRAME_DTYPES[wires[index]])
         return results
 
-    def push_sparse(self, items):
+    def push_sparse(self, items, wait=True):
         """items: [(table_id, keys, offsets, summed rows[, wire_dtype])], rows in the wire dtype.
 
         Every server gets every table, with no keys where it holds none: BSP
         rounds count one push per worker, SSP clocks advance everywhere, and
-        a table's step counts the push on every shard.
+        a table's step counts the push on every shard. wait=False: returns
+        once sent (`kvsparse.KVStore.push`).
         """
         per_server: list[list] = [[] for _ in range(self.num_shards)]
         for table_id, keys, offsets, rows, *wire in items:
@@ -284,7 +301,7 @@ class RemoteBackend:
             server: ops.PushSparse.encode_request(entries)
             for server, entries in enumerate(per_server)
         }
-        self._exchange(ops.PushSparse, requests, push=True)
+        self._exchange(ops.PushSparse, requests, push=True, wait=wait)
 
     def pull_dense(self, items):
         """items: [(table_id, flat out)]; fills each out."""
@@ -304,8 +321,8 @@ class RemoteBackend:
             for (_, out, a, b), slice_values in zip(entries, values):
                 out[a:b] = slice_values
 
-    def push_dense(self, items):
-        """items: [(table_id, flat gradient)]."""
+    def push_dense(self, items, wait=True):
+        """items: [(table_id, flat gradient)]; wait=False: returns once sent."""
         per_server: list[list] = [[] for _ in range(self.num_shards)]
         for table_id, grad in items:
             for server, (a, b) in enumerate(dense_ranges(grad.size, self.num_shards)):
@@ -314,7 +331,7 @@ class RemoteBackend:
             server: ops.PushDense.encode_request(entries)
             for server, entries in enumerate(per_server)
         }
-        self._exchange(ops.PushDense, requests, push=True)
+        self._exchange(ops.PushDense, requests, push=True, wait=wait)
 
     def optimizer_states(self):
         """[per-server {table_id: state}] (what ShardState.optimizer_state returns)."""
@@ -370,8 +387,12 @@ class RemoteBackend:
         """True if server answers a PING within the timeout."""
         return ping(self.servers[server], self.session.timeout, self.session.keys)
 
+    def settle(self):
+        """Collects the acknowledgements of a push sent with wait=False; raises its failure."""
+        self.session.settle()
+
     def close(self):
-        """Closes the sockets (idempotent)."""
+        """Collects a pending push's acknowledgements, then closes the sockets (idempotent)."""
         self.session.close()
 
 

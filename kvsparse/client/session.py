@@ -21,6 +21,15 @@ left the job fails there with `kvsparse.errors.WorkerLeft`
 (``monitor=True``) does not ping: the server keeps no record of a monitor,
 and its requests are answered at once, so the timeout is a plain deadline.
 
+A push may be sent without waiting (``exchange(..., wait=False)``): the
+exchange returns once the requests are sent, and the next exchange of the
+session (or `Session.settle`, or close) collects the replies first, raising
+that push's failure then, before it sends anything. The servers still get
+one request at a time from the session, in order, so a pull sent after such
+a push reads what the push wrote (issue 10: the torch adapter's training
+thread then no longer waits for the acknowledgements; its next prefetch
+does).
+
 Server restarts (``retry_window`` > 0): a restarted or silent server is
 greeted again, sent what `Session.remember` was given, and sent the request
 in flight again, at most once applied (`kvsparse.client.recovery.Recovery`).
@@ -47,7 +56,7 @@ import itertools
 import secrets
 import threading
 import time
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import zmq
 
@@ -145,6 +154,8 @@ class Session:
         self._clock = 0
         self._lock = threading.RLock()
         self._closed = False
+        # (call, check) of a push sent with wait=False whose replies are not collected yet.
+        self._deferred: Optional[tuple] = None
         self._links = ServerSockets(self.servers, keys, self._client_id, local)
         self._recovery = Recovery(self.servers, self._links, self._send, self.retry_window)
 
@@ -192,13 +203,26 @@ class Session:
         with self._lock:
             self._recovery.remember(key, request, server)
 
-    def exchange(self, requests: dict, *, push: bool = False, gather: bool = False) -> dict:
+    def exchange(
+        self,
+        requests: dict,
+        *,
+        push: bool = False,
+        gather: bool = False,
+        wait: bool = True,
+        check: Optional[Callable[[dict], object]] = None,
+    ) -> dict:
         """Sends {server: `ops.Request`} to every server, then collects every reply.
 
         Args:
             requests: what to send where.
             push: the requests are a push: the clock advances first.
             gather: collect failures instead of raising the first one.
+            wait: False (a push without gather only): return {} once the
+                requests are sent; the next exchange, `settle` or `close`
+                collects the replies, calls check({server: Answer}) on them
+                and raises the first failure, before anything else is sent.
+            check: see wait (it raises what is wrong in the replies).
 
         Returns:
             {server: Answer}; with gather, a server's value is the error
@@ -206,21 +230,38 @@ class Session:
             class of an error reply, ProtocolError for a malformed reply).
 
         Raises:
-            InvalidArgument: the session is closed.
+            InvalidArgument: the session is closed, or wait=False without
+                push or with gather.
             the first failure (without gather): the kvsparse.errors class of
-            an error reply, ProtocolError, NoAnswer or ServerUnavailable.
+            an error reply, ProtocolError, NoAnswer or ServerUnavailable; a
+            failure of an earlier push sent with wait=False.
         """
+        if not wait and (gather or not push):
+            raise errors.InvalidArgument("exchange(wait=False) is for a push without gather")
         with self._lock:
             if self._closed:
                 raise errors.InvalidArgument("this store is closed")
+            self._settle_deferred()
             if push:
                 self._clock += 1
             call = _Call(requests, gather)
             for server, request in requests.items():
                 self._attempt(call, server, self._start, call, server, request)
+            if not wait:
+                self._deferred = (call, check)
+                return {}
             while call.waiting:
                 self._wait(call)
             return call.outcomes
+
+    def settle(self) -> None:
+        """Collects the replies of a push sent with wait=False (nothing if none is pending).
+
+        Raises:
+            that push's failure, as `exchange` would have raised it.
+        """
+        with self._lock:
+            self._settle_deferred()
 
     def security_mechanism(self, server: int) -> int:
         """The ZeroMQ security mechanism of the socket to server (zmq.CURVE with keys)."""
@@ -228,12 +269,40 @@ class Session:
             return self._links.socket(server).mechanism
 
     def close(self) -> None:
-        """Closes the sockets (idempotent); a later exchange raises InvalidArgument."""
+        """Collects a pending push's replies, then closes the sockets (idempotent).
+
+        A later exchange raises InvalidArgument.
+
+        Raises:
+            the failure of a push sent with wait=False (the sockets are closed
+            all the same).
+        """
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
-            self._links.close()
+            try:
+                self._settle_deferred()
+            finally:
+                self._closed = True
+                self._links.close()
+
+    def _settle_deferred(self) -> None:
+        if self._deferred is None:
+            return
+        call, check = self._deferred
+        self._deferred = None
+        now = time.monotonic()
+        for server in call.waiting:
+            call.heard[server] = now  # silence counts from now: the replies may be queued
+        try:
+            while call.waiting:
+                self._wait(call)
+            if check is not None:
+                check(call.outcomes)
+        except errors.KVSparseError as exc:
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note("(the failure of an earlier push, sent with wait=False)")
+            raise
 
     # -- sending --------------------------------------------------------------------------------
 

@@ -66,15 +66,17 @@ class Backend(Protocol):
         Each shard's rows: (n, dim), float32 or uint16 bit patterns of the item's wire dtype.
         """
 
-    def push_sparse(self, items: list) -> None:
+    def push_sparse(self, items: list, wait: bool = True) -> None:
         """items: [(table_id, keys, offsets, summed rows[, wire_dtype])], rows in the wire
-        dtype; all checked before any applies."""
+        dtype; all checked before any applies. wait=False: may return once sent, the
+        acknowledgements collected by the next call (`kvsparse.KVStore.push`)."""
 
     def pull_dense(self, items: list) -> None:
         """items: [(table_id, flat float32 out)]; fills each out."""
 
-    def push_dense(self, items: list) -> None:
-        """items: [(table_id, flat float32 gradient)]; all checked before any applies."""
+    def push_dense(self, items: list, wait: bool = True) -> None:
+        """items: [(table_id, flat float32 gradient)]; all checked before any applies;
+        wait as in push_sparse."""
 
     def optimizer_states(self) -> list:
         """Per shard, {table_id: state} (what `ShardState.optimizer_state` returns)."""

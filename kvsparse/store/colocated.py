@@ -113,12 +113,12 @@ class ColocatedBackend(RemoteBackend):
             self.session.resume(last - 1)
             self._redo = (last, {server for server, clock in enumerate(seen) if clock >= last})
 
-    def _exchange(self, codec, requests: dict, *, push: bool = False) -> dict:
+    def _exchange(self, codec, requests: dict, *, push: bool = False, wait: bool = True) -> dict:
         if push and self._redo is not None:
             (clock, holding), self._redo = self._redo, None
             if self.session.clock + 1 == clock:  # the redone push: not where it arrived
                 requests = {s: r for s, r in requests.items() if s not in holding}
-        return super()._exchange(codec, requests, push=push)
+        return super()._exchange(codec, requests, push=push, wait=wait)
 
     def set_optimizer(self, spec, table_ids=None):
         """As `RemoteBackend.set_optimizer`; a restarted worker's calls are replays.
@@ -139,10 +139,10 @@ class ColocatedBackend(RemoteBackend):
         self._count(items)
         return super().pull_sparse(items)
 
-    def push_sparse(self, items):
+    def push_sparse(self, items, wait=True):
         """As `RemoteBackend.push_sparse`; the own shard's rows go without a socket."""
         self._count(items)
-        return super().push_sparse(items)
+        return super().push_sparse(items, wait)
 
     def close(self):
         """Waits for every worker (a barrier), then stops serving this worker's shard.

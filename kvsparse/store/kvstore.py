@@ -331,7 +331,7 @@ class KVStore(StoreFront):
 
     # -- push / pull ------------------------------------------------------------------------
 
-    def push(self, key, value, priority=0) -> None:
+    def push(self, key, value, priority=0, wait=True) -> None:
         """Pushes gradients (or values, with no optimizer) to key(s).
 
         Args:
@@ -340,10 +340,20 @@ class KVStore(StoreFront):
                 shape ids.shape + (dim,). Dense key: an array or a list (summed).
                 One (ids, rows) pair whose flat int64 ids equal those of a recent
                 row_sparse_pull of the key reuses that pull's plan (same result).
+            wait: False: return once the push is sent (dist stores; a local
+                store applies it at once either way). The servers'
+                acknowledgements are collected by this store's next call that
+                reaches them (a pull, push, barrier, save, stats...) or by
+                close(), which raises the push's failure then, before sending
+                anything. A pull after the push still reads what it wrote.
+                The arrays pushed must not change until then. (The torch
+                adapter's ``push_together(kv, wait=False)``: issue 10.)
 
         Raises:
             NonFiniteGradient: NaN/inf in a gradient (nothing applied).
             ShapeError, DTypeError, UnknownKey.
+            With wait=True, what the servers answer (LimitExceeded,
+            WorkerLeft, ServerUnavailable...).
         """
         del priority
         keys = as_list(key)
@@ -360,10 +370,14 @@ class KVStore(StoreFront):
                 )
             else:
                 dense_items.append((info.table_id, batching.dense_push(info, v)))
-        if sparse_items:
+        if sparse_items and dense_items:
+            # Two exchanges: the first one's acknowledgements are collected before the second.
             self._backend.push_sparse(sparse_items)
-        if dense_items:
-            self._backend.push_dense(dense_items)
+            self._backend.push_dense(dense_items, wait=wait)
+        elif sparse_items:
+            self._backend.push_sparse(sparse_items, wait=wait)
+        elif dense_items:
+            self._backend.push_dense(dense_items, wait=wait)
         if self._saver is not None and self._saver.due():
             self._saver.save()
 

@@ -92,9 +92,11 @@ class LocalBackend:
         self.state.counters.requests += 1
         return [self.state.pull_sparse(table_id, keys) for table_id, keys in pulls]
 
-    def push_sparse(self, items):
+    def push_sparse(self, items, wait=True):
         """items: [(table_id, keys, offsets, summed rows[, wire_dtype])]; rows of a 16-bit
-        wire dtype are widened as a server widens them. All of them or none (issue 11)."""
+        wire dtype are widened as a server widens them. All of them or none (issue 11).
+        Applied before it returns, whatever wait says (nothing to wait for in process)."""
+        del wait
         self.clock += 1
         pushes = []
         for table_id, keys, _, rows, *wire in items:
@@ -119,8 +121,10 @@ class LocalBackend:
             out[...] = self.state.pull_dense(table_id)
 
     @_serialized
-    def push_dense(self, items):
-        """items: [(table_id, flat gradient)]: all of them or none (issue 11)."""
+    def push_dense(self, items, wait=True):
+        """items: [(table_id, flat gradient)]: all of them or none (issue 11); applied
+        before it returns, whatever wait says."""
+        del wait
         self.clock += 1
         self.state.counters.requests += 1
         self.state.push_dense_keys(items)  # all checked and computed before any is written

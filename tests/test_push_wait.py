@@ -1,0 +1,132 @@
+"""A push sent without waiting for the servers' acknowledgements (``push(..., wait=False)``).
+
+Over real servers on 127.0.0.1: the next call of the store collects the
+acknowledgements before it sends anything, so it reads what the push wrote,
+and it raises the push's failure (a server's UpdateOverflow here: the servers
+refuse it, the client cannot know). close() collects them too. (Issue 10.)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import kvsparse
+from kvsparse import errors, initializers, optimizers
+from kvsparse.client.session import Session
+from kvsparse.wire import ops
+
+_names = itertools.count()
+ZEROS = initializers.Zeros()
+SGD_1 = optimizers.SGD(learning_rate=1.0)
+
+
+@pytest.fixture(scope="module")
+def servers(module_server_factory):
+    return module_server_factory(2)
+
+
+@pytest.fixture
+def kv(servers):
+    store = kvsparse.create("dist_sparse", servers=servers, rank=0, num_workers=1, timeout=30)
+    yield store
+    store.close()
+
+
+def fresh() -> str:
+    return f"push_wait_{next(_names)}"
+
+
+def overflowing_table(kv) -> str:
+    """A table whose SGD step overflows float32 for a gradient of 1e10 (the server refuses)."""
+    key = fresh()
+    spec = kvsparse.SparseTable(
+        dim=2, initializer=ZEROS, optimizer=optimizers.SGD(learning_rate=1e30)
+    )
+    kv.init(key, spec)
+    return key
+
+
+def test_the_next_pull_reads_what_a_push_sent_without_waiting_wrote(kv):
+    key = fresh()
+    table = kvsparse.SparseTable(dim=3, optimizer=optimizers.Adagrad(learning_rate=0.1), seed=4)
+    local = kvsparse.create("local")
+    ids = np.array([5, -7, 5, 2**40, 11], np.int64)
+    grads = np.arange(15, dtype=np.float32).reshape(5, 3) / 7
+    for store in (kv, local):
+        store.init(key, table)
+        for step in range(3):
+            store.push(key, (ids, grads * (step + 1)), wait=False)
+    assert kv.clock == local.clock == 3
+    np.testing.assert_array_equal(
+        kv.row_sparse_pull(key, row_ids=ids), local.row_sparse_pull(key, row_ids=ids)
+    )
+
+
+def test_dense_pushes_sent_without_waiting_apply_in_order(kv):
+    key = fresh()
+    kv.init(key, np.zeros(6, np.float32))
+    kv.push(key, np.ones(6, np.float32), wait=False)
+    kv.push(key, np.full(6, 2.0, np.float32), wait=False)  # collects the first one's
+    np.testing.assert_array_equal(kv.pull(key), np.full(6, 2.0, np.float32))
+
+
+def test_a_failed_push_is_raised_by_the_next_call_which_sends_nothing(kv):
+    key = overflowing_table(kv)
+    other = fresh()
+    kv.init(other, kvsparse.SparseTable(dim=2, initializer=ZEROS))
+    # One id: a push is all or nothing per server, not across servers (docs/operations.md).
+    bad = (np.array([1], np.int64), np.array([[1e10, 0.0]], np.float32))
+    kv.push(key, bad, wait=False)  # returns: the servers have not answered yet
+    with pytest.raises(errors.UpdateOverflow, match="id 1 overflows") as raised:
+        kv.push(other, (np.array([3], np.int64), np.ones((1, 2), np.float32)))
+    if hasattr(raised.value, "__notes__"):  # Python 3.11+
+        assert "earlier push" in " ".join(raised.value.__notes__)
+    # Nothing of the failed push was applied, and the push that raised was not sent.
+    np.testing.assert_array_equal(kv.row_sparse_pull(key, row_ids=[1]), np.zeros((1, 2)))
+    np.testing.assert_array_equal(kv.row_sparse_pull(other, row_ids=[3]), np.zeros((1, 2)))
+    # The store goes on: the same push without the overflowing gradient goes through.
+    kv.push(key, (np.array([2], np.int64), np.array([[1e-30, 0.0]], np.float32)), wait=False)
+    np.testing.assert_allclose(kv.row_sparse_pull(key, row_ids=[2])[0], [-1.0, 0.0])
+
+
+def test_close_collects_a_pending_push_and_raises_its_failure(servers):
+    kv = kvsparse.create("dist_sparse", servers=servers, rank=0, num_workers=1, timeout=30)
+    key = overflowing_table(kv)
+    kv.push(key, (np.array([4], np.int64), np.array([[1e10, 0.0]], np.float32)), wait=False)
+    with pytest.raises(errors.UpdateOverflow, match="id 4"):
+        kv.close()
+    kv.close()  # closed all the same: idempotent, and nothing left to raise
+    with pytest.raises(errors.InvalidArgument, match="closed"):
+        kv.row_sparse_pull(key, row_ids=[4])
+
+
+def test_close_collects_a_pending_push_that_succeeded(servers):
+    key = fresh()
+    with kvsparse.create("dist_sparse", servers=servers, rank=0, num_workers=1) as kv:
+        kv.init(key, kvsparse.SparseTable(dim=2, initializer=ZEROS, optimizer=SGD_1))
+        kv.push(key, (np.array([8], np.int64), np.ones((1, 2), np.float32)), wait=False)
+    with kvsparse.create("dist_sparse", servers=servers, rank=0, num_workers=1) as kv:
+        kv.init(key, kvsparse.SparseTable(dim=2, initializer=ZEROS, optimizer=SGD_1))
+        np.testing.assert_array_equal(kv.row_sparse_pull(key, row_ids=[8]), [[-1.0, -1.0]])
+
+
+def test_a_local_store_applies_a_push_without_waiting_at_once():
+    kv = kvsparse.create("local")
+    key = overflowing_table(kv)
+    with pytest.raises(errors.UpdateOverflow):  # nothing to defer in process
+        kv.push(key, (np.array([1], np.int64), np.array([[1e10, 0.0]], np.float32)), wait=False)
+    kv.close()
+
+
+def test_only_a_push_may_skip_waiting(servers):
+    session = Session(servers, timeout=5)
+    try:
+        for kwargs in ({}, {"push": True, "gather": True}):
+            with pytest.raises(errors.InvalidArgument, match="wait=False"):
+                session.exchange({0: ops.Ping.encode_request()}, wait=False, **kwargs)
+        session.settle()  # nothing pending: nothing to do
+    finally:
+        session.close()
