@@ -387,10 +387,6 @@ class RemoteBackend:
         """True if server answers a PING within the timeout."""
         return ping(self.servers[server], self.session.timeout, self.session.keys)
 
-    def settle(self):
-        """Collects the acknowledgements of a push sent with wait=False; raises its failure."""
-        self.session.settle()
-
     def close(self):
         """Collects a pending push's acknowledgements, then closes the sockets (idempotent)."""
         self.session.close()
