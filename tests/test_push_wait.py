@@ -130,3 +130,16 @@ def test_only_a_push_may_skip_waiting(servers):
         session.settle()  # nothing pending: nothing to do
     finally:
         session.close()
+
+
+def test_frames_below_the_copy_threshold_are_copied(servers):
+    # pyzmq sends frames of copy_threshold bytes and more from their own memory; below,
+    # a copy is cheaper than the zero-copy bookkeeping (kvsparse.client.sockets).
+    from kvsparse.client.sockets import COPY_THRESHOLD
+
+    session = Session(servers, timeout=5)
+    try:
+        assert session.exchange({0: ops.Ping.encode_request()})  # the sockets exist
+        assert session._links.socket(0).copy_threshold == COPY_THRESHOLD == 256 * 1024
+    finally:
+        session.close()
