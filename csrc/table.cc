@@ -160,25 +160,19 @@ inline __attribute__((always_inline)) int64_t EmbeddingTable::ProbeRow(size_t l,
 }
 
 int64_t EmbeddingTable::ProbeRowSlowly(size_t l, int64_t key) const {
-  while (true) {
-    const BucketLine& line = buckets_[l];
-    bool has_free = false;
-    for (int s = 0; s < kSlotsPerLine; ++s) {
-      if (line.row[s] == kEmpty) {
-        has_free = true;
-      } else if (line.key[s] == key) {
-        return line.row[s];
-      }
-    }
-    if (has_free) return -1;
-    l = NextLine(l);
-  }
+  int slot;
+  if (!FindSlotFrom(l, key, &l, &slot)) return -1;
+  return buckets_[l].row[slot];
 }
 
 int64_t EmbeddingTable::FindRow(int64_t key) const { return ProbeRow(HomeLine(key), key); }
 
 bool EmbeddingTable::FindSlot(int64_t key, size_t* line_out, int* slot_out) const {
-  size_t l = HomeLine(key);
+  return FindSlotFrom(HomeLine(key), key, line_out, slot_out);
+}
+
+bool EmbeddingTable::FindSlotFrom(size_t l, int64_t key, size_t* line_out,
+                                  int* slot_out) const {
   while (true) {
     const BucketLine& line = buckets_[l];
     bool has_free = false;

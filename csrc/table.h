@@ -437,6 +437,8 @@ class EmbeddingTable {
   int64_t ProbeRowSlowly(size_t line, int64_t key) const;
   // Line and slot of a stored key; false when missing.
   bool FindSlot(int64_t key, size_t* line, int* slot) const;
+  // FindSlot probing slot by slot from `from` (a key's home line or a later one).
+  bool FindSlotFrom(size_t from, int64_t key, size_t* line, int* slot) const;
   // Puts (key, row) into the first free slot from key's home line.
   void PlaceBucket(int64_t key, uint32_t row);
   // Calls fn(key, row) for every stored row, in slot order.

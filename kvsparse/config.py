@@ -428,6 +428,20 @@ def _get(environ: Mapping, name: str) -> Optional[str]:
     return value
 
 
+def _count(environ: Mapping, name: str, what: str) -> Optional[int]:
+    """Variable name as an integer >= 0 (None when unset); InvalidArgument naming it else."""
+    text = _get(environ, name)
+    if text is None:
+        return None
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidArgument(f"{name} must be {what} >= 0, got {text!r}")
+    return value
+
+
 # -- the sources, in precedence order -----------------------------------------------------
 #
 # Each source maps a field name to a getter returning (value, origin) or None.
@@ -510,17 +524,8 @@ def restarted(environ: Optional[Mapping] = None) -> int:
         >>> restarted({})
         0
     """
-    environ = os.environ if environ is None else environ
-    text = _get(environ, RESTARTED)
-    if text is None:
-        return 0
-    try:
-        value = int(text, 10)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise InvalidArgument(f"{RESTARTED} must be an integer >= 0, got {text!r}")
-    return value
+    value = _count(os.environ if environ is None else environ, RESTARTED, "an integer")
+    return 0 if value is None else value
 
 
 def shard_fd(environ: Optional[Mapping] = None) -> Optional[int]:
@@ -535,17 +540,7 @@ def shard_fd(environ: Optional[Mapping] = None) -> Optional[int]:
         >>> shard_fd({}) is None
         True
     """
-    environ = os.environ if environ is None else environ
-    text = _get(environ, SHARD_FD)
-    if text is None:
-        return None
-    try:
-        value = int(text, 10)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise InvalidArgument(f"{SHARD_FD} must be a file descriptor number >= 0, got {text!r}")
-    return value
+    return _count(os.environ if environ is None else environ, SHARD_FD, "a file descriptor number")
 
 
 def rejoin_window(environ: Optional[Mapping] = None) -> float:

@@ -334,6 +334,20 @@ class _Shard:
     arguments: dict
 
 
+def _refuse_running_group(count: int, name_prefix: str, namespace: str) -> None:
+    """InvalidArgument if an actor named like one of count new ones already runs."""
+    for index in range(count):
+        name = actor_name(index, name_prefix)
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            continue
+        raise errors.InvalidArgument(
+            f"a Ray actor {name!r} already runs in namespace {namespace!r}: shut that group "
+            "down first, or use another name_prefix"
+        )
+
+
 def _wait_gone(actors: list, timeout: float = 30.0) -> None:
     """Waits (at most timeout seconds in all) until every actor's `info` call fails: gone."""
     deadline = time.monotonic() + timeout
@@ -615,16 +629,7 @@ def start_servers(
         )
     if not ray.is_initialized():
         ray.init()
-    for index in range(num_servers):
-        name = actor_name(index, name_prefix)
-        try:
-            ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            continue
-        raise errors.InvalidArgument(
-            f"a Ray actor {name!r} already runs in namespace {namespace!r}: shut that group "
-            "down first, or use another name_prefix"
-        )
+    _refuse_running_group(num_servers, name_prefix, namespace)
     if retry_window is None:
         retry_window = DEFAULT_RETRY_WINDOW
     if checkpoint_dir is not None:
@@ -1080,16 +1085,7 @@ def start_colocated(
         os.makedirs(checkpoint_dir, exist_ok=True)
     if not ray.is_initialized():
         ray.init()
-    for rank in range(num_workers):
-        name = actor_name(rank, name_prefix)
-        try:
-            ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            continue
-        raise errors.InvalidArgument(
-            f"a Ray actor {name!r} already runs in namespace {namespace!r}: shut that group "
-            "down first, or use another name_prefix"
-        )
+    _refuse_running_group(num_workers, name_prefix, namespace)
     bundle = dict(resources) if resources else {"CPU": 1}
     group = placement_group([dict(bundle) for _ in range(num_workers)], strategy=strategy)
     try:

@@ -325,19 +325,28 @@ def test_colocated_bsp_push_waits_for_every_worker_and_applies_the_sum_once(tmp_
         assert 0 < result["in_process"] < result["total"] == 100
 
 
-def test_launch_colocated_runs_a_dist_sparse_script_unchanged(tmp_path):
+def launch_colocated(tmp_path, script_text: str) -> tuple:
+    """Runs script_text under `kvsparse launch --colocated -n 2`; (the run, each rank's last
+    printed JSON line)."""
     script = tmp_path / "train.py"
-    script.write_text(BSP_SCRIPT)
+    script.write_text(script_text)
     done = subprocess.run(
         [sys.executable, "-m", "kvsparse", "launch", "--colocated", "-n", "2", "--",
          sys.executable, str(script)],
         capture_output=True, text=True, env=subprocess_env(), cwd=str(REPO_ROOT), timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "kvsparse launch: server" not in done.stderr  # no server process was started
+    results = []
     for rank in (0, 1):
         lines = [line for line in done.stdout.splitlines() if line.startswith(f"[worker {rank}] ")]
-        result = json.loads(lines[-1].split("] ", 1)[1])
+        results.append(json.loads(lines[-1].split("] ", 1)[1]))
+    return done, results
+
+
+def test_launch_colocated_runs_a_dist_sparse_script_unchanged(tmp_path):
+    done, results = launch_colocated(tmp_path, BSP_SCRIPT)
+    assert "kvsparse launch: server" not in done.stderr  # no server process was started
+    for result in results:
         assert result["kind"] == "ColocatedBackend"
         np.testing.assert_array_equal(np.array(result["rows"]), np.full((50, 2), -3.0))
 
@@ -376,18 +385,7 @@ print(json.dumps({"taken": taken, "fd": os.environ.get("KVSPARSE_SHARD_FD"),
 def test_launch_colocated_holds_each_shard_port_until_its_worker_serves_it(tmp_path):
     # The launcher listens on every worker's port and the worker's shard serves that very
     # socket (KVSPARSE_SHARD_FD): another process cannot take a port in between.
-    script = tmp_path / "train.py"
-    script.write_text(PORT_HELD_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, "-m", "kvsparse", "launch", "--colocated", "-n", "2", "--",
-         sys.executable, str(script)],
-        capture_output=True, text=True, env=subprocess_env(), cwd=str(REPO_ROOT), timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    results = []
-    for rank in (0, 1):
-        lines = [line for line in done.stdout.splitlines() if line.startswith(f"[worker {rank}] ")]
-        results.append(json.loads(lines[-1].split("] ", 1)[1]))
+    done, results = launch_colocated(tmp_path, PORT_HELD_SCRIPT)
     assert results[0]["taken"] is True, done.stdout + done.stderr
     assert all(result["fd"] is not None for result in results)
     for result in results:  # SGD lr 1 on zeros, BSP: both workers' ones summed
