@@ -78,6 +78,18 @@ def as_numpy(obj, *, what: str, writable: bool = False) -> np.ndarray:
         raise errors.DTypeError(f"{what}: cannot read {type(obj).__name__} as an array") from exc
 
 
+# str(dtype) per dtype: NumPy computes a dtype's name in Python (6-8 us a call, several
+# calls per pull and push; issue 10). Few distinct dtypes ever reach the store.
+_dtype_texts: dict = {}
+
+
+def _dtype_text(dtype: np.dtype) -> str:
+    text = _dtype_texts.get(dtype)
+    if text is None:
+        text = _dtype_texts[dtype] = str(dtype)
+    return text
+
+
 def _is_bfloat16(array: np.ndarray) -> bool:
     """Whether array holds bfloat16 values: ml_dtypes' dtype, or DLPack's raw bits.
 
@@ -85,14 +97,15 @@ def _is_bfloat16(array: np.ndarray) -> bool:
     bfloat16) with ``base.dlpack_dtype == "bfloat16"``; those bits must never
     be read as integers (issue 11: 1.5 pushed in bfloat16 became -16320).
     """
-    if array.dtype.name == "bfloat16":
+    dtype = array.dtype
+    if _dtype_text(dtype) == "bfloat16":
         return True
-    return array.dtype == np.uint16 and getattr(array.base, "dlpack_dtype", "") == "bfloat16"
+    return dtype.char == "H" and getattr(array.base, "dlpack_dtype", "") == "bfloat16"
 
 
 def dtype_name(array: np.ndarray) -> str:
     """The dtype of array as a user named it ("bfloat16" for DLPack bfloat16 bits)."""
-    return "bfloat16" if _is_bfloat16(array) else str(array.dtype)
+    return "bfloat16" if _is_bfloat16(array) else _dtype_text(array.dtype)
 
 
 def as_ids(obj, *, key) -> np.ndarray:

@@ -136,6 +136,30 @@ def test_a_step_plans_once_over_many_steps(kv, fresh, plans):
     assert_same_tables(kv, fresh, np.arange(30))
 
 
+def test_tables_pulled_with_the_same_ids_share_one_plan(plans):
+    # The fields of one batch in two tables (the DeepFM example's first order and vectors).
+    stores = [adagrad_store(reuse, keys=("user", "item")) for reuse in (True, False)]
+    kv, fresh = stores
+    try:
+        rng = np.random.default_rng(5)
+        for step in range(4):
+            ids = rng.integers(0, 20, (6, 3))
+            other = rng.integers(0, 20, 7)  # "item" alone now and then: its own plan
+            for store in stores:
+                store.row_sparse_pull(["user", "item"], row_ids=[ids, ids.copy()])
+                store.push(["user", "item"], [(ids, grads_for(ids, step))] * 2)
+                if step % 2:
+                    store.row_sparse_pull("item", row_ids=other)
+                    store.push("item", (other, grads_for(other, step + 9)))
+        assert plans.calls == 4 + 2 + 4 * 4 + 2 * 2  # reuse: 4 + 2; fresh: 2 per call
+        assert (kv._plans.planned, kv._plans.reused) == (6, 4 + 8 + 2)
+        for key in ("user", "item"):
+            assert_same_tables(kv, fresh, np.arange(20), key)
+    finally:
+        for store in stores:
+            store.close()
+
+
 # -- anything else plans afresh -------------------------------------------------------------
 
 

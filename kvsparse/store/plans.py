@@ -95,7 +95,8 @@ class BatchPlan:
             return False
         if (None if boundaries is None else tuple(boundaries)) != self.boundaries:
             return False
-        return np.array_equal(kept[:_PROBE], ids[:_PROBE]) and np.array_equal(kept, ids)
+        # The probe as memoryviews: 0.7 us against 6 us for np.array_equal (issue 10).
+        return kept[:_PROBE].data == ids[:_PROBE].data and np.array_equal(kept, ids)
 
 
 class PlanCache:
@@ -117,6 +118,7 @@ class PlanCache:
         self.reused = 0  # plans taken from the cache
         self.planned = 0  # plans made
         self._plans: dict = {}
+        self._latest: BatchPlan | None = None  # the latest plan for_pull kept, of any table
         self._lock = threading.Lock()
 
     def _find(self, table_id: int, ids: np.ndarray, num_shards: int, boundaries):
@@ -138,13 +140,23 @@ class PlanCache:
         if not self.enabled:
             return self._make(ids, num_shards, boundaries, keep_ids=False)
         plan = self._find(table_id, ids, num_shards, boundaries)
-        if plan is None:
-            plan = self._make(ids, num_shards, boundaries, keep_ids=True)
+        if plan is not None:
+            return plan
+        # Tables pulled with the same ids (the fields of one batch, several tables in one
+        # call) share one plan: the latest one made, if its ids are these (issue 10).
+        latest = self._latest
+        if latest is not None and latest.matches(ids, num_shards, boundaries):
+            plan = latest
             with self._lock:
-                plans = self._plans.get(table_id)
-                if plans is None:
-                    plans = self._plans[table_id] = collections.deque(maxlen=self.per_table)
-                plans.append(plan)
+                self.reused += 1
+        else:
+            plan = self._make(ids, num_shards, boundaries, keep_ids=True)
+        with self._lock:
+            self._latest = plan
+            plans = self._plans.get(table_id)
+            if plans is None:
+                plans = self._plans[table_id] = collections.deque(maxlen=self.per_table)
+            plans.append(plan)
         return plan
 
     def for_push(self, table_id: int, ids: np.ndarray, num_shards: int, boundaries) -> BatchPlan:
@@ -169,6 +181,7 @@ class PlanCache:
         """Forgets every plan (close, and a load that may change tables' partitioners)."""
         with self._lock:
             self._plans = {}
+            self._latest = None
 
     def __len__(self) -> int:
         """How many plans are kept, over all tables."""
