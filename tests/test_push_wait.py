@@ -143,3 +143,69 @@ def test_frames_below_the_copy_threshold_are_copied(servers):
         assert session._links.socket(0).copy_threshold == COPY_THRESHOLD == 256 * 1024
     finally:
         session.close()
+
+
+def _spy_on_session(session, monkeypatch) -> list:
+    """Records the ops sent and when pending push replies are collected, in order."""
+    events = []
+    send, settle = session._send, session._settle_deferred
+
+    def spied_send(server, request, request_id=None):
+        events.append(("send", ops.Op(request.op).name))
+        return send(server, request, request_id)
+
+    def spied_settle():
+        if session._deferred is not None:
+            events.append(("collect", None))
+        settle()
+
+    monkeypatch.setattr(session, "_send", spied_send)
+    monkeypatch.setattr(session, "_settle_deferred", spied_settle)
+    return events
+
+
+def test_a_pull_goes_out_behind_a_push_whose_acknowledgements_are_pending(kv, monkeypatch):
+    key = fresh()
+    kv.init(key, kvsparse.SparseTable(dim=2, initializer=ZEROS, optimizer=SGD_1))
+    events = _spy_on_session(kv._backend.session, monkeypatch)
+    ids = np.arange(-8, 8, dtype=np.int64)
+    kv.push(key, (ids, np.ones((16, 2), np.float32)), wait=False)
+    rows = kv.row_sparse_pull(key, row_ids=ids)
+    np.testing.assert_array_equal(rows, -np.ones((16, 2)))  # the pull read the push
+    pushes = [("send", "PUSH_SPARSE")] * 2
+    assert events == pushes + [("send", "PULL_SPARSE")] * 2 + [("collect", None)]
+    events.clear()
+    kv.push(key, (ids, np.ones((16, 2), np.float32)), wait=False)
+    kv.push(key, (ids, np.ones((16, 2), np.float32)))  # a push never goes out behind one
+    assert events == pushes + [("collect", None)] + pushes
+
+
+def test_a_failed_push_is_raised_by_the_pull_that_went_out_behind_it(kv):
+    key = overflowing_table(kv)
+    kv.push(key, (np.array([6], np.int64), np.array([[1e10, 0.0]], np.float32)), wait=False)
+    with pytest.raises(errors.UpdateOverflow, match="id 6"):
+        kv.row_sparse_pull(key, row_ids=[6, 7])
+    # The pull's own replies arrive later and are left unread; the next calls are not
+    # confused by them.
+    for _ in range(3):
+        np.testing.assert_array_equal(kv.row_sparse_pull(key, row_ids=[6, 7]), np.zeros((2, 2)))
+        kv.push(key, (np.array([7], np.int64), np.zeros((1, 2), np.float32)), wait=False)
+
+
+@pytest.mark.parametrize(
+    "mode, workers, retry_window, local, allowed",
+    [
+        ("bsp", 1, 0.0, False, True),
+        ("asp", 4, 0.0, False, True),
+        ("ssp", 4, 0.0, False, True),
+        ("bsp", 2, 0.0, False, False),  # the server holds the push for the round
+        ("bsp", 1, 5.0, False, False),  # a restarted server gets the request in flight only
+        ("asp", 1, 0.0, True, False),  # a colocated worker's own shard
+    ],
+)
+def test_pulls_follow_pending_pushes_only_where_pushes_are_answered_at_once(
+    mode, workers, retry_window, local, allowed
+):
+    from kvsparse.client.remote import pulls_may_follow_pending_pushes
+
+    assert pulls_may_follow_pending_pushes(mode, workers, retry_window, local) is allowed

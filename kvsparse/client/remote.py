@@ -104,6 +104,9 @@ class RemoteBackend:
             keys=config.curve_keys() if keys is None else keys,
             local=local,
         )
+        self._pipelined_pulls = pulls_may_follow_pending_pushes(
+            self.mode, self.num_workers, self.session.retry_window, bool(local)
+        )
         try:
             self.session.open(
                 {
@@ -265,7 +268,9 @@ class RemoteBackend:
             server: ops.PullSparse.encode_request([(t, k, w) for _, t, k, w in entries])
             for server, entries in per_server.items()
         }
-        answers = self.session.exchange(requests) if requests else {}
+        answers = (
+            self.session.exchange(requests, pipelined=self._pipelined_pulls) if requests else {}
+        )
         results = [[None] * self.num_shards for _ in items]
         dims = [0] * len(items)
         for server, entries in per_server.items():
@@ -392,6 +397,27 @@ class RemoteBackend:
         self.session.close()
 
 
+def pulls_may_follow_pending_pushes(
+    mode, num_workers: int, retry_window: float, local: bool
+) -> bool:
+    """Whether a pull may go out behind a push whose acknowledgements are not collected yet.
+
+    (`Session.exchange`'s pipelined.) Only where every push is answered once applied:
+    not in a BSP round of several workers, which a server holds until the round closes,
+    serving the worker's next requests meanwhile. Not with retries either (a restarted
+    server would get only the request in flight again), nor with shards served in this
+    process (colocated workers).
+
+    Example:
+        >>> pulls_may_follow_pending_pushes(ops.Mode.BSP, 1, 0.0, False)
+        True
+        >>> pulls_may_follow_pending_pushes(ops.Mode.BSP, 2, 0.0, False)
+        False
+    """
+    answered_at_once = ops.Mode(mode) != ops.Mode.BSP or num_workers == 1
+    return answered_at_once and retry_window <= 0 and not local
+
+
 def ping(address: str, timeout: float = 1.0, keys: Optional[str] = None) -> bool:
     """True if a kvsparse server answers a PING at address within timeout seconds.
 
@@ -425,4 +451,4 @@ def ping(address: str, timeout: float = 1.0, keys: Optional[str] = None) -> bool
         session.close()
 
 
-__all__ = ["RemoteBackend", "ping"]
+__all__ = ["RemoteBackend", "ping", "pulls_may_follow_pending_pushes"]

@@ -24,11 +24,15 @@ and its requests are answered at once, so the timeout is a plain deadline.
 A push may be sent without waiting (``exchange(..., wait=False)``): the
 exchange returns once the requests are sent, and the next exchange of the
 session (or `Session.settle`, or close) collects the replies first, raising
-that push's failure then, before it sends anything. The servers still get
-one request at a time from the session, in order, so a pull sent after such
-a push reads what the push wrote (issue 10: the torch adapter's training
-thread then no longer waits for the acknowledgements; its next prefetch
-does).
+that push's failure then, before it sends anything. A pull may be sent
+before those replies are collected (``exchange(..., pipelined=True)``),
+behind the push on each server's connection: a server serves a client's
+requests in order (the fast path hands a client's requests to Python while
+Python holds one of them), so the pull still reads what the push wrote. The
+caller allows it only where a server answers a push once it is applied, not
+when it holds it for a BSP round of several workers (issue 10: the torch
+adapter's training thread no longer waits for the acknowledgements, and its
+next prefetch does not wait for them before it sends its pull).
 
 Server restarts (``retry_window`` > 0): a restarted or silent server is
 greeted again, sent what `Session.remember` was given, and sent the request
@@ -211,6 +215,7 @@ class Session:
         gather: bool = False,
         wait: bool = True,
         check: Optional[Callable[[dict], object]] = None,
+        pipelined: bool = False,
     ) -> dict:
         """Sends {server: `ops.Request`} to every server, then collects every reply.
 
@@ -223,6 +228,10 @@ class Session:
                 collects the replies, calls check({server: Answer}) on them
                 and raises the first failure, before anything else is sent.
             check: see wait (it raises what is wrong in the replies).
+            pipelined: True (not a push, no gather): the requests may go out
+                before a pending push's replies are collected (module
+                docstring); if that push failed, its failure is raised and the
+                requests are abandoned (a pull changes nothing).
 
         Returns:
             {server: Answer}; with gather, a server's value is the error
@@ -238,15 +247,22 @@ class Session:
         """
         if not wait and (gather or not push):
             raise errors.InvalidArgument("exchange(wait=False) is for a push without gather")
+        if pipelined and (gather or push):
+            raise errors.InvalidArgument("exchange(pipelined=True) is for a pull without gather")
         with self._lock:
             if self._closed:
                 raise errors.InvalidArgument("this store is closed")
-            self._settle_deferred()
+            behind = pipelined and self._deferred is not None
+            if not behind:
+                self._settle_deferred()
             if push:
                 self._clock += 1
             call = _Call(requests, gather)
             for server, request in requests.items():
                 self._attempt(call, server, self._start, call, server, request)
+            if behind:
+                # Each server answers the push first: its replies precede this call's.
+                self._settle_deferred()
             if not wait:
                 self._deferred = (call, check)
                 return {}
