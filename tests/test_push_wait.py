@@ -127,7 +127,6 @@ def test_only_a_push_may_skip_waiting(servers):
         for kwargs in ({}, {"push": True, "gather": True}):
             with pytest.raises(errors.InvalidArgument, match="wait=False"):
                 session.exchange({0: ops.Ping.encode_request()}, wait=False, **kwargs)
-        session.settle()  # nothing pending: nothing to do
     finally:
         session.close()
 

@@ -154,20 +154,16 @@ class RemoteBackend:
         wait=False (a push): {} once sent; the replies are decoded when the
         session collects them (`Session.exchange`).
         """
+
+        def decode(answers: dict) -> dict:
+            return {
+                server: self._decode(server, codec, answer) for server, answer in answers.items()
+            }
+
         if not wait:
-            self.session.exchange(requests, push=push, wait=False, check=self._checker(codec))
+            self.session.exchange(requests, push=push, wait=False, check=decode)
             return {}
-        answers = self.session.exchange(requests, push=push)
-        return {server: self._decode(server, codec, answer) for server, answer in answers.items()}
-
-    def _checker(self, codec):
-        """A check of replies to codec's requests: raises ProtocolError for a malformed one."""
-
-        def check(answers: dict) -> None:
-            for server, answer in answers.items():
-                self._decode(server, codec, answer)
-
-        return check
+        return decode(self.session.exchange(requests, push=push))
 
     def _everywhere(self, codec, request: Optional[ops.Request] = None) -> list:
         """The same request (default: codec's plain one) to every server -> replies in order."""

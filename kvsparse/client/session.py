@@ -23,7 +23,7 @@ and its requests are answered at once, so the timeout is a plain deadline.
 
 A push may be sent without waiting (``exchange(..., wait=False)``): the
 exchange returns once the requests are sent, and the next exchange of the
-session (or `Session.settle`, or close) collects the replies first, raising
+session (or close) collects the replies first, raising
 that push's failure then, before it sends anything. A pull may be sent
 before those replies are collected (``exchange(..., pipelined=True)``),
 behind the push on each server's connection: a server serves a client's
@@ -224,7 +224,7 @@ class Session:
             push: the requests are a push: the clock advances first.
             gather: collect failures instead of raising the first one.
             wait: False (a push without gather only): return {} once the
-                requests are sent; the next exchange, `settle` or `close`
+                requests are sent; the next exchange or `close`
                 collects the replies, calls check({server: Answer}) on them
                 and raises the first failure, before anything else is sent.
             check: see wait (it raises what is wrong in the replies).
@@ -269,15 +269,6 @@ class Session:
             while call.waiting:
                 self._wait(call)
             return call.outcomes
-
-    def settle(self) -> None:
-        """Collects the replies of a push sent with wait=False (nothing if none is pending).
-
-        Raises:
-            that push's failure, as `exchange` would have raised it.
-        """
-        with self._lock:
-            self._settle_deferred()
 
     def security_mechanism(self, server: int) -> int:
         """The ZeroMQ security mechanism of the socket to server (zmq.CURVE with keys)."""

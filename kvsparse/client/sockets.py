@@ -19,11 +19,6 @@ import zmq
 
 from kvsparse import errors
 
-_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-# What the socket monitor reports: refused handshakes, and each connection attempt:
-# CONNECT_DELAYED or CLOSED when a connect was tried (none when the host name did not
-# resolve), CONNECTED when it got through (a refused handshake comes after), and
-# CONNECT_RETRIED when it is over; HANDSHAKE_SUCCEEDED when a connection works.
 # Frames below this size are copied into the message, larger ones are sent from their own
 # memory. pyzmq's zero-copy send hands the buffer's release to its garbage-collector
 # thread: measured here (send + receive on loopback, process CPU per message), copying
@@ -31,6 +26,12 @@ _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FA
 # from ~512 KiB (1 MiB: 412 vs 340 us). pyzmq's default threshold is 64 KiB. (Issue 10:
 # a MovieLens step pushes ~100 KB per server.)
 COPY_THRESHOLD = 256 * 1024
+
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+# What the socket monitor reports: refused handshakes, and each connection attempt:
+# CONNECT_DELAYED or CLOSED when a connect was tried (none when the host name did not
+# resolve), CONNECTED when it got through (a refused handshake comes after), and
+# CONNECT_RETRIED when it is over; HANDSHAKE_SUCCEEDED when a connection works.
 _MONITORED = (
     _HANDSHAKE_FAILED
     | zmq.EVENT_CONNECT_RETRIED

@@ -370,13 +370,10 @@ class KVStore(StoreFront):
                 )
             else:
                 dense_items.append((info.table_id, batching.dense_push(info, v)))
-        if sparse_items and dense_items:
-            # Two exchanges: the first one's acknowledgements are collected before the second.
-            self._backend.push_sparse(sparse_items)
-            self._backend.push_dense(dense_items, wait=wait)
-        elif sparse_items:
+        # Sparse and dense: two exchanges; the second collects the first's acknowledgements.
+        if sparse_items:
             self._backend.push_sparse(sparse_items, wait=wait)
-        elif dense_items:
+        if dense_items:
             self._backend.push_dense(dense_items, wait=wait)
         if self._saver is not None and self._saver.due():
             self._saver.save()
