@@ -26,8 +26,13 @@ namespace kvsparse {
 void UniqueWithInverse(const int64_t* keys, int64_t n, std::vector<int64_t>* unique,
                        int64_t* inverse);
 
-// out (num_unique * dim) = sum of rows i (n * dim) grouped by index[i].
-void SumRowsByIndex(const float* rows, const int64_t* index, int64_t n, int64_t dim,
+// out (num_unique * dim) = sum of rows i (n * dim) grouped by index[i] (a
+// row no index names is zeros). Returns whether out may hold a NaN or inf:
+// false proves it holds none (every input is finite and too small for any
+// sum of n of them to overflow), so that the caller's check
+//   if (SumRowsByIndex(...) && FirstNonFiniteRow(out, num_unique, dim) >= 0) ...
+// costs nothing in the usual case: the inputs are checked as they are added.
+bool SumRowsByIndex(const float* rows, const int64_t* index, int64_t n, int64_t dim,
                     int64_t num_unique, float* out);
 
 // Index of the first non-finite element's row, or -1.
@@ -72,6 +77,9 @@ void PlanBatch(const int64_t* ids, int64_t n, const Partitioner& partitioner, Ba
 
 // out[i] = rows of shard s at (slot[i] - offsets[s]), where s is the shard of
 // slot[i]. shard_rows[s] points at (offsets[s+1] - offsets[s]) * dim floats.
+// An out of kStreamOutBytes or more is written around the caches (it would not
+// stay in them anyway; see batch.cc).
+constexpr int64_t kStreamOutBytes = int64_t{4} << 20;
 void GatherFromShards(const float* const* shard_rows, const int64_t* offsets,
                       int64_t num_shards, const int64_t* slot, int64_t n, int64_t dim,
                       float* out);

@@ -525,10 +525,8 @@ bool FastServeLoop::ServePush(const Header& header, Client* client) {
     Part part{AlignedKeys(keys_frame, item.count, &key_copies[i]),
               AlignedRows(rows_frame, item.count, item.dim, item.flags, &row_copies[i]),
               item.count};
-    if (!entry.skip_nonfinite && item.count &&
-        FirstNonFiniteRow(part.rows, item.count, item.dim) >= 0) {
-      return false;
-    }
+    // NaN or inf: the table's push checks and refuses, changing nothing (kNonFinite),
+    // and Python answers with the error (one pass over the rows, not two).
     auto group = std::find_if(groups.begin(), groups.end(),
                               [&](const Group& g) { return g.table_id == item.table_id; });
     if (group == groups.end()) {

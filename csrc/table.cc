@@ -711,19 +711,21 @@ Status EmbeddingTable::PreparePush(const int64_t* keys, int64_t n, const float* 
   PushPlan& p = *plan;
   const int64_t dim = config_.dim;
   const bool skipping = policy == NonFinitePolicy::kSkip;
+  bool may_be_nonfinite = true;
   {
     std::vector<int64_t> inverse(static_cast<size_t>(n));
     UniqueWithInverse(keys, n, &p.unique, inverse.data());
     p.grads = grads;
     if (static_cast<int64_t>(p.unique.size()) != n) {
       p.summed.resize(p.unique.size() * static_cast<size_t>(dim));
-      SumRowsByIndex(grads, inverse.data(), n, dim, static_cast<int64_t>(p.unique.size()),
-                     p.summed.data());
+      may_be_nonfinite = SumRowsByIndex(grads, inverse.data(), n, dim,
+                                        static_cast<int64_t>(p.unique.size()), p.summed.data());
       p.grads = p.summed.data();
     }
   }
   const int64_t u = static_cast<int64_t>(p.unique.size());
-  const int64_t bad = FirstNonFiniteRow(p.grads, u, dim);
+  // The one check of a push's gradients on a server (the fast path leaves it here).
+  const int64_t bad = may_be_nonfinite ? FirstNonFiniteRow(p.grads, u, dim) : -1;
   if (bad >= 0 && !skipping) {
     return Status(StatusCode::kNonFinite,
                   "gradient for id " + KeyText(p.unique[bad]) + " has a NaN or inf value");

@@ -880,6 +880,20 @@ def shard_of(keys_arg, int64_t num_shards, boundaries=None):
 
 def sum_rows(rows_arg, index_arg, int64_t num_unique, out=None):
     """out[u] = sum of rows[i] with index[i] == u (num_unique x dim)."""
+    return _sum_rows(rows_arg, index_arg, num_unique, out, False)[0]
+
+
+def sum_rows_checked(rows_arg, index_arg, int64_t num_unique, out=None):
+    """(sum_rows(...), the index of its first row holding a NaN or inf, or -1).
+
+    The same as sum_rows then first_nonfinite_row, in about the time of sum_rows
+    alone: the inputs are checked as they are added, and the sums are looked at
+    only when one could have overflowed.
+    """
+    return _sum_rows(rows_arg, index_arg, num_unique, out, True)
+
+
+cdef tuple _sum_rows(rows_arg, index_arg, int64_t num_unique, out, bint check):
     cdef const float[:, ::1] rows = _arg(rows_arg, np.float32, 2, "rows")
     cdef const int64_t[::1] index = _arg(index_arg, np.int64, 1, "index")
     cdef int64_t c_n = rows.shape[0]
@@ -892,11 +906,15 @@ def sum_rows(rows_arg, index_arg, int64_t num_unique, out=None):
             raise errors.InvalidArgument("index out of range")
     out = _rows_out(out, num_unique, c_dim)
     cdef float[:, ::1] c_out = out
+    cdef bint c_maybe = False
+    cdef int64_t c_bad = -1
     if num_unique and c_dim:
         with nogil:
-            SumRowsByIndex(&rows[0, 0] if c_n else NULL, &index[0] if c_n else NULL, c_n,
-                           c_dim, num_unique, &c_out[0, 0])
-    return out
+            c_maybe = SumRowsByIndex(&rows[0, 0] if c_n else NULL, &index[0] if c_n else NULL,
+                                     c_n, c_dim, num_unique, &c_out[0, 0])
+            if check and c_maybe:
+                c_bad = FirstNonFiniteRow(&c_out[0, 0], num_unique, c_dim)
+    return out, c_bad
 
 
 def first_nonfinite_row(rows_arg):

@@ -8,7 +8,7 @@ from status cimport Status
 cdef extern from "batch.h" namespace "kvsparse" nogil:
     void UniqueWithInverse(const int64_t* keys, int64_t n, vector[int64_t]* unique,
                            int64_t* inverse) except +
-    void SumRowsByIndex(const float* rows, const int64_t* index, int64_t n, int64_t dim,
+    bint SumRowsByIndex(const float* rows, const int64_t* index, int64_t n, int64_t dim,
                         int64_t num_unique, float* out) except +
     int64_t FirstNonFiniteRow(const float* rows, int64_t n, int64_t dim)
 

@@ -395,7 +395,7 @@ class CoreSpy:
     def __init__(self, core):
         self._core = core
         self.filled = []  # address of each array gather_from_shards wrote
-        self.summed = []  # address of each gradient array sum_rows read
+        self.summed = []  # address of each gradient array sum_rows_checked read
 
     def __getattr__(self, name):
         return getattr(self._core, name)
@@ -404,9 +404,9 @@ class CoreSpy:
         self.filled.append(target.ctypes.data)
         return self._core.gather_from_shards(rows, offsets, slot, target)
 
-    def sum_rows(self, grads, slot, count):
+    def sum_rows_checked(self, grads, slot, count):
         self.summed.append(grads.ctypes.data)
-        return self._core.sum_rows(grads, slot, count)
+        return self._core.sum_rows_checked(grads, slot, count)
 
 
 @pytest.fixture

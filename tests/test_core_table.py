@@ -12,6 +12,8 @@ import sys
 import numpy as np
 import pytest
 import reference
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsparse import _core, errors
 
@@ -685,6 +687,45 @@ def test_first_nonfinite_row_and_sum_rows_match_numpy():
         _core.sum_rows(rows, index, 16)
 
 
+# Values that make sums of a few rows overflow, or sit at the edge of the bound
+# sum_rows_checked uses to skip looking at the sums (csrc/batch.cc).
+_EDGE_FLOATS = [0.0, -0.0, 1.0, -2.5, 1e-40, 3e38, -3e38, 1.7e38, 2.0**126, 2.0**120, 2.0**100]
+
+
+@given(
+    data=st.data(),
+    dim=st.integers(1, 9),
+    n=st.integers(0, 40),
+    spare=st.integers(0, 3),
+    special=st.sampled_from(["none", "edge", "nan", "inf"]),
+)
+@settings(max_examples=300, deadline=None)
+def test_sum_rows_checked_is_sum_rows_then_first_nonfinite_row(data, dim, n, spare, special):
+    """The fused check finds exactly what a check of the sums finds (no overflow missed)."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    num_unique = max(1, data.draw(st.integers(1, 12))) + spare  # some rows get no input
+    index = rng.integers(0, num_unique - spare, size=n)
+    rows = rng.standard_normal((n, dim)).astype(np.float32)
+    if special != "none" and n:
+        picks = {"edge": _EDGE_FLOATS, "nan": [np.nan], "inf": [np.inf, -np.inf]}[special]
+        for _ in range(data.draw(st.integers(1, 4))):
+            value = data.draw(st.sampled_from(_EDGE_FLOATS + picks))
+            rows[rng.integers(n), rng.integers(dim)] = value
+    expected = reference.sum_rows(rows, index, num_unique)
+    summed, bad = _core.sum_rows_checked(rows, index, num_unique)
+    np.testing.assert_array_equal(summed, expected)
+    assert not np.signbit(summed[expected == 0]).any()  # -0.0 rows sum to +0.0, as zeros + rows
+    assert bad == _core.first_nonfinite_row(expected) == reference.first_nonfinite_row(expected)
+    np.testing.assert_array_equal(_core.sum_rows(rows, index, num_unique), expected)
+
+
+def test_sum_rows_checked_finds_an_overflow_of_finite_rows():
+    rows = np.full((3, 4), 3e38, np.float32)  # each finite; any two of them sum to inf
+    summed, bad = _core.sum_rows_checked(rows, ids([1, 0, 1]), 2)
+    assert bad == 1 and np.isinf(summed[1]).all() and np.isfinite(summed[0]).all()
+    assert _core.sum_rows_checked(rows, ids([1, 0, 2]), 3)[1] == -1
+
+
 # --------------------------------------------------------------------------
 # Iteration, state and optimizer changes
 # --------------------------------------------------------------------------
@@ -960,6 +1001,22 @@ def test_plan_batch_and_gather_from_shards(num_shards):
         _core.gather_from_shards(shard_rows, offsets, slot, out[:-1])
     with pytest.raises(errors.InvalidArgument):
         _core.gather_from_shards(shard_rows, offsets, slot + len(keys), out)
+
+
+@pytest.mark.parametrize("dim,offset", [(64, 0), (64, 1), (8, 0), (6, 0)])
+def test_gather_from_shards_into_a_large_output(dim, offset):
+    """An out of 4 MiB and more is written with streaming stores where it is 16-byte
+    aligned and rows are whole vectors; misaligned outs and odd dims take the plain copy."""
+    n = (5 << 20) // (4 * dim) + 3
+    values = np.random.default_rng(dim).integers(0, n // 3, size=n)
+    keys, offsets, slot = check_plan(values, 3)
+    shard_rows = [rows_for(keys[offsets[s] : offsets[s + 1]], dim) for s in range(3)]
+    buffer = np.full(n * dim + 4, -1.0, np.float32)
+    out = buffer[offset : offset + n * dim].reshape(n, dim)
+    assert (out.ctypes.data % 16 == 0) == (offset == 0)
+    _core.gather_from_shards(shard_rows, offsets, slot, out)
+    np.testing.assert_array_equal(out, rows_for(values, dim))
+    assert (buffer[:offset] == -1).all() and (buffer[offset + n * dim :] == -1).all()
 
 
 def test_plan_batch_empty_and_all_in_one_shard():

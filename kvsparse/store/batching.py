@@ -4,7 +4,7 @@
 so a rejected call changes nothing. Sparse ids are planned by shard in C++
 (`_core.plan_batch`: unique ids grouped by shard, ``offsets[s]:offsets[s + 1]``
 for shard ``s``, ``slot`` mapping each input id to its unique one), and the
-gradient rows of duplicate ids are summed (`_core.sum_rows`). A push of the
+gradient rows of duplicate ids are summed (`_core.sum_rows_checked`). A push of the
 ids a pull just planned takes that pull's plan (`plans.PlanCache`).
 
 Every function keeps no state of its own and may be called from several
@@ -86,9 +86,9 @@ def sparse_push(
             else plans.fresh(ids, num_shards, info.boundaries)
         )
         keys, offsets, slot = plan.keys, plan.offsets, plan.slot
-    summed = _core.sum_rows(grads, slot, keys.size)
-    if info.nonfinite != "skip":  # with 'skip' the shard leaves rows with NaN/inf untouched
-        bad = _core.first_nonfinite_row(summed)
+    # With nonfinite='skip' the shard leaves rows with NaN/inf untouched: no check here.
+    summed, bad = _core.sum_rows_checked(grads, slot, keys.size)
+    if info.nonfinite != "skip":
         if bad >= 0:
             raise errors.NonFiniteGradient(
                 f"key {info.key!r}: gradient for id {int(keys[bad])} has a NaN or inf value; "
