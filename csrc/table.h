@@ -439,8 +439,10 @@ class EmbeddingTable {
   bool FindSlot(int64_t key, size_t* line, int* slot) const;
   // FindSlot probing slot by slot from `from` (a key's home line or a later one).
   bool FindSlotFrom(size_t from, int64_t key, size_t* line, int* slot) const;
-  // Puts (key, row) into the first free slot from key's home line.
-  void PlaceBucket(int64_t key, uint32_t row);
+  // Puts (key, row) into the first free slot from key's home line (or from
+  // `home`, which must be HomeLine(key)).
+  void PlaceBucket(int64_t key, uint32_t row) { PlaceBucketFrom(HomeLine(key), key, row); }
+  void PlaceBucketFrom(size_t home, int64_t key, uint32_t row);
   // Calls fn(key, row) for every stored row, in slot order.
   template <typename Fn>
   void ForEachStored(Fn fn) const {
@@ -593,8 +595,9 @@ class EmbeddingTable {
   // Counts and forgets the plan's candidates. On std::bad_alloc, puts back
   // what it changed and rethrows.
   void CommitCandidates(const PushPlan& plan, uint32_t push_step);
-  // Inserts key into a free bucket on an already reserved row: allocates nothing.
-  int64_t InsertReservedRow(int64_t key);
+  // Inserts key into a free bucket on an already reserved row: allocates
+  // nothing. init_slots false: the caller writes the row's slots itself.
+  int64_t InsertReservedRow(int64_t key, bool init_slots = true);
   // Backs rows [0, row] in every per-row array.
   void EnsureRowsUpTo(int64_t row);
   void MaybeEvictAutomatically();
