@@ -1003,6 +1003,24 @@ def test_plan_batch_and_gather_from_shards(num_shards):
         _core.gather_from_shards(shard_rows, offsets, slot + len(keys), out)
 
 
+@pytest.mark.parametrize(
+    "num_shards,boundaries", [(2, None), (3, None), (16, None), (3, [0, 5000])]
+)
+def test_plan_batch_of_a_large_batch(num_shards, boundaries):
+    """A batch of W1's size, Zipf ids and wide ones, hash and range partitioned."""
+    rng = np.random.default_rng(num_shards)
+    values = np.concatenate(
+        [rng.zipf(1.2, size=70_000) - 3, rng.integers(-(2**62), 2**62, size=30_000)]
+    ).astype(np.int64)
+    rng.shuffle(values)
+    keys, offsets, slot = check_plan(values, num_shards, boundaries)
+    dim = 4
+    shard_rows = [rows_for(keys[offsets[s] : offsets[s + 1]], dim) for s in range(num_shards)]
+    out = np.empty((len(values), dim), np.float32)
+    _core.gather_from_shards(shard_rows, offsets, slot, out)
+    np.testing.assert_array_equal(out, rows_for(values, dim))
+
+
 @pytest.mark.parametrize("dim,offset", [(64, 0), (64, 1), (8, 0), (6, 0)])
 def test_gather_from_shards_into_a_large_output(dim, offset):
     """An out of 4 MiB and more is written with streaming stores where it is 16-byte
