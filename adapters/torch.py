@@ -24,11 +24,13 @@ Rules worth knowing:
   each module once per step (an empty batch pushes nothing, and still counts).
 - Ids are any int64 values (hashed ids welcome); ``padding_idx`` is an id
   value, not an index into a vocabulary.
-- ``module.prefetch(next_ids)`` pulls the next batch's rows on a background
-  thread; the next forward uses them if its ids are equal. Called after this
-  step's backward, the prefetched rows include this step's update. An error of
-  the background pull is raised by the next forward, never in the thread. One
-  thread per store runs its prefetches, in order.
+- ``module.prefetch(next_ids)`` pulls the next batch's rows ahead; the next
+  forward uses them if its ids are equal. Called after this step's backward,
+  the prefetched rows include this step's update. Where the store defers
+  pulls (``kv.defers_pulls``: a dist store whose servers answer a push once
+  applied) the requests are sent at once and the next forward reads the
+  replies; otherwise one background thread per store runs its prefetches, in
+  order. An error of the pull is raised by the next forward.
 - ``push_together(kv, wait=False)`` sends a step's push without waiting for
   the servers' acknowledgements; the next prefetch (or any store call)
   collects them, and raises a failure then.
@@ -161,6 +163,44 @@ class _BackgroundPull:
         return self.rows
 
 
+class _DeferredPull:
+    """A pull sent from the calling thread and read when its rows are wanted (issue 10).
+
+    Where the store defers pulls (`kvsparse.KVStore.defers_pulls`): the
+    requests go out now, behind the step's push, and the servers answer while
+    the training thread does its dense update; the next forward reads the
+    replies. No thread holds the GIL meanwhile: a prefetch thread's Python
+    (encode, decode, gather calls) slowed the training thread's dense Adam
+    about twofold (benchmarks/end_to_end.py). Same interface as _BackgroundPull.
+    """
+
+    def __init__(self, lookups: list, ids: list):
+        self.rows = None
+        self.error = None
+        self.error_reported = False
+        try:
+            self._rows = _send_pull(lookups, ids, wait=False)
+        except BaseException as exc:  # noqa: BLE001 - raised by wait(), as a thread's would be
+            self._rows = None
+            self.error = exc
+
+    def wait(self) -> list | None:
+        """The rows; raises the pull's error once, to the first table that waits (see
+        _BackgroundPull.wait)."""
+        if self._rows is not None:
+            rows, self._rows = self._rows, None
+            try:
+                self.rows = rows()
+            except BaseException as exc:  # noqa: BLE001 - reported below, once
+                self.error = exc
+        if self.error is not None:
+            if self.error_reported:
+                return None
+            self.error_reported = True
+            raise self.error
+        return self.rows
+
+
 class _Prefetch:
     """One table's share of a background pull: the ids it was for, and where its rows are."""
 
@@ -185,19 +225,39 @@ class _Prefetch:
 
 def _pull_tables(lookups: list, ids: list) -> list:
     """table[ids] for each (lookup, ids): one row_sparse_pull, one request per server for all."""
+    return _send_pull(lookups, ids, wait=True)()
+
+
+def _send_pull(lookups: list, ids: list, wait: bool):
+    """Sends the pull of table[ids] for each (lookup, ids); returns a callable giving the rows.
+
+    wait=False on a store that defers pulls: the requests are out when this
+    returns, and the callable reads the replies (`kvsparse.KVStore.row_sparse_pull`).
+    """
     kv = lookups[0].kv
     host_ids = [i if i.device.type == "cpu" else i.cpu() for i in ids]
     outs = [
         torch.empty(tuple(i.shape) + (lookup.dim,), dtype=lookup.dtype)
         for lookup, i in zip(lookups, host_ids)
     ]
+    keys = [lookup.key for lookup in lookups]
     with store_lock(kv):
-        kv.row_sparse_pull([lookup.key for lookup in lookups], out=outs, row_ids=host_ids)
-    rows = []
-    for lookup, i, host, out in zip(lookups, ids, host_ids, outs):
-        if lookup.padding_idx is not None:
-            out[host == lookup.padding_idx] = 0.0
-        rows.append(out if i.device.type == "cpu" else out.to(i.device, non_blocking=True))
+        if wait:
+            kv.row_sparse_pull(keys, out=outs, row_ids=host_ids)
+        else:
+            pending = kv.row_sparse_pull(keys, out=outs, row_ids=host_ids, wait=False)
+
+    def rows() -> list:
+        if not wait:
+            with store_lock(kv):
+                pending.wait()
+        result = []
+        for lookup, i, host, out in zip(lookups, ids, host_ids, outs):
+            if lookup.padding_idx is not None:
+                out[host == lookup.padding_idx] = 0.0
+            result.append(out if i.device.type == "cpu" else out.to(i.device, non_blocking=True))
+        return result
+
     return rows
 
 
@@ -302,11 +362,16 @@ class _Lookup:
 
 
 def _prefetch_together(lookups: list, ids: list) -> None:
-    """Starts one background pull for every lookup (ids copied: the caller may refill them)."""
+    """Starts one pull for every lookup (ids copied: the caller may refill them): sent now
+    and read by the next forward where the store defers pulls, else on the store's
+    prefetch thread."""
     for lookup in lookups:
         lookup.drop_prefetch()
     ids = [i.detach().clone() for i in ids]
-    pull = _BackgroundPull(_pull_tables, lookups, ids)
+    if getattr(lookups[0].kv, "defers_pulls", False):
+        pull = _DeferredPull(lookups, ids)
+    else:
+        pull = _BackgroundPull(_pull_tables, lookups, ids)
     for index, (lookup, i) in enumerate(zip(lookups, ids)):
         lookup.prefetched = _Prefetch(pull, index, i)
 

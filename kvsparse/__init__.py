@@ -19,13 +19,14 @@ except ImportError as exc:  # pragma: no cover - exercised on an unbuilt tree
 
 from kvsparse import errors, initializers, optimizers
 from kvsparse.store.factory import create
-from kvsparse.store.kvstore import KVStore
+from kvsparse.store.kvstore import KVStore, PendingPull
 from kvsparse.table import RangePartitioner, SparseTable
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KVStore",
+    "PendingPull",
     "RangePartitioner",
     "SparseTable",
     "create",

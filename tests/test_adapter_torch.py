@@ -32,6 +32,7 @@ from kvsparse.adapters.torch import (  # noqa: E402
 import kvsparse  # noqa: E402
 import kvsparse.store.batching  # noqa: E402
 from kvsparse import errors, initializers, optimizers  # noqa: E402
+from kvsparse.wire import ops  # noqa: E402
 
 VOCAB = 40
 DIM = 6
@@ -691,6 +692,54 @@ def test_one_prefetch_thread_per_store_runs_every_prefetch(kv):
         emb(torch.tensor([step]))
     assert emb.prefetch_hits == 5
     assert len(set(prefetch_threads()) - before) == 1
+
+
+def test_a_dist_prefetch_is_sent_at_once_and_read_by_the_next_forward(two_servers, monkeypatch):
+    """Where the store defers pulls, the prefetch sends its requests from the calling
+    thread and the next forward reads the replies: no prefetch thread (issue 10)."""
+    assert two_servers.defers_pulls
+    first, vectors = _two_tables(two_servers, "deferred_prefetch_")
+    session = two_servers._backend.session
+    sent, send = [], session._send
+
+    def spied_send(server, request, request_id=None):
+        sent.append((ops.Op(request.op).name, threading.get_ident()))
+        return send(server, request, request_id)
+
+    monkeypatch.setattr(session, "_send", spied_send)
+    threads_before = {t.name for t in threading.enumerate()}
+    ids = torch.tensor([[1, 2], [2, 9]])
+    loss = _two_table_loss(first, vectors, ids)  # pulls
+    sent.clear()
+    with push_together(two_servers, wait=False):
+        loss.backward()
+    prefetch_together([first, vectors], ids)
+    assert [op for op, _ in sent] == ["PUSH_SPARSE"] * 2 + ["PULL_SPARSE"] * 2
+    assert {thread for _, thread in sent} == {threading.get_ident()}
+    out_first, out_vectors = first(ids), vectors(ids)
+    assert (first.prefetch_hits, vectors.prefetch_hits) == (1, 1)
+    assert len(sent) == 4  # the forwards read the replies; nothing sent again
+    np.testing.assert_array_equal(out_first.detach().numpy()[0, :, 0], [-1, -2])
+    np.testing.assert_array_equal(
+        out_vectors.detach().numpy(), two_servers.row_sparse_pull(vectors.key, row_ids=ids.numpy())
+    )
+    assert {t.name for t in threading.enumerate()} - threads_before <= {"ZMQbg/IO/0"}
+
+
+def test_a_deferred_prefetch_that_fails_to_send_fails_the_next_forward(two_servers, monkeypatch):
+    emb = Embedding(two_servers, "deferred_prefetch_failure", embedding_dim=2)
+    real_pull = two_servers.row_sparse_pull
+
+    def failing_unwaited(key, out=None, priority=0, row_ids=None, dtype=None, wait=True):
+        if not wait:
+            raise errors.ServerUnavailable("server gone", address="tcp://127.0.0.1:1")
+        return real_pull(key, out=out, row_ids=row_ids, dtype=dtype)
+
+    monkeypatch.setattr(two_servers, "row_sparse_pull", failing_unwaited)
+    emb.prefetch(torch.tensor([5]))  # returns: the failure is kept for the forward
+    with pytest.raises(errors.ServerUnavailable, match="server gone"):
+        emb(torch.tensor([5]))
+    assert emb(torch.tensor([5])).shape == (1, 2)  # reported once; the module works again
 
 
 # -- several workers -------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def test_the_protocol_holds_every_operation_of_the_store():
             "stats",
         ]
     )
-    assert ATTRIBUTES == ["clock", "num_shards", "num_workers", "rank"]
+    assert ATTRIBUTES == ["clock", "defers_pulls", "num_shards", "num_workers", "rank"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.__name__)

@@ -128,9 +128,32 @@ def test_any_operation_sequence_gives_the_same_tables(server_sets, data, num_ser
             "fused_push",
             "set_optimizer",
             "pull",
+            "deferred_pull",
             "pushpull",
         ]
+        # Pulls sent with wait=False, read after later operations: (local's, dist's).
+        deferred: list = []
+
+        def read_deferred():
+            for pendings in deferred:
+                for a, b in zip(*(pending.wait() for pending in pendings)):
+                    compare(a, b)
+            deferred.clear()
+
+        def pull_request():
+            keys = data.draw(
+                st.lists(st.sampled_from(sorted(tables)), min_size=1, max_size=3, unique=True),
+                "pull keys",
+            )
+            ids = [
+                np.array(data.draw(st.lists(ID_VALUES, max_size=10), "pull ids"), np.int64)
+                for _ in keys
+            ]
+            return keys, ids
+
         for _ in range(data.draw(st.integers(1, 8), "length")):
+            if deferred and data.draw(st.booleans(), "read deferred pulls"):
+                read_deferred()
             op = data.draw(st.sampled_from(operations), "op")
             if op == "push_sparse":
                 key = data.draw(st.sampled_from(sorted(tables)), "key")
@@ -169,15 +192,13 @@ def test_any_operation_sequence_gives_the_same_tables(server_sets, data, num_ser
                 store_optimizer_exact = store_optimizer_exact and exact_kind(optimizer)
                 for store in stores:
                     store.set_optimizer(optimizer)
+            elif op == "deferred_pull":
+                # Sent now, read later: both stores give the rows as of now, whatever runs
+                # in between (dist: the servers serve a client's requests in order).
+                keys, ids = pull_request()
+                deferred.append([s.row_sparse_pull(keys, row_ids=ids, wait=False) for s in stores])
             elif op == "pull":
-                keys = data.draw(
-                    st.lists(st.sampled_from(sorted(tables)), min_size=1, max_size=3, unique=True),
-                    "pull keys",
-                )
-                ids = [
-                    np.array(data.draw(st.lists(ID_VALUES, max_size=10), "pull ids"), np.int64)
-                    for _ in keys
-                ]
+                keys, ids = pull_request()
                 for a, b in zip(*(s.row_sparse_pull(keys, row_ids=ids) for s in stores)):
                     compare(a, b)
                 if dense:
@@ -188,6 +209,7 @@ def test_any_operation_sequence_gives_the_same_tables(server_sets, data, num_ser
                 grad = rng.standard_normal(dense[key]).astype(np.float32)
                 compare(*(s.pushpull(key, grad) for s in stores))
 
+        read_deferred()
         # The final tables: every id ever pushed, plus ids never seen.
         for key in tables:
             ids = np.array(sorted(touched[key] | {-3, 0, 999}), np.int64)

@@ -154,7 +154,7 @@ def _spy_on_session(session, monkeypatch) -> list:
         return send(server, request, request_id)
 
     def spied_settle():
-        if session._deferred is not None:
+        if session._deferred:
             events.append(("collect", None))
         settle()
 
@@ -208,3 +208,95 @@ def test_pulls_follow_pending_pushes_only_where_pushes_are_answered_at_once(
     from kvsparse.client.remote import pulls_may_follow_pending_pushes
 
     assert pulls_may_follow_pending_pushes(mode, workers, retry_window, local) is allowed
+
+
+# -- pulls sent without waiting (row_sparse_pull(..., wait=False)) --------------------------
+
+
+def test_a_deferred_pull_reads_the_rows_as_of_when_it_was_sent(kv, monkeypatch):
+    key = fresh()
+    kv.init(key, kvsparse.SparseTable(dim=2, initializer=ZEROS, optimizer=SGD_1))
+    assert kv.defers_pulls
+    events = _spy_on_session(kv._backend.session, monkeypatch)
+    ids = np.arange(-8, 8, dtype=np.int64)
+    kv.push(key, (ids, np.ones((16, 2), np.float32)), wait=False)
+    out = np.full((16, 2), np.nan, np.float32)
+    pending = kv.row_sparse_pull(key, out=out, row_ids=ids, wait=False)
+    # Sent behind the push, nothing read yet: the store returned at once.
+    pushes, pulls = [("send", "PUSH_SPARSE")] * 2, [("send", "PULL_SPARSE")] * 2
+    assert events == pushes + pulls and not pending.done
+    # A push after it (which first reads the replies before it) does not change its rows.
+    kv.push(key, (ids, np.ones((16, 2), np.float32)), wait=False)
+    assert events == pushes + pulls + [("collect", None)] + pushes
+    assert pending.wait() is out and pending.done
+    np.testing.assert_array_equal(out, -np.ones((16, 2)))
+    assert pending.wait() is out  # again: the same result
+    np.testing.assert_array_equal(kv.row_sparse_pull(key, row_ids=ids), -2 * np.ones((16, 2)))
+
+
+def test_deferred_pulls_of_several_tables_stack_and_are_read_in_order(kv):
+    first, second = fresh(), fresh()
+    for key in (first, second):
+        kv.init(key, kvsparse.SparseTable(dim=3, initializer=ZEROS, optimizer=SGD_1))
+    ids = np.array([4, 9, 4, 2**50], np.int64)
+    pendings = []
+    for _ in range(3):
+        kv.push([first, second], [(ids, np.ones((4, 3), np.float32))] * 2, wait=False)
+        pendings.append(kv.row_sparse_pull([first, second], row_ids=[ids, ids[:2]], wait=False))
+    for step, pending in reversed(list(enumerate(pendings))):  # read in any order
+        rows_first, rows_second = pending.wait()
+        expected = np.where(ids[:, None] == 4, -2.0, -1.0) * (step + 1)
+        np.testing.assert_array_equal(rows_first, np.broadcast_to(expected, (4, 3)))
+        np.testing.assert_array_equal(rows_second, np.broadcast_to(expected[:2], (2, 3)))
+
+
+def test_a_failed_push_is_raised_by_the_deferred_pull_behind_it(kv):
+    key = overflowing_table(kv)
+    kv.push(key, (np.array([6], np.int64), np.array([[1e10, 0.0]], np.float32)), wait=False)
+    pending = kv.row_sparse_pull(key, row_ids=[6, 7], wait=False)
+    with pytest.raises(errors.UpdateOverflow, match="id 6"):
+        pending.wait()
+    with pytest.raises(errors.UpdateOverflow):  # asked again: the same failure
+        pending.wait()
+    np.testing.assert_array_equal(kv.row_sparse_pull(key, row_ids=[6, 7]), np.zeros((2, 2)))
+
+
+def test_a_deferred_pulls_failure_waits_for_it_and_close_reads_its_replies(servers):
+    """A pull's own failure (an unknown table here) is raised by its result only; the
+    exchanges in between and close() go on."""
+    session = Session(servers, timeout=30)
+    try:
+        session.open(
+            {
+                s: ops.Hello.encode_request(ops.HelloRequest(1, ops.Mode.BSP, None, 0, 2, s))
+                for s in range(2)
+            }
+        )
+        bad = ops.PullSparse.encode_request([(0xBAD, np.array([1], np.int64), "float32")])
+        pending = session.exchange({0: bad}, pipelined=True, wait=False)
+        assert session.exchange({1: ops.Ping.encode_request()})  # reads the pull's reply first
+        assert pending.done
+        with pytest.raises(errors.KVSparseError, match="(?i)table"):
+            pending.result()
+        later = session.exchange({0: bad}, pipelined=True, wait=False)
+    finally:
+        session.close()  # reads the replies of later, keeps its failure
+    assert later.done
+    with pytest.raises(errors.KVSparseError):
+        later.result()
+
+
+def test_a_pull_without_waiting_is_done_at_once_where_pulls_are_not_deferred():
+    local = kvsparse.create("local")
+    key = fresh()
+    local.init(key, kvsparse.SparseTable(dim=2, initializer=ZEROS, optimizer=SGD_1))
+    assert not local.defers_pulls
+    pending = local.row_sparse_pull(key, row_ids=[1, 2], wait=False)
+    local.push(key, (np.array([1], np.int64), np.ones((1, 2), np.float32)))
+    np.testing.assert_array_equal(pending.wait(), np.zeros((2, 2)))  # pulled before the push
+    session = Session(["tcp://127.0.0.1:1"], timeout=0.1, monitor=True)
+    try:
+        with pytest.raises(errors.InvalidArgument, match="pipelined"):
+            session.exchange({0: ops.Ping.encode_request()}, wait=False)
+    finally:
+        session.close()

@@ -244,11 +244,21 @@ class RemoteBackend:
         if requests:
             self._exchange(ops.AssignSparse, requests)
 
-    def pull_sparse(self, items):
+    @property
+    def defers_pulls(self) -> bool:
+        """Whether pull_sparse(wait=False) returns before the servers answer: where a pull
+        may go out behind a push whose acknowledgements are pending
+        (`pulls_may_follow_pending_pushes`)."""
+        return self._pipelined_pulls
+
+    def pull_sparse(self, items, wait=True):
         """items: [(table_id, keys, offsets[, wire_dtype])] -> [[rows of each shard] per item].
 
         Rows come as the servers sent them: float32, or uint16 bit patterns of
         a 16-bit wire dtype (the store widens them into the caller's output).
+        wait=False: returns a callable giving that list, which reads the replies
+        when called; the requests are sent before this returns where
+        `defers_pulls` (else the pull is done at once).
         """
         per_server: dict[int, list] = {}
         wires = []
@@ -264,22 +274,32 @@ class RemoteBackend:
             server: ops.PullSparse.encode_request([(t, k, w) for _, t, k, w in entries])
             for server, entries in per_server.items()
         }
-        answers = (
-            self.session.exchange(requests, pipelined=self._pipelined_pulls) if requests else {}
-        )
-        results = [[None] * self.num_shards for _ in items]
-        dims = [0] * len(items)
-        for server, entries in per_server.items():
-            requested = [(table_id, keys.size, w) for _, table_id, keys, w in entries]
-            rows = self._decode(server, ops.PullSparse, answers[server], requested)
-            for (index, _, _, _), item_rows in zip(entries, rows):
-                results[index][server] = item_rows
-                dims[index] = item_rows.shape[1]
-        for index, shard_rows in enumerate(results):
-            for server in range(self.num_shards):
-                if shard_rows[server] is None:
-                    shard_rows[server] = np.empty((0, dims[index]), WIRE_FRAME_DTYPES[wires[index]])
-        return results
+
+        def rows(answers: dict) -> list:
+            results = [[None] * self.num_shards for _ in items]
+            dims = [0] * len(items)
+            for server, entries in per_server.items():
+                requested = [(table_id, keys.size, w) for _, table_id, keys, w in entries]
+                replies = self._decode(server, ops.PullSparse, answers[server], requested)
+                for (index, _, _, _), item_rows in zip(entries, replies):
+                    results[index][server] = item_rows
+                    dims[index] = item_rows.shape[1]
+            for index, shard_rows in enumerate(results):
+                for server in range(self.num_shards):
+                    if shard_rows[server] is None:
+                        dtype = WIRE_FRAME_DTYPES[wires[index]]
+                        shard_rows[server] = np.empty((0, dims[index]), dtype)
+            return results
+
+        if not requests:
+            answers: dict = {}
+        elif not wait and self._pipelined_pulls:
+            pending = self.session.exchange(requests, pipelined=True, wait=False)
+            return lambda: rows(pending.result())
+        else:
+            answers = self.session.exchange(requests, pipelined=self._pipelined_pulls)
+        result = rows(answers)
+        return result if wait else lambda: result
 
     def push_sparse(self, items, wait=True):
         """items: [(table_id, keys, offsets, summed rows[, wire_dtype])], rows in the wire dtype.

@@ -34,6 +34,15 @@ when it holds it for a BSP round of several workers (issue 10: the torch
 adapter's training thread no longer waits for the acknowledgements, and its
 next prefetch does not wait for them before it sends its pull).
 
+A pull may also be sent without waiting (``exchange(..., pipelined=True,
+wait=False)``): the exchange returns a `Pending` at once, and its replies are
+read later, by `Pending.result` or by the session's next exchange (which
+reads every pending exchange's replies, in send order, before it sends
+anything that may not go out behind them). A pull's failure is kept for
+`Pending.result`; a push's is raised by whatever collects it (issue 10: the
+torch adapter sends the next batch's pull from the training thread and reads
+it in the next forward, with no prefetch thread holding the GIL meanwhile).
+
 Server restarts (``retry_window`` > 0): a restarted or silent server is
 greeted again, sent what `Session.remember` was given, and sent the request
 in flight again, at most once applied (`kvsparse.client.recovery.Recovery`).
@@ -111,6 +120,72 @@ class _Call:
                     self.poller[0].unregister(sock)
 
 
+class Pending:
+    """An exchange sent with ``wait=False``: its replies, read later (`Session.exchange`).
+
+    `result` returns {server: Answer} once every reply is in: it reads this
+    exchange's replies, and first those of the exchanges sent before it.
+    """
+
+    __slots__ = ("_session", "_call", "_check", "_raises", "_done", "_error")
+
+    def __init__(self, session: Session, call: _Call, check, raises: bool):
+        self._session = session
+        self._call = call
+        self._check = check
+        self._raises = raises  # a push: its failure is raised by whatever collects it
+        self._done = False
+        self._error: Optional[BaseException] = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the replies were read (or the exchange failed)."""
+        return self._done
+
+    def result(self) -> dict:
+        """{server: Answer} of this exchange.
+
+        Raises:
+            its failure (the kvsparse.errors class of an error reply,
+            ProtocolError, NoAnswer, ServerUnavailable), or that of a push
+            sent before it with wait=False (this exchange is then abandoned,
+            and raises that failure again if asked again).
+        """
+        if not self._done:
+            self._session._settle_through(self)
+        if self._error is not None:
+            raise self._error
+        return self._call.outcomes
+
+    def _settle(self) -> None:
+        """Reads the replies (the session's lock held); a push's failure is raised."""
+        call = self._call
+        now = time.monotonic()
+        for server in call.waiting:
+            call.heard[server] = now  # silence counts from now: the replies may be queued
+        try:
+            while call.waiting:
+                self._session._wait(call)
+            if self._check is not None:
+                self._check(call.outcomes)
+        except errors.KVSparseError as exc:
+            self._error = exc
+            if self._raises:
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note("(the failure of an earlier push, sent with wait=False)")
+                raise
+        except BaseException as exc:  # an interrupt: this exchange's replies are lost
+            self._error = exc
+            raise
+        finally:
+            self._done = True
+
+    def _abandon(self, cause: BaseException) -> None:
+        """A push sent before this exchange failed: its replies are never read."""
+        self._error = cause
+        self._done = True
+
+
 class Session:
     """Sockets to a list of servers and the exchange loop over them.
 
@@ -158,8 +233,8 @@ class Session:
         self._clock = 0
         self._lock = threading.RLock()
         self._closed = False
-        # (call, check) of a push sent with wait=False whose replies are not collected yet.
-        self._deferred: Optional[tuple] = None
+        # Exchanges sent with wait=False whose replies are not read yet, in send order.
+        self._deferred: list[Pending] = []
         self._links = ServerSockets(self.servers, keys, self._client_id, local)
         self._recovery = Recovery(self.servers, self._links, self._send, self.retry_window)
 
@@ -223,36 +298,41 @@ class Session:
             requests: what to send where.
             push: the requests are a push: the clock advances first.
             gather: collect failures instead of raising the first one.
-            wait: False (a push without gather only): return {} once the
-                requests are sent; the next exchange or `close`
-                collects the replies, calls check({server: Answer}) on them
-                and raises the first failure, before anything else is sent.
-            check: see wait (it raises what is wrong in the replies).
+            wait: False (a push, or a pipelined pull; no gather): return a
+                `Pending` once the requests are sent. The next exchange or
+                `close` reads the replies of every pending exchange first; a
+                push's check({server: Answer}) runs on them then and its
+                failure is raised, before anything else is sent. A pull's
+                replies, or its failure, wait for `Pending.result`.
+            check: see wait (it raises what is wrong in a push's replies).
             pipelined: True (not a push, no gather): the requests may go out
-                before a pending push's replies are collected (module
-                docstring); if that push failed, its failure is raised and the
-                requests are abandoned (a pull changes nothing).
+                before the replies of pending exchanges are read (module
+                docstring); if a pending push failed, its failure is raised and
+                the requests are abandoned (a pull changes nothing).
 
         Returns:
             {server: Answer}; with gather, a server's value is the error
             instead where it failed (NoAnswer, ServerUnavailable, the error
             class of an error reply, ProtocolError for a malformed reply).
+            With wait=False, a `Pending`.
 
         Raises:
-            InvalidArgument: the session is closed, or wait=False without
-                push or with gather.
+            InvalidArgument: the session is closed, or wait=False with
+                gather, or for a pull that is not pipelined.
             the first failure (without gather): the kvsparse.errors class of
             an error reply, ProtocolError, NoAnswer or ServerUnavailable; a
             failure of an earlier push sent with wait=False.
         """
-        if not wait and (gather or not push):
-            raise errors.InvalidArgument("exchange(wait=False) is for a push without gather")
+        if not wait and (gather or not (push or pipelined)):
+            raise errors.InvalidArgument(
+                "exchange(wait=False) is for a push, or a pipelined pull, without gather"
+            )
         if pipelined and (gather or push):
             raise errors.InvalidArgument("exchange(pipelined=True) is for a pull without gather")
         with self._lock:
             if self._closed:
                 raise errors.InvalidArgument("this store is closed")
-            behind = pipelined and self._deferred is not None
+            behind = pipelined and bool(self._deferred)
             if not behind:
                 self._settle_deferred()
             if push:
@@ -260,12 +340,14 @@ class Session:
             call = _Call(requests, gather)
             for server, request in requests.items():
                 self._attempt(call, server, self._start, call, server, request)
-            if behind:
-                # Each server answers the push first: its replies precede this call's.
-                self._settle_deferred()
             if not wait:
-                self._deferred = (call, check)
-                return {}
+                pending = Pending(self, call, check, raises=push)
+                self._deferred.append(pending)
+                return pending
+            if behind:
+                # Each server answers the exchanges before first: their replies precede
+                # this call's.
+                self._settle_deferred()
             while call.waiting:
                 self._wait(call)
             return call.outcomes
@@ -294,22 +376,27 @@ class Session:
                 self._links.close()
 
     def _settle_deferred(self) -> None:
-        if self._deferred is None:
-            return
-        call, check = self._deferred
-        self._deferred = None
-        now = time.monotonic()
-        for server in call.waiting:
-            call.heard[server] = now  # silence counts from now: the replies may be queued
-        try:
-            while call.waiting:
-                self._wait(call)
-            if check is not None:
-                check(call.outcomes)
-        except errors.KVSparseError as exc:
-            if hasattr(exc, "add_note"):  # Python 3.11+
-                exc.add_note("(the failure of an earlier push, sent with wait=False)")
-            raise
+        """Reads the replies of every exchange sent with wait=False (the lock held)."""
+        if self._deferred:
+            self._settle_through(self._deferred[-1])
+
+    def _settle_through(self, last: Pending) -> None:
+        """Reads the replies of the pending exchanges up to last, in send order.
+
+        A push's failure is raised; the exchanges sent after it are abandoned
+        (a pull changes nothing; a later push went out only where pulls may
+        follow pending pushes, so it is also one whose failure is raised).
+        """
+        with self._lock:
+            while self._deferred and not last.done:
+                pending = self._deferred.pop(0)
+                try:
+                    pending._settle()
+                except errors.KVSparseError as exc:
+                    for later in self._deferred:
+                        later._abandon(exc)
+                    self._deferred.clear()
+                    raise
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -482,4 +569,4 @@ class Session:
         return True
 
 
-__all__ = ["DEFAULT_TIMEOUT", "Answer", "NoAnswer", "Outcome", "Session"]
+__all__ = ["DEFAULT_TIMEOUT", "Answer", "NoAnswer", "Outcome", "Pending", "Session"]

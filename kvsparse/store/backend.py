@@ -42,6 +42,9 @@ class Backend(Protocol):
     """How many workers share the shards."""
     clock: int
     """Pushes made (push_sparse and push_dense calls): `kvsparse.KVStore.clock`."""
+    defers_pulls: bool
+    """Whether pull_sparse(wait=False) returns before the rows are there (its requests
+    sent, the replies read by the callable it returns); else it pulls at once."""
 
     def init_sparse(self, table_id: int, name: str, spec: dict) -> None:
         """Creates sparse table `table_id` (`SparseTable.to_dict()` spec) on every shard."""
@@ -60,10 +63,12 @@ class Backend(Protocol):
         """items: [(table_id, unique keys, offsets, float32 rows)]: rows written verbatim
         (no optimizer, no admission counting); all checked before any is written."""
 
-    def pull_sparse(self, items: list) -> list:
+    def pull_sparse(self, items: list, wait: bool = True):
         """items: [(table_id, keys, offsets[, wire_dtype])] -> per item, [rows of each shard].
 
         Each shard's rows: (n, dim), float32 or uint16 bit patterns of the item's wire dtype.
+        wait=False: a callable returning that list instead (see `defers_pulls`); a later
+        call of the backend may read the replies first, and keeps them for it.
         """
 
     def push_sparse(self, items: list, wait: bool = True) -> None:

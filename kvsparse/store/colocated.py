@@ -134,10 +134,10 @@ class ColocatedBackend(RemoteBackend):
             self.rows_total += int(offsets[-1])
             self.rows_in_process += int(offsets[self.rank + 1] - offsets[self.rank])
 
-    def pull_sparse(self, items):
+    def pull_sparse(self, items, wait=True):
         """As `RemoteBackend.pull_sparse`; the own shard's rows come without a socket."""
         self._count(items)
-        return super().pull_sparse(items)
+        return super().pull_sparse(items, wait)
 
     def push_sparse(self, items, wait=True):
         """As `RemoteBackend.push_sparse`; the own shard's rows go without a socket."""

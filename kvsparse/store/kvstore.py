@@ -89,6 +89,38 @@ class StoreFront:
         )
 
 
+class PendingPull:
+    """A `KVStore.row_sparse_pull` sent with ``wait=False``: `wait` fills its outputs.
+
+    Until then the outputs hold nothing meaningful, and must stay alive and
+    unchanged. The store's later calls may read the servers' replies first
+    (they keep them for `wait`); `wait` reads them if none did. A failure of
+    the pull (or of a push with ``wait=False`` sent before it) is raised by
+    `wait`. Not thread-safe beyond the store's own rules: one thread waits.
+    """
+
+    def __init__(self, finish):
+        self._finish = finish
+        self._result = None
+
+    @property
+    def done(self) -> bool:
+        """Whether `wait` has filled the outputs."""
+        return self._finish is None
+
+    def wait(self):
+        """Fills the outputs; returns what ``row_sparse_pull`` returns (again if asked again).
+
+        Raises:
+            what the pull raises: the servers' failures (ServerUnavailable...),
+            or that of an earlier push sent with ``wait=False``.
+        """
+        if self._finish is not None:
+            self._result = self._finish()
+            self._finish = None
+        return self._result
+
+
 class KVStore(StoreFront):
     """MXNet-style key-value store whose sparse tables live on shards.
 
@@ -165,6 +197,19 @@ class KVStore(StoreFront):
     def num_workers(self) -> int:
         """How many workers share the store."""
         return self._backend.num_workers
+
+    @property
+    def defers_pulls(self) -> bool:
+        """Whether ``row_sparse_pull(..., wait=False)`` returns before the rows arrive.
+
+        True for a dist store whose servers answer a push once applied (ASP,
+        SSP, or BSP with one worker; no retry window; not colocated): the
+        requests go out at once, behind any pending push, and
+        `PendingPull.wait` reads the replies. Else such a pull is done at once
+        (a local store; a BSP round of several workers holds a push until
+        every worker's arrives, and a pull behind it would wait as long).
+        """
+        return self._backend.defers_pulls
 
     @property
     def clock(self) -> int:
@@ -275,7 +320,7 @@ class KVStore(StoreFront):
 
     # -- sparse ------------------------------------------------------------------------------
 
-    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, dtype=None):
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None, dtype=None, wait=True):
         """Pulls the rows of row_ids from sparse table(s).
 
         Args:
@@ -287,9 +332,14 @@ class KVStore(StoreFront):
             dtype: the dtype of a new output: None (default) the table's
                 (`SparseTable.dtype`; bfloat16 as ml_dtypes.bfloat16), or
                 'float32'.
+            wait: False: return a `PendingPull` once the requests are sent
+                (where `defers_pulls`; else once pulled); its ``wait()``
+                fills the outputs and returns them. The pull reads the rows
+                as of when it was sent: a push sent after it does not change
+                them. (The torch adapter's prefetch: issue 10.)
 
         Returns:
-            The output array (or list of them).
+            The output array (or list of them); a `PendingPull` with wait=False.
 
         Raises:
             UnknownKey, DTypeError (non-integer ids), ShapeError (bad out).
@@ -322,12 +372,19 @@ class KVStore(StoreFront):
             items.append((info, plan, wire))
             results.append(result)
             targets.append(target)
-        shard_rows = self._backend.pull_sparse(
-            [(info.table_id, plan.keys, plan.offsets, wire) for info, plan, wire in items]
+        pulled = self._backend.pull_sparse(
+            [(info.table_id, plan.keys, plan.offsets, wire) for info, plan, wire in items],
+            wait=wait,
         )
-        for (info, plan, wire), rows, target in zip(items, shard_rows, targets):
-            batching.gather_rows(rows, plan.offsets, plan.slot, target, info.dim, wire)
-        return results[0] if single else results
+
+        def fill(shard_rows):
+            for (info, plan, wire), rows, target in zip(items, shard_rows, targets):
+                batching.gather_rows(rows, plan.offsets, plan.slot, target, info.dim, wire)
+            return results[0] if single else results
+
+        if wait:
+            return fill(pulled)
+        return PendingPull(lambda: fill(pulled()))
 
     # -- push / pull ------------------------------------------------------------------------
 

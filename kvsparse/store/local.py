@@ -73,19 +73,24 @@ class LocalBackend:
         for table_id, keys, _, rows in items:
             self.state.assign_sparse(table_id, keys, rows)
 
-    def pull_sparse(self, items):
+    defers_pulls = False
+    """pull_sparse(wait=False) pulls at once: there is nothing to wait for in process."""
+
+    def pull_sparse(self, items, wait=True):
         """items: [(table_id, keys, offsets[, wire_dtype])] -> [[rows of shard 0]].
 
         Rows of a 16-bit wire dtype are rounded to it (uint16 bit patterns), as
         a server's reply is: `local` gives the numbers `dist_sparse` gives.
+        wait=False: a callable returning that list (pulled already).
         """
         wires = [wire[0] if wire else FLOAT32 for _, _, _, *wire in items]
         rows = self._pull_rows([(table_id, keys) for table_id, keys, *_ in items])
         # Rounded outside the lock, like the rest of the store's own preparation.
-        return [
+        result = [
             [shard_rows if wire == FLOAT32 else _core.narrow(shard_rows, wire)]
             for shard_rows, wire in zip(rows, wires)
         ]
+        return result if wait else lambda: result
 
     @_serialized
     def _pull_rows(self, pulls):
