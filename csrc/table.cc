@@ -939,6 +939,28 @@ void EmbeddingTable::PrefetchRowState(int64_t row) const {
   if (TracksLastStep()) PrefetchLine(last_step_.Row(row));
 }
 
+namespace {
+
+// Copies n floats of a row's state into a push's save area around the caches
+// (streaming stores; dst 16-byte aligned, n a multiple of 4). A save is read
+// back only when a push fails, and plain stores first read each line they
+// write: a warm W1 push saves 5.6 MB a server, twice the memory traffic.
+inline void StreamFloats(float* __restrict dst, const float* __restrict src, int64_t n) {
+#if defined(__SSE2__)
+  for (int64_t i = 0; i < n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+#else
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+#endif
+}
+
+inline void StreamFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+}  // namespace
+
 bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
   PushPlan& p = *plan;
   const int64_t dim = config_.dim;
@@ -955,6 +977,10 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
   // and the step and stamp not prefetched, 85% of a dim-8 update waited on
   // them (issue 10).
   constexpr int64_t kRowsAhead = 16;
+  // Saves streamed where each fills whole cache lines (a dim-64 Adagrad row:
+  // 8 lines); a master copy is saved with plain stores (it is written with them).
+  const bool stream = !keeps_master && stride % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(p.saved_state) % 64 == 0;
   // Distinct rows: ranges never overlap.
   ParallelFor(count, kMinKeysPerThread / 4, [&](int64_t begin, int64_t end) {
     float scratch[kMaxDim];
@@ -981,8 +1007,13 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
         slots = slots_.F32Row(row);
       }
       // Plain loops: a libc memmove call per small row cost 15% of a dim-8 push.
-      for (int64_t i = 0; i < dim; ++i) saved[i] = w[i];
-      for (int64_t i = 0; i < slot_floats; ++i) saved[dim + i] = slots[i];
+      if (stream) {
+        StreamFloats(saved, w, dim);
+        StreamFloats(saved + dim, slots, slot_floats);
+      } else {
+        for (int64_t i = 0; i < dim; ++i) saved[i] = w[i];
+        for (int64_t i = 0; i < slot_floats; ++i) saved[dim + i] = slots[i];
+      }
       if (master != nullptr) {  // the optimizer starts from the master, not the rounded value
         for (int64_t i = 0; i < dim; ++i) saved[dim + slot_floats + i] = w[i] = master[i];
       }
@@ -1004,6 +1035,7 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
         slots_.Round(slots);
       }
       if (!AllFiniteFloats(w, dim) || !AllFiniteFloats(slots, slot_floats)) {
+        if (stream) StreamFence();
         RestoreRow(row, saved, meta);
         p.overflows[e] = 1;
         overflowed = true;
@@ -1012,6 +1044,8 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
         slots_.Write(row, slots);
       }
     }
+    // The saves are seen by any thread that restores them (RestoreExistingRows).
+    if (stream) StreamFence();
     if (overflowed) any_overflow.store(true, std::memory_order_relaxed);
   });
   return any_overflow.load();

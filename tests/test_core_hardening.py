@@ -85,6 +85,40 @@ def test_an_update_that_overflows_a_stored_row_is_refused_and_changes_nothing(na
     assert table.apply_gradients(ids([2, 4]), grads[[0, 2]]) == 2
 
 
+@pytest.mark.parametrize("name", ["sgd_momentum", "adagrad_slot", "adam"])
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_large_push_overflowing_late_puts_every_streamed_save_back(name, skip):
+    """Rows of whole cache lines (dim 16) are saved with streaming stores, by 2 threads for
+    a push this large (csrc/table.cc): a refused push puts every row back bit for bit;
+    with skip, only the overflowing row is put back and the rest is updated."""
+    optimizer, row_value, grad = OVERFLOWS[name]
+    rng = np.random.default_rng(len(name))
+    n, dim = 12_000, 16
+    keys = np.unique(rng.integers(0, 2**62, size=n + 100))[:n]
+    rng.shuffle(keys)
+    table = _core.Table(dim, {"kind": "normal", "b": 0.1}, optimizer, seed=3)
+    table.apply_gradients(keys, rng.standard_normal((n, dim)).astype(np.float32))
+    late = n - 3  # in the second thread's range
+    table.assign(keys[late : late + 1], np.full((1, dim), row_value, np.float32))
+    before = snapshot(table)
+    grads = rng.standard_normal((n, dim)).astype(np.float32) * 0.01
+    grads[late, 5] = grad
+    if not skip:
+        with pytest.raises(errors.UpdateOverflow, match=f"id {keys[late]} overflows"):
+            table.apply_gradients(keys, grads)
+        assert snapshot(table) == before
+        return
+    assert table.apply_gradients(keys, grads, skip_nonfinite=True) == n - 1
+    after = snapshot(table)
+    position = {key: i for i, key in enumerate(before["keys"])}
+    for key in keys[[0, late - 1, late, n - 1]].tolist():
+        i = position[key]
+        unchanged = key == keys[late]
+        assert (after["values"][i] == before["values"][i]) == unchanged
+        assert (after["slots"][i] == before["slots"][i]) == unchanged
+        assert np.isfinite(after["slots"][i]).all()
+
+
 @pytest.mark.parametrize("name", ["sgd", "adagrad_slot", "adam"])
 def test_an_update_that_overflows_a_new_row_is_refused(name):
     optimizer, _, grad = OVERFLOWS[name]
