@@ -145,10 +145,10 @@ def main(argv=None) -> int:
             with push_together(kv, wait=False):
                 loss.backward()
             if args.prefetch and step + 1 < len(epoch_batches):
-                # After the push: the prefetch collects its acknowledgements first
-                # (BSP: once every worker's gradients are applied), so the rows it
-                # pulls are exact; it runs while this worker averages and applies
-                # its dense gradients.
+                # After the push, so the rows it pulls include this step's update
+                # (BSP: every worker's). With one worker (or ASP/SSP) the pull goes
+                # out right behind the push and the next forward reads it; else it
+                # runs on a thread. Either way it overlaps the dense update below.
                 model.prefetch(torch.from_numpy(epoch_batches[step + 1][0]))
             dense_sync.synchronize()
             dense_optimizer.step()
