@@ -127,13 +127,33 @@ def _prefetch_thread(kv) -> _PrefetchThread:
         return worker
 
 
-class _BackgroundPull:
-    """One background pull of one or more tables; keeps its rows or its error, never raises."""
+class _PullOutcome:
+    """The rows of a pull of one or more tables, or its error, which is reported once."""
 
-    def __init__(self, pull, lookups: list, ids: list):
+    def __init__(self):
         self.rows = None
         self.error = None
         self.error_reported = False
+
+    def _outcome(self) -> list | None:
+        """The rows; raises the pull's error, if any, in the caller's thread.
+
+        The error is raised once, to the first table that waits; the other
+        tables of the pull then get None (no rows: they pull again).
+        """
+        if self.error is not None:
+            if self.error_reported:
+                return None
+            self.error_reported = True
+            raise self.error
+        return self.rows
+
+
+class _BackgroundPull(_PullOutcome):
+    """One background pull of one or more tables; keeps its rows or its error, never raises."""
+
+    def __init__(self, pull, lookups: list, ids: list):
+        super().__init__()
         self._pull = pull
         self._args = (lookups, ids)
         self._done = threading.Event()
@@ -149,21 +169,12 @@ class _BackgroundPull:
             self._done.set()
 
     def wait(self) -> list | None:
-        """Waits for the pull; raises its error, if any, in the caller's thread.
-
-        The error is raised once, to the first table that waits; the other
-        tables of the pull then get None (no rows: they pull again).
-        """
+        """Waits for the pull; its rows, or its error raised once (`_PullOutcome`)."""
         self._done.wait()
-        if self.error is not None:
-            if self.error_reported:
-                return None
-            self.error_reported = True
-            raise self.error
-        return self.rows
+        return self._outcome()
 
 
-class _DeferredPull:
+class _DeferredPull(_PullOutcome):
     """A pull sent from the calling thread and read when its rows are wanted (issue 10).
 
     Where the store defers pulls (`kvsparse.KVStore.defers_pulls`): the
@@ -171,13 +182,11 @@ class _DeferredPull:
     the training thread does its dense update; the next forward reads the
     replies. No thread holds the GIL meanwhile: a prefetch thread's Python
     (encode, decode, gather calls) slowed the training thread's dense Adam
-    about twofold (benchmarks/end_to_end.py). Same interface as _BackgroundPull.
+    about twofold (benchmarks/end_to_end.py). Waited on as a _BackgroundPull.
     """
 
     def __init__(self, lookups: list, ids: list):
-        self.rows = None
-        self.error = None
-        self.error_reported = False
+        super().__init__()
         try:
             self._rows = _send_pull(lookups, ids, wait=False)
         except BaseException as exc:  # noqa: BLE001 - raised by wait(), as a thread's would be
@@ -185,20 +194,14 @@ class _DeferredPull:
             self.error = exc
 
     def wait(self) -> list | None:
-        """The rows; raises the pull's error once, to the first table that waits (see
-        _BackgroundPull.wait)."""
+        """Reads the replies; the rows, or the pull's error raised once (`_PullOutcome`)."""
         if self._rows is not None:
             rows, self._rows = self._rows, None
             try:
                 self.rows = rows()
-            except BaseException as exc:  # noqa: BLE001 - reported below, once
+            except BaseException as exc:  # noqa: BLE001 - reported by _outcome, once
                 self.error = exc
-        if self.error is not None:
-            if self.error_reported:
-                return None
-            self.error_reported = True
-            raise self.error
-        return self.rows
+        return self._outcome()
 
 
 class _Prefetch:
