@@ -62,7 +62,8 @@ constexpr size_t kItemSize = 24;
 constexpr uint16_t kVersion = 1;
 constexpr uint16_t kOpPullSparse = 6;
 constexpr uint16_t kOpPushSparse = 7;
-constexpr uint32_t kKnownFlags = 1 | 2;  // FLAG_DECLARE | FLAG_MONITOR
+constexpr uint32_t kFlagShared = 4;  // rows in the client's shared segment (FLAG_SHARED)
+constexpr uint32_t kKnownFlags = 1 | 2 | kFlagShared;  // FLAG_DECLARE | FLAG_MONITOR | ...
 constexpr uint32_t kMaxItems = 65536;
 constexpr uint32_t kMaxFrames = 2 * kMaxItems + 2;
 constexpr int32_t kMaxWireDim = 4096;
@@ -295,7 +296,8 @@ bool FastServeLoop::Admissible(const Header& header, Client** client) {
 bool FastServeLoop::ParseItems(const Header& header, size_t frames_per_item,
                                std::vector<Item>* items) {
   const size_t num_items = header.num_items;
-  if (frames_.size() != 3 + frames_per_item * num_items) return false;
+  const size_t extra = (header.flags & kFlagShared) ? 1 : 0;  // the offsets frame
+  if (frames_.size() != 3 + frames_per_item * num_items + extra) return false;
   ZmqMsg* frame = &frames_[2];
   if (zmq_.msg_size(frame) != num_items * kItemSize) return false;
   const auto* data = static_cast<const unsigned char*>(zmq_.msg_data(frame));
@@ -312,6 +314,28 @@ bool FastServeLoop::ParseItems(const Header& header, size_t frames_per_item,
       return false;
     }
     if (tables_.find(item.table_id) == tables_.end()) return false;
+  }
+  return true;
+}
+
+bool FastServeLoop::SharedOffsets(const Header& header, const Client& client) {
+  // ops.PullSparse / PushSparse with FLAG_SHARED: u64 offsets, one per item, in the last
+  // frame; each item's rows (in its wire dtype) must lie within the client's segment.
+  if (client.shared == nullptr) return false;  // Python answers: no segment of the client's
+  ZmqMsg* frame = &frames_.back();
+  const size_t num_items = header.num_items;
+  if (zmq_.msg_size(frame) != num_items * sizeof(uint64_t)) return false;
+  const auto* data = static_cast<const unsigned char*>(zmq_.msg_data(frame));
+  offsets_.resize(num_items);
+  for (size_t i = 0; i < num_items; ++i) {
+    const uint64_t offset = Read<uint64_t>(data, i * sizeof(uint64_t));
+    const Item& item = items_[i];
+    const uint64_t element = static_cast<uint64_t>(ElementBytes(item.flags));
+    const uint64_t bytes = static_cast<uint64_t>(item.count) *
+                           static_cast<uint64_t>(tables_.at(item.table_id).dim) * element;
+    const uint64_t size = static_cast<uint64_t>(client.shared_bytes);
+    if (offset % element != 0 || offset > size || bytes > size - offset) return false;
+    offsets_[i] = offset;
   }
   return true;
 }
@@ -384,6 +408,7 @@ bool FastServeLoop::SendReply(std::vector<ZmqMsg>* frames) {
 bool FastServeLoop::ServePull(const Header& header, Client* client) {
   const auto started = std::chrono::steady_clock::now();
   if (!ParseItems(header, 1, &items_)) return false;
+  if (header.flags & kFlagShared) return ServeSharedPull(header, client, started);
   const size_t num_items = items_.size();
   int64_t rows = 0;
   int64_t reply_bytes = 0;
@@ -484,6 +509,62 @@ bool FastServeLoop::ServePull(const Header& header, Client* client) {
   return true;
 }
 
+bool FastServeLoop::ServeSharedPull(const Header& header, Client* client,
+                                    std::chrono::steady_clock::time_point started) {
+  // The rows go straight into the client's segment (handlers.Handlers._pull_sparse's
+  // shared branch): no reply bytes to budget, empty rows frames.
+  const size_t num_items = items_.size();
+  int64_t rows = 0;
+  for (size_t i = 0; i < num_items; ++i) {
+    if (zmq_.msg_size(&frames_[3 + i]) != static_cast<size_t>(items_[i].count) * 8) return false;
+    rows += items_[i].count;
+  }
+  if (rows > max_rows_ || !SharedOffsets(header, *client)) return false;
+  for (size_t i = 0; i < num_items; ++i) {
+    const Item& item = items_[i];
+    const TableEntry& entry = tables_.at(item.table_id);
+    const int64_t n = item.count * entry.dim;
+    if (n == 0) continue;
+    const int64_t* keys = AlignedKeys(&frames_[3 + i], item.count, &key_scratch_);
+    unsigned char* out = client->shared + offsets_[i];
+    if ((item.flags >> kItemDtypeShift) == 0) {  // offset checked: float-aligned
+      if (!entry.table->Lookup(keys, item.count, reinterpret_cast<float*>(out)).ok()) {
+        return false;  // a lookup that failed changed nothing: Python answers the error
+      }
+      continue;
+    }
+    row_scratch_.resize(static_cast<size_t>(n));
+    if (!entry.table->Lookup(keys, item.count, row_scratch_.data()).ok()) return false;
+    NarrowFloats(KindOf(item.flags), row_scratch_.data(), n, reinterpret_cast<uint16_t*>(out));
+  }
+  std::vector<ZmqMsg> reply(3 + num_items);
+  for (ZmqMsg& msg : reply) zmq_.msg_init(&msg);  // the rows frames stay empty
+  const size_t routing_size = zmq_.msg_size(&frames_[0]);
+  zmq_.msg_init_size(&reply[0], routing_size);
+  std::memcpy(zmq_.msg_data(&reply[0]), zmq_.msg_data(&frames_[0]), routing_size);
+  zmq_.msg_init_size(&reply[2], num_items * kItemSize);
+  auto* reply_items = static_cast<unsigned char*>(zmq_.msg_data(&reply[2]));
+  if (num_items) std::memcpy(reply_items, zmq_.msg_data(&frames_[2]), num_items * kItemSize);
+  for (size_t i = 0; i < num_items; ++i) {
+    Write<int32_t>(reply_items + i * kItemSize, 16,
+                   static_cast<int32_t>(tables_.at(items_[i].table_id).dim));
+  }
+  zmq_.msg_init_size(&reply[1], kHeaderSize);
+  auto* head = static_cast<unsigned char*>(zmq_.msg_data(&reply[1]));
+  PackReply(header, static_cast<uint32_t>(1 + num_items), static_cast<uint32_t>(num_items),
+            head);
+  unsigned char kept[kHeaderSize];
+  std::memcpy(kept, head, kHeaderSize);
+  for (const Item& item : items_) {
+    CountTable(kFastPull, item.table_id, item.count);
+    pending_.keys += item.count;
+  }
+  SendReply(&reply);
+  Record(header, client, kept,
+         std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  return true;
+}
+
 bool FastServeLoop::ServePush(const Header& header, Client* client) {
   const auto started = std::chrono::steady_clock::now();
   if (!ParseItems(header, 2, &items_)) return false;
@@ -509,22 +590,41 @@ bool FastServeLoop::ServePush(const Header& header, Client* client) {
   std::vector<std::vector<float>> row_copies(num_items);
   std::vector<Group> groups;
   int64_t rows_total = 0;
+  const bool shared = header.flags & kFlagShared;
   for (size_t i = 0; i < num_items; ++i) {
     const Item& item = items_[i];
     const TableEntry& entry = tables_.at(item.table_id);
     // ops.PushSparse.decode_request, then ShardState.check_sparse_push: else Python's error.
     if (item.dim < 1 || item.dim != entry.dim) return false;
+  }
+  if (shared && !SharedOffsets(header, *client)) return false;
+  for (size_t i = 0; i < num_items; ++i) {
+    const Item& item = items_[i];
+    const TableEntry& entry = tables_.at(item.table_id);
     const ZmqMsg* keys_frame = &frames_[3 + 2 * i];
     const ZmqMsg* rows_frame = &frames_[4 + 2 * i];
+    const size_t row_bytes = static_cast<size_t>(item.count * item.dim * ElementBytes(item.flags));
     if (zmq_.msg_size(keys_frame) != static_cast<size_t>(item.count) * 8 ||
-        zmq_.msg_size(rows_frame) !=
-            static_cast<size_t>(item.count * item.dim * ElementBytes(item.flags))) {
+        zmq_.msg_size(rows_frame) != (shared ? 0 : row_bytes)) {
       return false;
     }
     rows_total += item.count;
-    Part part{AlignedKeys(keys_frame, item.count, &key_copies[i]),
-              AlignedRows(rows_frame, item.count, item.dim, item.flags, &row_copies[i]),
-              item.count};
+    const float* rows = nullptr;
+    if (!shared) {
+      rows = AlignedRows(rows_frame, item.count, item.dim, item.flags, &row_copies[i]);
+    } else if (item.count > 0) {
+      const unsigned char* at = client->shared + offsets_[i];
+      if ((item.flags >> kItemDtypeShift) == 0) {
+        rows = reinterpret_cast<const float*>(at);  // offset checked: float-aligned
+      } else {
+        const int64_t n = item.count * item.dim;
+        row_copies[i].resize(static_cast<size_t>(n));
+        WidenHalves(KindOf(item.flags), reinterpret_cast<const uint16_t*>(at), n,
+                    row_copies[i].data());
+        rows = row_copies[i].data();
+      }
+    }
+    Part part{AlignedKeys(keys_frame, item.count, &key_copies[i]), rows, item.count};
     // NaN or inf: the table's push checks and refuses, changing nothing (kNonFinite),
     // and Python answers with the error (one pass over the rows, not two).
     auto group = std::find_if(groups.begin(), groups.end(),
@@ -758,7 +858,8 @@ void FastServeLoop::AddTable(uint64_t table_id, EmbeddingTable* table, bool skip
 }
 
 bool FastServeLoop::SetClient(uint64_t client_id, const std::string& routing,
-                              uint64_t last_request_id) {
+                              uint64_t last_request_id, uintptr_t shared_address,
+                              int64_t shared_bytes) {
   auto found = clients_.find(client_id);
   if (found == clients_.end()) {
     constexpr size_t kMaxClients = 1 << 16;
@@ -768,6 +869,8 @@ bool FastServeLoop::SetClient(uint64_t client_id, const std::string& routing,
   Client& client = found->second;
   client.routing = routing;
   client.last_seen = std::max(client.last_seen, last_request_id);
+  client.shared = reinterpret_cast<unsigned char*>(shared_address);
+  client.shared_bytes = shared_address ? shared_bytes : 0;
   // Messages of it forwarded before now (not tracked while it was unknown) go first.
   client.forward_seq = forward_total_;
   return true;

@@ -45,6 +45,7 @@
 #define KVSPARSE_SERVE_LOOP_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -125,8 +126,11 @@ class FastServeLoop {
   void ClearTables();
   void AddTable(uint64_t table_id, EmbeddingTable* table, bool skip_nonfinite);
   // A client whose HELLO was accepted, on routing; last_request_id: the last one Python
-  // recorded for it. False when the loop keeps too many clients already.
-  bool SetClient(uint64_t client_id, const std::string& routing, uint64_t last_request_id);
+  // recorded for it; shared_address, shared_bytes: its shared segment as this process maps
+  // it (kvsparse/server/shared.py; 0: none), valid until the next SetClient or
+  // RemoveClient of it. False when the loop keeps too many clients already.
+  bool SetClient(uint64_t client_id, const std::string& routing, uint64_t last_request_id,
+                 uintptr_t shared_address = 0, int64_t shared_bytes = 0);
   void RemoveClient(uint64_t client_id);
   // Python's reply budget tracks replies to routing that ZeroMQ still holds.
   void SetBudgetHeld(const std::string& routing, bool held);
@@ -142,6 +146,8 @@ class FastServeLoop {
     std::string routing;
     uint64_t last_seen = 0;     // highest request id of the client seen (fast or forwarded)
     uint64_t forward_seq = 0;   // forwards before which Python must have handled
+    unsigned char* shared = nullptr;  // its shared segment (FLAG_SHARED requests), or none
+    int64_t shared_bytes = 0;
     bool dirty = false;
     FastClientRecord record;
   };
@@ -193,6 +199,11 @@ class FastServeLoop {
   bool Admissible(const Header& header, Client** client);
   bool ParseItems(const Header& header, size_t frames_per_item, std::vector<Item>* items);
   bool ServePull(const Header& header, Client* client);
+  bool ServeSharedPull(const Header& header, Client* client,
+                       std::chrono::steady_clock::time_point started);
+  // offsets_ from a FLAG_SHARED request's last frame, each item's rows checked to lie in
+  // the client's segment (items_ parsed first).
+  bool SharedOffsets(const Header& header, const Client& client);
   bool ServePush(const Header& header, Client* client);
   // A push item's rows as float32 (16-bit rows widened, misaligned ones copied).
   const float* AlignedRows(const ZmqMsg* frame, int64_t count, int64_t dim, uint32_t flags,
@@ -242,6 +253,7 @@ class FastServeLoop {
   // Scratch reused by every request.
   std::vector<Item> items_;
   std::vector<int64_t> key_scratch_;
+  std::vector<uint64_t> offsets_;
   std::vector<float> row_scratch_;
 };
 

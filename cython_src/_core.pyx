@@ -4,7 +4,7 @@
 # `const` so read-only inputs work), releases the GIL for the whole batch and
 # turns a C++ Status into a kvsparse.errors exception in one place (_check).
 from cython.operator cimport dereference as deref
-from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libcpp.memory cimport unique_ptr
 from libcpp.vector cimport vector
 

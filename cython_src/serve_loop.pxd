@@ -1,5 +1,5 @@
 # Mirrors csrc/serve_loop.h and csrc/zmq_api.h.
-from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
 from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.utility cimport pair
@@ -61,7 +61,8 @@ cdef extern from "serve_loop.h" namespace "kvsparse" nogil:
         int64_t Unread(const string& routing)
         void ClearTables()
         void AddTable(uint64_t table_id, EmbeddingTable* table, cbool skip_nonfinite)
-        cbool SetClient(uint64_t client_id, const string& routing, uint64_t last_request_id)
+        cbool SetClient(uint64_t client_id, const string& routing, uint64_t last_request_id,
+                        uintptr_t shared_address, int64_t shared_bytes)
         void RemoveClient(uint64_t client_id)
         void SetBudgetHeld(const string& routing, cbool held)
         void MarkHandled()

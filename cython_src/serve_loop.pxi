@@ -129,9 +129,15 @@ cdef class FastServeLoop:
             self.c_loop.get().AddTable(<uint64_t>table_id, table._table(), bool(skip))
         self._tables = kept
 
-    def set_client(self, uint64_t client_id, bytes routing, uint64_t last_request_id):
-        """A client whose HELLO was accepted; False if the thread keeps too many."""
-        return self.c_loop.get().SetClient(client_id, routing, last_request_id)
+    def set_client(self, uint64_t client_id, bytes routing, uint64_t last_request_id,
+                   uintptr_t shared_address=0, int64_t shared_bytes=0):
+        """A client whose HELLO was accepted; False if the thread keeps too many.
+
+        shared_address, shared_bytes: its shared segment as mapped here (0: none); the
+        caller keeps the mapping until the next set_client or remove_client of it.
+        """
+        return self.c_loop.get().SetClient(client_id, routing, last_request_id,
+                                           shared_address, shared_bytes)
 
     def remove_client(self, uint64_t client_id):
         self.c_loop.get().RemoveClient(client_id)

@@ -12,6 +12,14 @@ Pulls go to the servers that hold some of the keys; pushes go to every server
 per-table step counts agree on all shards. Keys and rows are sent and
 received without copies (see `kvsparse.wire.protocol`).
 
+Servers on the worker's host (``ipc://`` addresses, or any with
+``shared_memory=True``) get the worker's shared-memory segment in HELLO
+(`kvsparse.client.shared`): pulled rows are written straight into it and
+pushed rows read straight from it, so only keys and offsets cross the socket.
+The push's summed rows are made there (`rows_buffer`). Not with a retry
+window (a resent request would need its rows again) nor for shards in this
+process.
+
 Consistency modes (chosen by the store kind, or ``staleness=``):
 
 - ``'dist_sync'``, ``'dist_sparse'``, ``'dist'``: BSP. A push returns once every
@@ -31,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import numpy as np
@@ -38,9 +47,12 @@ import zmq
 
 from kvsparse import config, errors
 from kvsparse.client.session import Session
+from kvsparse.client.shared import DEFAULT_BYTES, SharedArena
 from kvsparse.placement import dense_ranges
 from kvsparse.wire import ops
 from kvsparse.wire.protocol import WIRE_FRAME_DTYPES
+
+_LOG = logging.getLogger(__name__)
 
 
 class RemoteBackend:
@@ -62,6 +74,10 @@ class RemoteBackend:
             `kvsparse.config.curve_keys` (``KVSPARSE_KEYS``), else no encryption.
         local: {server index: endpoint} of shards served in this process
             (colocated mode: `kvsparse.store.colocated`), reached without a socket.
+        shared_memory: rows through a shared-memory segment (module docstring):
+            None (default) with servers on ``ipc://`` addresses, True with every
+            server that can map it (those that cannot use the socket), False
+            never. An int: True, with a segment of that many bytes (default 64 MiB).
 
     Thread safety: the session serializes the calls (and the clock), so a
     backend may be shared by threads; a forked child must create its own.
@@ -84,6 +100,7 @@ class RemoteBackend:
         retry_window=None,
         keys=None,
         local=None,
+        shared_memory=None,
     ):
         if mode not in ops.MODES:
             raise errors.InvalidArgument(f"mode must be 'bsp', 'asp' or 'ssp', got {mode!r}")
@@ -107,8 +124,17 @@ class RemoteBackend:
         self._pipelined_pulls = pulls_may_follow_pending_pushes(
             self.mode, self.num_workers, self.session.retry_window, bool(local)
         )
+        self._dims: dict[int, int] = {}  # table id -> dim, for rows pulled into shared memory
+        self._arena: Optional[SharedArena] = None
+        self._shared: frozenset = frozenset()  # servers that mapped the arena
+        offered = self._shared_candidates(shared_memory, local)
         try:
-            self.session.open(
+            if offered:
+                size = DEFAULT_BYTES if shared_memory in (None, True) else int(shared_memory)
+                self._arena = SharedArena.create(size)
+                self.session.on_lost = self._arena.keep_forever if self._arena else None
+            offer = self._arena.offer() if self._arena is not None else None
+            answers = self.session.open(
                 {
                     server: ops.Hello.encode_request(
                         ops.HelloRequest(
@@ -118,14 +144,61 @@ class RemoteBackend:
                             self.rank,
                             self.num_shards,
                             server,
+                            offer if server in offered else None,
                         )
                     )
                     for server in range(self.num_shards)
                 }
             )
+            if self._arena is not None:
+                self._shared = self._accepted(answers, offered)
+                if not self._shared:
+                    self._arena.close()
+                    self._arena = None
         except BaseException:
             self.session.close()
+            if self._arena is not None:
+                self._arena.close()
             raise
+
+    def _shared_candidates(self, shared_memory, local) -> frozenset:
+        """The servers to offer the shared segment to (module docstring)."""
+        if shared_memory is False or self.session.retry_window > 0:
+            return frozenset()
+        return frozenset(
+            server
+            for server, address in enumerate(self.servers)
+            if not (local and server in local)
+            and (shared_memory is not None or address.startswith("ipc://"))
+        )
+
+    def _accepted(self, answers: dict, offered: frozenset) -> frozenset:
+        """The servers whose HELLO reply says they mapped the segment (the others are logged)."""
+        accepted = set()
+        for server in offered:
+            reply = self._decode(server, ops.Hello, answers[server])
+            if reply.shared:
+                accepted.add(server)
+            else:
+                _LOG.info(
+                    "server %s does not use this worker's shared memory (%s); rows go "
+                    "through its socket",
+                    self.servers[server],
+                    reply.shared_error or "it did not say why",
+                )
+        return frozenset(accepted)
+
+    @property
+    def shared_servers(self) -> frozenset:
+        """The servers that pull and push rows through this worker's shared memory."""
+        return self._shared
+
+    def rows_buffer(self, count: int, dim: int) -> Optional[np.ndarray]:
+        """A fresh (count, dim) float32 array in the shared segment for a push's summed rows
+        (sent to the servers that share it without a copy), or None: make one anywhere."""
+        if self._arena is None:
+            return None
+        return self._arena.rows(count, dim)
 
     @property
     def timeout(self) -> float:
@@ -148,11 +221,13 @@ class RemoteBackend:
         """Pushes this worker made (the session's clock: `kvsparse.KVStore.clock`)."""
         return self.session.clock
 
-    def _exchange(self, codec, requests: dict, *, push: bool = False, wait: bool = True) -> dict:
+    def _exchange(
+        self, codec, requests: dict, *, push: bool = False, wait: bool = True, keep=None
+    ) -> dict:
         """{server: request of codec's op} -> {server: codec's decoded reply}.
 
         wait=False (a push): {} once sent; the replies are decoded when the
-        session collects them (`Session.exchange`).
+        session collects them (`Session.exchange`). keep: as `Session.exchange`.
         """
 
         def decode(answers: dict) -> dict:
@@ -161,9 +236,9 @@ class RemoteBackend:
             }
 
         if not wait:
-            self.session.exchange(requests, push=push, wait=False, check=decode)
+            self.session.exchange(requests, push=push, wait=False, check=decode, keep=keep)
             return {}
-        return decode(self.session.exchange(requests, push=push))
+        return decode(self.session.exchange(requests, push=push, keep=keep))
 
     def _everywhere(self, codec, request: Optional[ops.Request] = None) -> list:
         """The same request (default: codec's plain one) to every server -> replies in order."""
@@ -184,6 +259,7 @@ class RemoteBackend:
         """Creates the table on every server (an identical existing one is kept)."""
         request = ops.InitSparse.encode_request(table_id, name, spec)
         self._everywhere(ops.InitSparse, request)
+        self._dims[int(table_id)] = int(spec["dim"])
         # A server that restarts from a checkpoint older than the table gets it again.
         self.session.remember(int(table_id), request)
 
@@ -268,20 +344,29 @@ class RemoteBackend:
             for server in range(self.num_shards):
                 a, b = bounds[server], bounds[server + 1]
                 if b > a:
-                    entry = (index, table_id, keys[a:b], wires[index])
+                    entry = (index, table_id, keys[a:b], wires[index], a, b)
                     per_server.setdefault(server, []).append(entry)
-        requests = {
-            server: ops.PullSparse.encode_request([(t, k, w) for _, t, k, w in entries])
-            for server, entries in per_server.items()
-        }
+        blocks = self._shared_blocks(items, wires, per_server)
+        requests, shared = {}, {}
+        for server, entries in per_server.items():
+            plain = [(t, k, w) for _, t, k, w, _, _ in entries]
+            if server in self._shared and all(e[0] in blocks for e in entries):
+                shared[server] = [blocks[index][a:b] for index, _, _, _, a, b in entries]
+                offsets = [self._arena.offset_of(view) for view in shared[server]]
+                requests[server] = ops.PullSparse.encode_request(plain, offsets)
+            else:
+                requests[server] = ops.PullSparse.encode_request(plain)
+        keep = list(blocks.values()) or None
 
         def rows(answers: dict) -> list:
             results = [[None] * self.num_shards for _ in items]
             dims = [0] * len(items)
             for server, entries in per_server.items():
-                requested = [(table_id, keys.size, w) for _, table_id, keys, w in entries]
-                replies = self._decode(server, ops.PullSparse, answers[server], requested)
-                for (index, _, _, _), item_rows in zip(entries, replies):
+                requested = [(table_id, keys.size, w) for _, table_id, keys, w, _, _ in entries]
+                replies = self._decode(
+                    server, ops.PullSparse, answers[server], requested, shared.get(server)
+                )
+                for (index, _, _, _, _, _), item_rows in zip(entries, replies):
                     results[index][server] = item_rows
                     dims[index] = item_rows.shape[1]
             for index, shard_rows in enumerate(results):
@@ -294,12 +379,30 @@ class RemoteBackend:
         if not requests:
             answers: dict = {}
         elif not wait and self._pipelined_pulls:
-            pending = self.session.exchange(requests, pipelined=True, wait=False)
+            pending = self.session.exchange(requests, pipelined=True, wait=False, keep=keep)
             return lambda: rows(pending.result())
         else:
-            answers = self.session.exchange(requests, pipelined=self._pipelined_pulls)
+            answers = self.session.exchange(requests, pipelined=self._pipelined_pulls, keep=keep)
         result = rows(answers)
         return result if wait else lambda: result
+
+    def _shared_blocks(self, items, wires: list, per_server: dict) -> dict:
+        """{item index: a (keys, dim) float32 array in the shared segment} for the float32
+        items of known dim that some sharing server holds keys of (all shards' rows of an
+        item in one array, as the store gathers them); {} without shared memory."""
+        if self._arena is None:
+            return {}
+        wanted = {index for server in self._shared for index, *_ in per_server.get(server, ())}
+        blocks = {}
+        for index in sorted(wanted):
+            table_id, keys = items[index][0], items[index][1]
+            dim = self._dims.get(int(table_id))
+            if wires[index] != "float32" or dim is None:
+                continue
+            block = self._arena.rows(keys.size, dim)
+            if block is not None:
+                blocks[index] = block
+        return blocks
 
     def push_sparse(self, items, wait=True):
         """items: [(table_id, keys, offsets, summed rows[, wire_dtype])], rows in the wire dtype.
@@ -318,11 +421,30 @@ class RemoteBackend:
                 a, b = bounds[server], bounds[server + 1]
                 push = ops.SparsePush(table_id, keys[a:b], rows[a:b], step, wire_dtype)
                 per_server[server].append(push)
-        requests = {
-            server: ops.PushSparse.encode_request(entries)
-            for server, entries in enumerate(per_server)
-        }
-        self._exchange(ops.PushSparse, requests, push=True, wait=wait)
+        requests = {}
+        keep = []
+        for server, entries in enumerate(per_server):
+            offsets = self._shared_offsets(server, entries)
+            requests[server] = ops.PushSparse.encode_request(entries, offsets)
+            if offsets is not None:
+                keep.extend(entry.rows for entry in entries)
+        self._exchange(ops.PushSparse, requests, push=True, wait=wait, keep=keep or None)
+
+    def _shared_offsets(self, server: int, entries: list) -> Optional[list]:
+        """The byte offset of each entry's rows in the shared segment, if server shares it
+        and every entry's float32 rows lie there (or are empty); else None."""
+        if server not in self._shared:
+            return None
+        offsets = []
+        for entry in entries:
+            if entry.keys.size == 0:
+                offsets.append(0)
+                continue
+            offset = self._arena.offset_of(entry.rows) if entry.wire_dtype == "float32" else None
+            if offset is None:
+                return None
+            offsets.append(offset)
+        return offsets
 
     def pull_dense(self, items):
         """items: [(table_id, flat out)]; fills each out."""
@@ -410,7 +532,11 @@ class RemoteBackend:
 
     def close(self):
         """Collects a pending push's acknowledgements, then closes the sockets (idempotent)."""
-        self.session.close()
+        try:
+            self.session.close()
+        finally:
+            if self._arena is not None:
+                self._arena.close()
 
 
 def pulls_may_follow_pending_pushes(

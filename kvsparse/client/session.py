@@ -108,6 +108,10 @@ class _Call:
         self.outcomes: dict[int, Outcome] = {}
         self.poller: Optional[tuple] = None  # (zmq.Poller, {socket: server})
 
+    def missing(self) -> bool:
+        """Whether some server's reply did not come (not sent, awaited, or failed silently)."""
+        return any(not isinstance(self.outcomes.get(s), Answer) for s in self.requests)
+
     def settle(self, server: int, outcome: Outcome, sockets: Optional[tuple] = None) -> None:
         """Records server's outcome; sockets: its (still registered) sockets to stop polling."""
         self.outcomes[server] = outcome
@@ -127,15 +131,16 @@ class Pending:
     exchange's replies, and first those of the exchanges sent before it.
     """
 
-    __slots__ = ("_session", "_call", "_check", "_raises", "_done", "_error")
+    __slots__ = ("_session", "_call", "_check", "_raises", "_done", "_error", "_keep")
 
-    def __init__(self, session: Session, call: _Call, check, raises: bool):
+    def __init__(self, session: Session, call: _Call, check, raises: bool, keep=None):
         self._session = session
         self._call = call
         self._check = check
         self._raises = raises  # a push: its failure is raised by whatever collects it
         self._done = False
         self._error: Optional[BaseException] = None
+        self._keep = keep  # referenced until the replies are read (`Session.exchange`)
 
     @property
     def done(self) -> bool:
@@ -170,20 +175,30 @@ class Pending:
                 self._check(call.outcomes)
         except errors.KVSparseError as exc:
             self._error = exc
+            self._lose()
             if self._raises:
                 if hasattr(exc, "add_note"):  # Python 3.11+
                     exc.add_note("(the failure of an earlier push, sent with wait=False)")
                 raise
         except BaseException as exc:  # an interrupt: this exchange's replies are lost
             self._error = exc
+            self._lose()
             raise
         finally:
             self._done = True
+            self._keep = None
 
     def _abandon(self, cause: BaseException) -> None:
         """A push sent before this exchange failed: its replies are never read."""
         self._error = cause
         self._done = True
+        self._lose()
+
+    def _lose(self) -> None:
+        """Hands what the exchange keeps to the session's on_lost if a reply is missing."""
+        if self._keep is not None and self._call.missing():
+            self._session._lose_kept(self._keep)
+        self._keep = None
 
 
 class Session:
@@ -236,6 +251,9 @@ class Session:
         # Exchanges sent with wait=False whose replies are not read yet, in send order.
         self._deferred: list[Pending] = []
         self._links = ServerSockets(self.servers, keys, self._client_id, local)
+        # Called with an exchange's `keep` when some reply of it never came (the server may
+        # still read or write what it names: `kvsparse.client.shared`).
+        self.on_lost: Optional[Callable[[list], None]] = None
         self._recovery = Recovery(self.servers, self._links, self._send, self.retry_window)
 
     # -- the public surface -------------------------------------------------------------------
@@ -291,6 +309,7 @@ class Session:
         wait: bool = True,
         check: Optional[Callable[[dict], object]] = None,
         pipelined: bool = False,
+        keep: Optional[list] = None,
     ) -> dict:
         """Sends {server: `ops.Request`} to every server, then collects every reply.
 
@@ -309,6 +328,9 @@ class Session:
                 before the replies of pending exchanges are read (module
                 docstring); if a pending push failed, its failure is raised and
                 the requests are abandoned (a pull changes nothing).
+            keep: objects referenced until every reply is read (the
+                shared-memory rows the servers write or read); if the exchange
+                fails with a reply missing, they go to `on_lost` instead.
 
         Returns:
             {server: Answer}; with gather, a server's value is the error
@@ -338,19 +360,28 @@ class Session:
             if push:
                 self._clock += 1
             call = _Call(requests, gather)
-            for server, request in requests.items():
-                self._attempt(call, server, self._start, call, server, request)
-            if not wait:
-                pending = Pending(self, call, check, raises=push)
-                self._deferred.append(pending)
-                return pending
-            if behind:
-                # Each server answers the exchanges before first: their replies precede
-                # this call's.
-                self._settle_deferred()
-            while call.waiting:
-                self._wait(call)
+            try:
+                for server, request in requests.items():
+                    self._attempt(call, server, self._start, call, server, request)
+                if not wait:
+                    pending = Pending(self, call, check, raises=push, keep=keep)
+                    self._deferred.append(pending)
+                    return pending
+                if behind:
+                    # Each server answers the exchanges before first: their replies precede
+                    # this call's.
+                    self._settle_deferred()
+                while call.waiting:
+                    self._wait(call)
+            except BaseException:
+                if keep is not None and call.missing():
+                    self._lose_kept(keep)
+                raise
             return call.outcomes
+
+    def _lose_kept(self, keep: list) -> None:
+        if self.on_lost is not None:
+            self.on_lost(keep)
 
     def security_mechanism(self, server: int) -> int:
         """The ZeroMQ security mechanism of the socket to server (zmq.CURVE with keys)."""

@@ -206,14 +206,16 @@ class FastPath:
             self._job = current
             self._loop.set_job(*current)
 
-    def client_changed(self, client_id: int, routing: bytes | None) -> None:
+    def client_changed(self, client_id: int, routing: bytes | None, shared: tuple = (0, 0)) -> None:
         """A worker's HELLO was accepted, or it spoke on a new routing id (routing), or it
-        was found gone (None) (`kvsparse.server.liveness`)."""
+        was found gone (None) (`kvsparse.server.liveness`). shared: (address, bytes) of
+        its shared segment as mapped here (`kvsparse.server.shared`), (0, 0): none."""
         self.drain()  # what the thread did for it reaches the resend cache first
         if routing is None:
             self._loop.remove_client(client_id)
             return
-        self._loop.set_client(client_id, routing, self._resend.last_request_id(client_id))
+        last = self._resend.last_request_id(client_id)
+        self._loop.set_client(client_id, routing, last, shared[0], shared[1])
 
     def budget_held(self, routing: bytes, held: bool) -> None:
         """Python's reply budget tracks (held) or no longer tracks replies to routing: the

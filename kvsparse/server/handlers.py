@@ -52,6 +52,8 @@ class Handlers:
         limits: its `kvsparse.server.limits.RequestLimits` (default: the default limits,
             unread replies not counted).
         checkpoint_paths: its `kvsparse.server.paths.CheckpointPaths` (default: any path).
+        segments: its `kvsparse.server.shared.SharedSegments` (workers' shared memory on
+            this host); None: shared memory offered in a HELLO is declined.
 
     Threads: not thread-safe; the server's event loop thread only.
     """
@@ -68,6 +70,7 @@ class Handlers:
         incarnation,
         limits=None,
         checkpoint_paths=None,
+        segments=None,
     ):
         self._state = state
         self._coordination = coordination
@@ -79,6 +82,7 @@ class Handlers:
         self._incarnation = incarnation
         self._limits = limits if limits is not None else RequestLimits()
         self._checkpoint_paths = checkpoint_paths
+        self._segments = segments
         self._table = {
             Op.HELLO: self._hello,
             Op.INIT_SPARSE: self._init_sparse,
@@ -141,7 +145,27 @@ class Handlers:
         if self._job.adopt(hello.settings()):
             self._coordination.ssp.start(hello.num_workers, hello.staleness)
         self._check_configured(header)
-        return ops.Hello.encode_reply(self._address, self._incarnation)
+        shared, why = None, ""
+        if hello.shared is not None:
+            if self._segments is None:
+                shared, why = False, "this server takes no shared memory"
+            else:
+                shared, why = self._segments.attach(header.client_id, hello.shared)
+        return ops.Hello.encode_reply(self._address, self._incarnation, shared, why)
+
+    def _segment(self, header):
+        """The client's shared segment, for a FLAG_SHARED request.
+
+        Raises:
+            ProtocolError: the server holds none of the client's.
+        """
+        segment = None if self._segments is None else self._segments.get(header.client_id)
+        if segment is None:
+            raise errors.ProtocolError(
+                f"{Op(header.op).name} with FLAG_SHARED, but this server holds no shared "
+                "segment of the client's (HELLO offers one)"
+            )
+        return segment
 
     def _init_sparse(self, header, payload, pending):
         from kvsparse.table import SparseTable
@@ -220,7 +244,8 @@ class Handlers:
         return True
 
     def _pull_sparse(self, header, payload, pending):
-        items, keys = ops.PullSparse.decode_request(header, payload)
+        items, keys, offsets = ops.PullSparse.decode_request(header, payload)
+        segment = None if offsets is None else self._segment(header)
         if self._held_by_ssp(header, pending):
             return DEFERRED
         described = items.tolist()  # [(table_id, count, dim, flags)]: Python ints, read once
@@ -228,21 +253,29 @@ class Handlers:
         for table_id, count, _, _ in described:
             count_table("pull_sparse", table_id, count)
         entries = [self._state.sparse_entry(t) for t, _, _, _ in described]  # all exist first
-        # The reply's size is known before any row is made (issue 11, defect 16), in the
-        # dtype each item's rows travel in (2 bytes an element with a 16-bit wire_dtype).
-        self._limits.check_pull(
-            pending.routing,
-            [
-                (k.size, e.table.dim * protocol.item_element_bytes(flags))
-                for e, k, (_, _, _, flags) in zip(entries, keys, described)
-            ],
-        )
+        targets = None
+        if segment is None:
+            # The reply's size is known before any row is made (issue 11, defect 16), in the
+            # dtype each item's rows travel in (2 bytes an element with a 16-bit wire_dtype).
+            self._limits.check_pull(
+                pending.routing,
+                [
+                    (k.size, e.table.dim * protocol.item_element_bytes(flags))
+                    for e, k, (_, _, _, flags) in zip(entries, keys, described)
+                ],
+            )
+        else:
+            # The rows go into the client's memory, not through ZeroMQ: only the id count.
+            self._limits.check_rows(sum(k.size for k in keys), "a pull")
+            dims = [e.table.dim for e in entries]
+            targets = ops.PullSparse.shared_targets(items, offsets, dims, segment)
         # Fresh arrays: safe to hand to ZeroMQ uncopied.
         rows = [self._state.pull_sparse(t, k) for (t, _, _, _), k in zip(described, keys)]
-        return ops.PullSparse.encode_reply(items, rows)
+        return ops.PullSparse.encode_reply(items, rows, targets)
 
     def _push_sparse(self, header, payload, pending):
-        items, entries = ops.PushSparse.decode_request(header, payload)
+        segment = self._segment(header) if header.flags & protocol.FLAG_SHARED else None
+        items, entries, _ = ops.PushSparse.decode_request(header, payload, segment)
         self._limits.check_rows(sum(entry.keys.size for entry in entries), "a push")
         for entry in entries:
             self._state.check_sparse_push(entry.table_id, entry.keys, entry.rows)

@@ -69,6 +69,7 @@ from kvsparse.server.loop import DEFAULT_MAX_MESSAGE_SIZE, EventLoop
 from kvsparse.server.metrics import ServerMetrics, SnapshotChannel, table_names
 from kvsparse.server.paths import CheckpointPaths
 from kvsparse.server.resend import DEFAULT_MAX_CLIENTS, ResendCache
+from kvsparse.server.shared import SharedSegments
 from kvsparse.server.snapshots import ForkedWriter
 from kvsparse.shard.state import ShardState
 
@@ -180,6 +181,8 @@ class Server:
         # Random per start: a client that sees it change knows this shard restarted.
         self.incarnation = secrets.randbits(32) or 1
         self.state = ShardState()
+        # Workers on this host read and write their rows here (issue 10, the same-host path).
+        self._segments = SharedSegments()
         # Counted on the serving thread; read by a metrics thread only through snapshots.
         self.metrics = ServerMetrics()
         self.metrics_channel = SnapshotChannel(self._loop.wake)
@@ -203,6 +206,7 @@ class Server:
             incarnation=self.incarnation,
             limits=RequestLimits(limits, budget),
             checkpoint_paths=paths,
+            segments=self._segments,
         )
         self._dispatcher = Dispatcher(
             budget.send,
@@ -250,7 +254,9 @@ class Server:
 
     def _client_changed(self, client_id: int, routing) -> None:
         if self._fast is not None:
-            self._fast.client_changed(client_id, routing)
+            self._fast.client_changed(client_id, routing, self._segments.address(client_id))
+        if routing is None:  # gone: the C++ thread forgot its segment first
+            self._segments.detach(client_id)
 
     def restore(self, path: str, shard_index: int, num_shards: int) -> None:
         """Loads shard shard_index of num_shards of the latest checkpoint in path, before serving.

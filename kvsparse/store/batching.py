@@ -38,6 +38,7 @@ def sparse_push(
     num_shards: int,
     plans: PlanCache | None = None,
     wire_dtype: str = "float32",
+    rows_buffer=None,
 ) -> tuple:
     """(table_id, keys grouped by shard, offsets, summed rows, wire_dtype) of a sparse push.
 
@@ -50,6 +51,8 @@ def sparse_push(
         wire_dtype: how the rows travel: 'float32', or 'float16' / 'bfloat16',
             to which the summed rows are rounded here, once (uint16 bit
             patterns; issue 10).
+        rows_buffer: (count, dim) -> a float32 array to sum float32 rows into, or None
+            (the backend's shared memory: `RemoteBackend.rows_buffer`); None: a new array.
 
     Rows have shape ids.shape + (dim,), or (ids.size, dim) (ids flattened);
     float16, bfloat16 and float64 rows are converted to float32
@@ -87,7 +90,10 @@ def sparse_push(
         )
         keys, offsets, slot = plan.keys, plan.offsets, plan.slot
     # With nonfinite='skip' the shard leaves rows with NaN/inf untouched: no check here.
-    summed, bad = _core.sum_rows_checked(grads, slot, keys.size)
+    out = None
+    if rows_buffer is not None and wire_dtype == "float32":
+        out = rows_buffer(keys.size, info.dim)
+    summed, bad = _core.sum_rows_checked(grads, slot, keys.size, out)
     if info.nonfinite != "skip":
         if bad >= 0:
             raise errors.NonFiniteGradient(

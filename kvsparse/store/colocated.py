@@ -113,12 +113,14 @@ class ColocatedBackend(RemoteBackend):
             self.session.resume(last - 1)
             self._redo = (last, {server for server, clock in enumerate(seen) if clock >= last})
 
-    def _exchange(self, codec, requests: dict, *, push: bool = False, wait: bool = True) -> dict:
+    def _exchange(
+        self, codec, requests: dict, *, push: bool = False, wait: bool = True, keep=None
+    ) -> dict:
         if push and self._redo is not None:
             (clock, holding), self._redo = self._redo, None
             if self.session.clock + 1 == clock:  # the redone push: not where it arrived
                 requests = {s: r for s, r in requests.items() if s not in holding}
-        return super()._exchange(codec, requests, push=push, wait=wait)
+        return super()._exchange(codec, requests, push=push, wait=wait, keep=keep)
 
     def set_optimizer(self, spec, table_ids=None):
         """As `RemoteBackend.set_optimizer`; a restarted worker's calls are replays.

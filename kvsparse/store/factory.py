@@ -43,8 +43,9 @@ def create(name: str = "local", **kwargs) -> KVStore:
             (`create_colocated_store`); the dist kinds give it too when
             ``KVSPARSE_PEERS`` is set and no servers are given.
         **kwargs: for dist kinds: servers=[addresses], rank=, num_workers=,
-            timeout=, staleness=, retry_window=, keys= (default: what the
-            launcher or the environment set; see `create_remote_store`).
+            timeout=, staleness=, retry_window=, keys=, shared_memory=
+            (default: what the launcher or the environment set; see
+            `create_remote_store`).
             For every kind: wire_dtype= 'float32' (default), 'float16' or
             'bfloat16': how sparse tables' pulled rows and pushed gradients
             travel, unless a table sets its own (`SparseTable.wire_dtype`).
@@ -177,6 +178,7 @@ def create_remote_store(
     retry_window=None,
     keys=None,
     wire_dtype="float32",
+    shared_memory=None,
 ) -> KVStore:
     """A KVStore whose tables live on `kvsparse server` processes.
 
@@ -199,6 +201,11 @@ def create_remote_store(
         keys: CurveZMQ key directory; None: ``KVSPARSE_KEYS`` or none.
         wire_dtype: 'float32', 'float16' or 'bfloat16': how sparse tables'
             rows travel unless a table sets its own (see `create`).
+        shared_memory: whether float32 rows to and from servers on this host go
+            through a shared-memory segment instead of the socket: None (default)
+            for servers on ``ipc://`` addresses, True for any server that can map
+            it, False never; an int: True with a segment of that many bytes
+            (`kvsparse.client.remote.RemoteBackend`). Never with a retry window.
 
     Raises:
         InvalidArgument: an unknown kind or a bad configuration.
@@ -244,6 +251,7 @@ def create_remote_store(
         timeout=config.timeout,
         retry_window=cluster_config.retry_window() if retry_window is None else retry_window,
         keys=cluster_config.curve_keys() if keys is None else keys,
+        shared_memory=shared_memory,
     )
     store = KVStore(backend, kind, wire_dtype)
     periodic = cluster_config.periodic_save()

@@ -156,6 +156,8 @@ class KVStore(StoreFront):
 
     def __init__(self, backend: Backend, kind: str, wire_dtype: str = "float32"):
         self._backend = backend
+        # Where a push's summed rows go: the backend's shared memory, if it has some.
+        self._rows_buffer = getattr(backend, "rows_buffer", None)
         self._type = kind
         self._wire_dtype = check_wire_dtype(wire_dtype)
         self._keys = KeyRegistry()
@@ -423,7 +425,9 @@ class KVStore(StoreFront):
             if info.sparse:
                 wire = info.wire_dtype or self._wire_dtype
                 sparse_items.append(
-                    batching.sparse_push(info, v, self._backend.num_shards, self._plans, wire)
+                    batching.sparse_push(
+                        info, v, self._backend.num_shards, self._plans, wire, self._rows_buffer
+                    )
                 )
             else:
                 dense_items.append((info.table_id, batching.dense_push(info, v)))

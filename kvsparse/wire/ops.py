@@ -48,6 +48,7 @@ from kvsparse.wire import protocol
 from kvsparse.wire.protocol import (
     FLAG_DECLARE,
     FLAG_MONITOR,
+    FLAG_SHARED,
     ITEM_DTYPE_MASK,
     ITEM_DTYPE_SHIFT,
     ITEM_FLAG_STEP,
@@ -190,6 +191,43 @@ def _reply_items(header: Header, payload, count: int, what: str) -> np.ndarray:
     return protocol.parse_items(payload[0], count)
 
 
+def _shared_offsets(header: Header, payload, what: str) -> tuple:
+    """(payload without it, u64 offsets per item) of a FLAG_SHARED request; else (payload, None).
+
+    Raises:
+        ProtocolError: no offsets frame, or one of another size.
+    """
+    if not header.flags & FLAG_SHARED:
+        return payload, None
+    if header.op not in (Op.PULL_SPARSE, Op.PUSH_SPARSE):
+        raise errors.ProtocolError(f"{what}: FLAG_SHARED is for PULL_SPARSE and PUSH_SPARSE")
+    if len(payload) < 2:
+        raise errors.ProtocolError(f"{what} with FLAG_SHARED needs an offsets frame")
+    offsets = protocol.frame_array(
+        payload[-1], np.uint64, header.num_items, what=f"{what} shared offsets"
+    )
+    return payload[:-1], offsets
+
+
+def shared_rows(
+    segment: np.ndarray, offset: int, count: int, dim: int, wire_dtype: str, what: str
+) -> np.ndarray:
+    """A (count, dim) view of wire_dtype rows at byte offset of a shared segment (uint8).
+
+    Raises:
+        ProtocolError: an offset that is not a multiple of the element size, or rows
+            that do not lie within the segment.
+    """
+    dtype = np.dtype(WIRE_FRAME_DTYPES[wire_dtype])
+    nbytes = count * dim * dtype.itemsize
+    if offset % dtype.itemsize or offset + nbytes > segment.size:
+        raise errors.ProtocolError(
+            f"{what}: {nbytes} bytes at offset {offset} do not fit a shared segment of "
+            f"{segment.size} bytes in {dtype.name} elements"
+        )
+    return segment[offset : offset + nbytes].view(dtype).reshape(count, dim)
+
+
 def _table_states(tree, what: str) -> list:
     """[(table_id, state)] from a tree [[table_id, {state}], ...]."""
     if not isinstance(tree, list) or not all(
@@ -267,6 +305,9 @@ class HelloRequest(NamedTuple):
     rank: int
     num_servers: int
     server_index: int
+    # The worker's shared-memory segment, offered to a server on its host (issue 10):
+    # {"pid", "fd", "bytes", "token"} (protocol module docstring, "Shared memory"); None: none.
+    shared: Optional[dict] = None
 
     def settings(self) -> dict:
         """The fields every client of one server must agree on (all but rank), plain values."""
@@ -285,6 +326,8 @@ class HelloReply(NamedTuple):
     address: str
     version: int
     incarnation: int
+    shared: bool = False  # the server mapped the worker's shared segment
+    shared_error: str = ""  # why it did not, where one was offered
 
 
 class Hello(_Codec):
@@ -297,6 +340,8 @@ class Hello(_Codec):
         """The request for hello (`HelloRequest`)."""
         body = hello._asdict()
         body["mode"] = Mode(hello.mode).value
+        if hello.shared is None:
+            del body["shared"]
         return Request(cls.op, [protocol.encode_json(body)])
 
     @classmethod
@@ -322,12 +367,34 @@ class Hello(_Codec):
         rank = check_int(hello.get("rank"), "rank", 0, num_workers - 1)
         if rank != header.rank:
             raise errors.ProtocolError(f"HELLO says rank {rank}, its header {header.rank}")
-        return HelloRequest(num_workers, Mode(mode), staleness, rank, num_servers, server_index)
+        shared = hello.get("shared")
+        if shared is not None:
+            if not isinstance(shared, dict):
+                raise errors.ProtocolError("HELLO shared must be an object")
+            token = shared.get("token")
+            if not isinstance(token, str) or len(token) != 32:
+                raise errors.ProtocolError("HELLO shared token must be 32 hex digits")
+            shared = {
+                "pid": check_int(shared.get("pid"), "shared pid", 1, (1 << 31) - 1),
+                "fd": check_int(shared.get("fd"), "shared fd", 0, (1 << 31) - 1),
+                "bytes": check_int(shared.get("bytes"), "shared bytes", 4096, 1 << 40),
+                "token": token,
+            }
+        return HelloRequest(
+            num_workers, Mode(mode), staleness, rank, num_servers, server_index, shared
+        )
 
     @classmethod
-    def encode_reply(cls, address: str, incarnation: int) -> Reply:
-        """The reply: the server's address, protocol version and incarnation."""
+    def encode_reply(
+        cls, address: str, incarnation: int, shared: Optional[bool] = None, shared_error: str = ""
+    ) -> Reply:
+        """The reply: the server's address, protocol version and incarnation; shared: whether
+        it mapped the segment the HELLO offered (None: none was offered), else why not."""
         body = {"address": address, "version": protocol.VERSION, "incarnation": incarnation}
+        if shared is not None:
+            body["shared"] = bool(shared)
+            if not shared:
+                body["shared_error"] = str(shared_error)
         return Reply([protocol.encode_json(body)])
 
     @classmethod
@@ -339,6 +406,8 @@ class Hello(_Codec):
             str(body.get("address", "")),
             body.get("version", 0),
             incarnation if isinstance(incarnation, int) else 0,
+            body.get("shared") is True,
+            str(body.get("shared_error", "")),
         )
 
 
@@ -514,10 +583,15 @@ class SetOptimizer(_Codec):
 
 
 class PullSparseRequest(NamedTuple):
-    """PULL_SPARSE: the items frame as received and each item's keys (views of the frames)."""
+    """PULL_SPARSE: the items frame as received and each item's keys (views of the frames).
+
+    offsets: with FLAG_SHARED, where each item's rows go in the client's shared segment
+    (u64 bytes); else None.
+    """
 
     items: np.ndarray
     keys: list
+    offsets: Optional[np.ndarray] = None
 
 
 class PullSparse(_Codec):
@@ -526,10 +600,12 @@ class PullSparse(_Codec):
     op = Op.PULL_SPARSE
 
     @classmethod
-    def encode_request(cls, entries: Sequence) -> Request:
+    def encode_request(cls, entries: Sequence, offsets: Optional[Sequence] = None) -> Request:
         """entries: [(table_id, int64 keys)] or [(table_id, keys, wire_dtype)]; one item each.
 
         wire_dtype ('float32' when not given): the dtype the rows come back in.
+        offsets: byte offsets in this client's shared segment where the server writes
+        each item's rows (FLAG_SHARED); None: the rows come in the reply.
         """
         items = protocol.make_items(
             [
@@ -542,37 +618,68 @@ class PullSparse(_Codec):
                 for entry in entries
             ]
         )
-        return Request(cls.op, [items, *(entry[1] for entry in entries)], num_items=len(entries))
+        frames = [items, *(entry[1] for entry in entries)]
+        if offsets is None:
+            return Request(cls.op, frames, num_items=len(entries))
+        frames.append(np.asarray(offsets, np.uint64))
+        return Request(cls.op, frames, num_items=len(entries), flags=FLAG_SHARED)
 
     @classmethod
     def decode_request(cls, header: Header, payload) -> PullSparseRequest:
-        """The items (each with its row dtype code) and each one's int64 keys."""
-        return PullSparseRequest(
-            *_array_per_item(header, payload, np.int64, cls.op.name, "PULL_SPARSE keys")
-        )
+        """The items (each with its row dtype code), each one's int64 keys, the offsets."""
+        payload, offsets = _shared_offsets(header, payload, cls.op.name)
+        items, keys = _array_per_item(header, payload, np.int64, cls.op.name, "PULL_SPARSE keys")
+        return PullSparseRequest(items, keys, offsets)
 
     @classmethod
-    def encode_reply(cls, items: np.ndarray, rows: Sequence) -> Reply:
+    def shared_targets(
+        cls, items: np.ndarray, offsets: np.ndarray, dims: Sequence, segment: np.ndarray
+    ) -> list:
+        """The (count, dim) views of the client's segment that a FLAG_SHARED pull's rows go to.
+
+        Raises:
+            ProtocolError: rows that do not fit the segment at their offset.
+        """
+        return [
+            shared_rows(segment, offset, count, dim, wire_dtype, f"PULL_SPARSE rows {i}")
+            for i, (offset, (_, count, _, _), dim, wire_dtype) in enumerate(
+                zip(offsets.tolist(), items.tolist(), dims, protocol.item_wire_dtypes(items))
+            )
+        ]
+
+    @classmethod
+    def encode_reply(
+        cls, items: np.ndarray, rows: Sequence, targets: Optional[list] = None
+    ) -> Reply:
         """items: the request's; rows: a float32 (count, dim) array per item.
 
         Rows of an item that asks for a 16-bit dtype are narrowed to it (a new
-        array); float32 rows are sent uncopied.
+        array); float32 rows are sent uncopied. targets (FLAG_SHARED,
+        `shared_targets`): the rows are written there instead, and the reply's
+        rows frames are empty.
         """
         reply_items = items.copy()
         reply_items["dim"] = [item_rows.shape[1] for item_rows in rows]
         frames = [reply_items]
-        for item_rows, wire_dtype in zip(rows, protocol.item_wire_dtypes(items)):
-            frames.append(
-                item_rows if wire_dtype == "float32" else _core.narrow(item_rows, wire_dtype)
-            )
+        for i, (item_rows, wire_dtype) in enumerate(zip(rows, protocol.item_wire_dtypes(items))):
+            wired = item_rows if wire_dtype == "float32" else _core.narrow(item_rows, wire_dtype)
+            if targets is None:
+                frames.append(wired)
+            else:
+                targets[i][...] = wired
+                frames.append(b"")
         return Reply(frames, len(rows))
 
     @classmethod
-    def decode_reply(cls, header: Header, payload, requested: Sequence) -> list:
+    def decode_reply(
+        cls, header: Header, payload, requested: Sequence, shared: Optional[Sequence] = None
+    ) -> list:
         """requested: [(table_id, number of keys[, wire_dtype])] as sent -> rows per item.
 
         Each item's rows: a (count, dim) view of its frame, float32, or uint16
-        bit patterns for a 16-bit wire dtype (widened by the caller).
+        bit patterns for a 16-bit wire dtype (widened by the caller). shared: for a
+        FLAG_SHARED pull, the (count, dim) views of the segment the server wrote each
+        item's rows into (returned, once the reply says they are there).
 
         Raises:
             ProtocolError: the reply does not answer exactly the items requested
@@ -595,9 +702,18 @@ class PullSparse(_Codec):
                     f"PULL_SPARSE reply: rows of table {int(table_id):#x} came as "
                     f"{dtypes[position]}, asked for {wire_dtype}"
                 )
-            out.append(
-                _wire_rows(payload[1 + position], wire_dtype, count, dim, "PULL_SPARSE rows")
-            )
+            if shared is None:
+                out.append(
+                    _wire_rows(payload[1 + position], wire_dtype, count, dim, "PULL_SPARSE rows")
+                )
+                continue
+            target = shared[position]
+            if protocol.frame_nbytes(payload[1 + position]) or target.shape != (count, dim):
+                raise errors.ProtocolError(
+                    f"PULL_SPARSE reply: rows of table {int(table_id):#x} ({count} x {dim}) "
+                    f"do not answer a pull into shared memory of {target.shape}"
+                )
+            out.append(target)
         return out
 
 
@@ -624,6 +740,7 @@ class PushSparseRequest(NamedTuple):
 
     items: np.ndarray
     entries: list
+    shared: bool = False  # the rows are views of the client's shared segment (FLAG_SHARED)
 
 
 class PushSparse(_Codec):
@@ -632,8 +749,11 @@ class PushSparse(_Codec):
     op = Op.PUSH_SPARSE
 
     @classmethod
-    def encode_request(cls, entries: Sequence) -> Request:
+    def encode_request(cls, entries: Sequence, offsets: Optional[Sequence] = None) -> Request:
         """entries: [`SparsePush`] or (table_id, keys, 2-D rows, step[, wire_dtype]) tuples.
+
+        offsets: the byte offset of each entry's rows in this client's shared segment
+        (FLAG_SHARED: the rows frames are empty); None: the rows travel in the request.
 
         Raises:
             DTypeError: rows not of their wire dtype's frame dtype (float32 or uint16).
@@ -658,25 +778,55 @@ class PushSparse(_Codec):
         )
         frames = [items]
         for entry in entries:
-            frames += [entry.keys, entry.rows]
-        return Request(cls.op, frames, num_items=len(entries))
+            frames += [entry.keys, entry.rows if offsets is None else b""]
+        if offsets is None:
+            return Request(cls.op, frames, num_items=len(entries))
+        frames.append(np.asarray(offsets, np.uint64))
+        return Request(cls.op, frames, num_items=len(entries), flags=FLAG_SHARED)
 
     @classmethod
-    def decode_request(cls, header: Header, payload) -> PushSparseRequest:
+    def decode_request(
+        cls, header: Header, payload, segment: Optional[np.ndarray] = None
+    ) -> PushSparseRequest:
         """The items and each one's keys and float32 (count, dim) rows.
 
-        float32 rows are views of the frames; 16-bit rows are widened into new arrays.
+        float32 rows are views of the frames (FLAG_SHARED: of segment, the client's
+        shared segment, uint8); 16-bit rows are widened into new arrays.
+
+        Raises:
+            ProtocolError: a malformed request; FLAG_SHARED with no segment, rows
+                frames that are not empty, or rows outside the segment.
         """
+        payload, offsets = _shared_offsets(header, payload, "PUSH_SPARSE")
+        if offsets is not None and segment is None:
+            raise errors.ProtocolError(
+                "PUSH_SPARSE with FLAG_SHARED, but this server holds no shared segment of the "
+                "client's (HELLO offers one)"
+            )
         items = _request_items(header, payload, 2, "PUSH_SPARSE")
         entries = []
         for i, (table_id, count, dim, item_flags) in enumerate(items.tolist()):
             wire_dtype = WIRE_DTYPE_NAMES[item_flags >> ITEM_DTYPE_SHIFT]
-            keys, rows = _keys_and_rows(payload, i, count, dim, wire_dtype, "PUSH_SPARSE")
+            if offsets is None:
+                keys, rows = _keys_and_rows(payload, i, count, dim, wire_dtype, "PUSH_SPARSE")
+            else:
+                if dim < 1:
+                    raise errors.ProtocolError(f"PUSH_SPARSE item {i}: dim must be >= 1")
+                if protocol.frame_nbytes(payload[2 + 2 * i]):
+                    raise errors.ProtocolError(
+                        f"PUSH_SPARSE item {i}: with FLAG_SHARED its rows frame must be empty"
+                    )
+                keys = protocol.frame_array(
+                    payload[1 + 2 * i], np.int64, count, what=f"PUSH_SPARSE keys {i}"
+                )
+                rows = shared_rows(
+                    segment, int(offsets[i]), count, dim, wire_dtype, f"PUSH_SPARSE rows {i}"
+                )
             if wire_dtype != "float32":
                 rows = _core.widen(rows, wire_dtype)
             step = bool(item_flags & ITEM_FLAG_STEP)
             entries.append(SparsePush(table_id, keys, rows, step, wire_dtype))
-        return PushSparseRequest(items, entries)
+        return PushSparseRequest(items, entries, offsets is not None)
 
 
 def _keys_and_rows(payload, i: int, count: int, dim: int, wire_dtype: str, what: str) -> tuple:

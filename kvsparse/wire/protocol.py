@@ -96,6 +96,20 @@ both ends call:
                                                                    version, freshness
     =====================  ======================================  =====================
 
+Shared memory (issue 10, the same-host fast path): a worker on a server's host
+may offer a segment of its memory in HELLO (``"shared": {pid, fd, bytes,
+token}``: a memfd the server opens as ``/proc/<pid>/fd/<fd>``, `bytes` long,
+its first 16 bytes the hex `token`). The reply says ``"shared": true`` if
+the server mapped it, else ``false`` and ``"shared_error"``. A PULL_SPARSE
+or PUSH_SPARSE with `FLAG_SHARED` then carries one more frame at the end,
+``num_items`` u64 byte offsets into the segment: where each item's rows go
+(a pull: the server writes them there, and each rows frame of the reply is
+empty) or are (a push: each item's rows frame is empty). Offsets are
+multiples of the row element size and the rows lie within the segment;
+anything else is a ProtocolError, as is `FLAG_SHARED` from a client whose
+segment the server did not map. The rows are read or written in place,
+before the reply: a worker reuses a region only after its reply came.
+
 A *tree* is a JSON frame in which every array is replaced by
 ``{"__array__": i, "dtype": "float32"|"int64", "shape": [...]}`` followed by
 the arrays' raw frames in order (`encode_tree` / `decode_tree`).
@@ -155,7 +169,10 @@ MAX_JSON_BYTES = 64 << 20
 FLAG_DECLARE = 1  # INIT_DENSE from a worker other than rank 0: no values, wait for rank 0's
 # STATS from a monitor (`kvsparse stats`), not a worker: answered without HELLO, uncounted.
 FLAG_MONITOR = 2
-KNOWN_FLAGS = FLAG_DECLARE | FLAG_MONITOR
+# PULL_SPARSE / PUSH_SPARSE whose rows are in the sender's shared-memory segment (issue 10:
+# the same-host fast path; module docstring, "Shared memory").
+FLAG_SHARED = 4
+KNOWN_FLAGS = FLAG_DECLARE | FLAG_MONITOR | FLAG_SHARED
 ITEM_FLAG_STEP = 1  # PUSH_SPARSE item: the push counts as a table step even with no keys here
 # Bits 8-15 of an item's flags: the dtype code of its rows frames (issue 10; module docstring).
 ITEM_DTYPE_SHIFT = 8

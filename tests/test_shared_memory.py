@@ -1,0 +1,305 @@
+"""Rows through a worker's shared memory to the servers on its host (issue 10).
+
+Real server processes on ipc:// sockets (the default turns shared memory on
+for them) and on tcp (off unless asked for). Tables built with shared memory
+must be bit for bit those built through the sockets, with the C++ fast path
+and with Python serving every request; a bad shared request gets an error
+that names it and changes nothing; the arena never hands out a region in use.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+
+import numpy as np
+import pytest
+from conftest import ServerProcess
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvsparse
+from kvsparse import errors
+from kvsparse.client import remote
+from kvsparse.client.shared import SharedArena
+from kvsparse.wire import ops, protocol
+
+DIM = 8
+
+
+@pytest.fixture
+def socket_dir():
+    directory = tempfile.mkdtemp(prefix="kvs", dir="/tmp")
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(params=[(), ("--no-fast-path",)], ids=["fast_path", "python_path"])
+def ipc_servers(request, socket_dir):
+    servers = [
+        ServerProcess(bind=f"ipc://{socket_dir}/s{i}", extra_args=request.param) for i in range(2)
+    ]
+    try:
+        yield [server.address for server in servers]
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def spy_offsets(monkeypatch) -> list:
+    """Records what each push sends per server: its shared offsets, or None (the socket)."""
+    seen = []
+    original = remote.RemoteBackend._shared_offsets
+
+    def spy(self, server, entries):
+        offsets = original(self, server, entries)
+        seen.append(offsets)
+        return offsets
+
+    monkeypatch.setattr(remote.RemoteBackend, "_shared_offsets", spy)
+    return seen
+
+
+def train(kv, name: str, seed: int, steps: int = 12, deferred: bool = False) -> np.ndarray:
+    """Pulls and pushes Zipf-ish batches; returns every touched row at the end."""
+    kv.init(name, kvsparse.SparseTable(dim=DIM, initializer=kvsparse.initializers.Normal(0, 0.1)))
+    kv.set_optimizer(kvsparse.optimizers.Adagrad(learning_rate=0.1))
+    rng = np.random.default_rng(seed)
+    touched = set()
+    pending = None
+    for _ in range(steps):
+        ids = (rng.zipf(1.3, 300) % 5000).astype(np.int64)
+        touched.update(ids.tolist())
+        grads = rng.standard_normal((ids.size, DIM)).astype(np.float32)
+        out = np.empty((ids.size, DIM), np.float32)
+        if deferred:
+            pending = kv.row_sparse_pull(name, out=out, row_ids=ids, wait=False)
+            pending.wait()
+            kv.push(name, (ids, grads + out), wait=False)
+        else:
+            kv.row_sparse_pull(name, out=out, row_ids=ids)
+            kv.push(name, (ids, grads + out))
+    keys = np.array(sorted(touched), np.int64)
+    final = np.empty((keys.size, DIM), np.float32)
+    kv.row_sparse_pull(name, out=final, row_ids=keys)
+    return final
+
+
+@pytest.mark.parametrize("mode", ["dist_sparse", "dist_async"])
+def test_shared_memory_gives_the_tables_the_sockets_give(ipc_servers, monkeypatch, mode):
+    seen = spy_offsets(monkeypatch)
+    with kvsparse.create(mode, servers=ipc_servers, shared_memory=False) as kv:
+        assert kv._backend.shared_servers == frozenset()
+        through_sockets = train(kv, "plain", seed=3)
+    assert seen and all(offsets is None for offsets in seen)
+    seen.clear()
+    with kvsparse.create(mode, servers=ipc_servers) as kv:  # ipc: shared by default
+        assert kv._backend.shared_servers == frozenset({0, 1})
+        through_memory = train(kv, "shared", seed=3)
+    assert seen and all(offsets is not None for offsets in seen)
+    np.testing.assert_array_equal(through_memory, through_sockets)
+
+
+def test_deferred_pulls_and_pushes_through_shared_memory(ipc_servers):
+    with kvsparse.create("dist_async", servers=ipc_servers, shared_memory=False) as kv:
+        expected = train(kv, "plain", seed=5, deferred=True)
+    with kvsparse.create("dist_async", servers=ipc_servers) as kv:
+        assert kv._backend.defers_pulls
+        got = train(kv, "shared", seed=5, deferred=True)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_pulled_rows_stay_valid_while_later_steps_run(ipc_servers):
+    """A pull's rows in the segment are not reused while the caller holds them."""
+    with kvsparse.create("dist_sparse", servers=ipc_servers) as kv:
+        kv.init("t", kvsparse.SparseTable(dim=DIM, initializer=kvsparse.initializers.Normal()))
+        ids = np.arange(100, dtype=np.int64)
+        table_id = kv._keys.info("t").table_id
+        plan_keys = np.sort(ids)  # any grouping: the backend takes keys and offsets as given
+        offsets = np.array([0, 50, 100], np.int64)
+        held = kv._backend.pull_sparse([(table_id, plan_keys, offsets)])
+        copy = [rows.copy() for rows in held[0]]
+        assert kv._backend._arena.offset_of(held[0][0]) is not None  # in the segment
+        for _ in range(50):  # many more pulls, which would wrap a ring that reused it
+            kv.row_sparse_pull("t", out=np.empty((100, DIM), np.float32), row_ids=ids + 1000)
+        for rows, before in zip(held[0], copy):
+            np.testing.assert_array_equal(rows, before)
+
+
+def test_tcp_servers_share_memory_when_asked(server_factory, monkeypatch):
+    addresses = server_factory(2)
+    with kvsparse.create("dist_sparse", servers=addresses) as kv:
+        assert kv._backend.shared_servers == frozenset()  # tcp: the socket by default
+    with kvsparse.create("dist_sparse", servers=addresses, shared_memory=True) as kv:
+        assert kv._backend.shared_servers == frozenset({0, 1})
+    with kvsparse.create("dist_sparse", servers=addresses, shared_memory=1 << 20) as kv:
+        assert kv._backend._arena.size == 1 << 20
+
+
+def test_no_shared_memory_with_a_retry_window(ipc_servers):
+    with kvsparse.create("dist_sparse", servers=ipc_servers, retry_window=5.0) as kv:
+        assert kv._backend.shared_servers == frozenset()
+
+
+def test_sixteen_bit_rows_go_through_the_socket(ipc_servers, monkeypatch):
+    seen = spy_offsets(monkeypatch)
+    with kvsparse.create("dist_sparse", servers=ipc_servers, wire_dtype="bfloat16") as kv:
+        assert kv._backend.shared_servers == frozenset({0, 1})
+        got = train(kv, "half", seed=7, steps=4)
+    assert seen and all(offsets is None for offsets in seen)
+    with kvsparse.create("local", wire_dtype="bfloat16") as kv:
+        expected = train(kv, "half", seed=7, steps=4)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_a_server_that_cannot_map_the_segment_leaves_the_rows_on_the_socket(
+    ipc_servers, monkeypatch
+):
+    original = SharedArena.offer
+
+    def wrong_token(self):
+        offer = original(self)
+        offer["token"] = "00" * 16
+        return offer
+
+    monkeypatch.setattr(SharedArena, "offer", wrong_token)
+    with kvsparse.create("dist_sparse", servers=ipc_servers) as kv:
+        assert kv._backend.shared_servers == frozenset()
+        assert kv._backend._arena is None
+        rows = train(kv, "t", seed=9, steps=3)
+    with kvsparse.create("local") as kv:
+        np.testing.assert_array_equal(rows, train(kv, "t", seed=9, steps=3))
+
+
+def test_hello_reply_names_why_a_segment_was_refused(ipc_servers):
+    with kvsparse.create("dist_sparse", servers=ipc_servers, shared_memory=False) as kv:
+        session = kv._backend.session
+        hello = ops.HelloRequest(1, ops.Mode.BSP, None, 0, 2, 0)
+        bad = hello._replace(shared={"pid": 1, "fd": 0, "bytes": 4096, "token": "00" * 16})
+        answer = session.exchange({0: ops.Hello.encode_request(bad)})[0]
+        reply = ops.Hello.decode_reply(answer.header, answer.payload)
+        assert reply.shared is False and reply.shared_error
+
+
+def shared_request(kv, op, offsets, rows=None):
+    """A FLAG_SHARED PULL_SPARSE or PUSH_SPARSE of 10 keys of table "t" to server 0."""
+    table_id = kv._keys.info("t").table_id
+    keys = np.arange(10, dtype=np.int64) * 2  # any keys: a server takes what it is sent
+    if op == "pull":
+        request = ops.PullSparse.encode_request([(table_id, keys)], offsets)
+    else:
+        push = ops.SparsePush(table_id, keys, rows, True)
+        request = ops.PushSparse.encode_request([push], offsets)
+    return kv._backend.session.exchange({0: request})
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+@pytest.mark.parametrize("where", ["past_the_end", "misaligned", "no_segment"])
+def test_bad_shared_requests_are_refused_and_change_nothing(ipc_servers, op, where):
+    shared = where != "no_segment"
+    with kvsparse.create("dist_async", servers=ipc_servers, shared_memory=shared) as kv:
+        kv.init("t", kvsparse.SparseTable(dim=DIM, initializer=kvsparse.initializers.Normal()))
+        kv.set_optimizer(kvsparse.optimizers.SGD(learning_rate=1.0))
+        ids = np.arange(10, dtype=np.int64) * 2
+        before = np.empty((10, DIM), np.float32)
+        kv.row_sparse_pull("t", out=before, row_ids=ids)
+        size = kv._backend._arena.size if shared else 1 << 20
+        offset = {"past_the_end": size - 64, "misaligned": 4098, "no_segment": 4096}[where]
+        rows = np.ones((10, DIM), np.float32)
+        with pytest.raises(errors.ProtocolError) as raised:
+            shared_request(kv, op, [offset], rows)
+        message = str(raised.value)
+        assert "shared" in message or "offset" in message
+        after = np.empty((10, DIM), np.float32)
+        kv.row_sparse_pull("t", out=after, row_ids=ids)  # the server still serves
+        np.testing.assert_array_equal(after, before)
+        kv.push("t", (ids, np.ones((10, DIM), np.float32)))  # and applies good pushes
+        kv.row_sparse_pull("t", out=after, row_ids=ids)
+        np.testing.assert_allclose(after, before - 1.0, rtol=1e-6)
+
+
+def test_a_lost_exchange_keeps_its_region(socket_dir):
+    """A server that never answers may still write into the region later: never reused."""
+    server = ServerProcess(bind=f"ipc://{socket_dir}/s0")
+    try:
+        kv = kvsparse.create("dist_sparse", servers=[server.address], timeout=1.0)
+        kv.init("t", kvsparse.SparseTable(dim=DIM))
+        arena = kv._backend._arena
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(errors.KVSparseError):
+                kv.row_sparse_pull("t", out=np.empty((5, DIM), np.float32), row_ids=np.arange(5))
+            assert len(arena._kept) == 1 and arena._kept[0].shape == (5, DIM)
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        kv.close()
+    finally:
+        server.stop()
+
+
+# -- the arena's ring ----------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 1000)), min_size=1, max_size=60
+    )
+)
+def test_the_arena_never_hands_out_a_region_in_use(script):
+    arena = SharedArena.create(1 << 16)
+    held = []
+    try:
+        for allocate, rows, pick in script:
+            if allocate or not held:
+                array = arena.rows(rows, DIM)
+                if array is None:
+                    # Full: it may only be full if the regions in use leave no gap that fits.
+                    assert held, "an empty arena refused a region that fits"
+                    continue
+                offset = arena.offset_of(array)
+                assert offset is not None and offset % 64 == 0
+                assert offset + array.nbytes <= arena.size
+                array[...] = len(held) + 1
+                held.append((array, len(held) + 1))
+            else:
+                held.pop(pick % len(held))
+            for array, mark in held:  # nobody else wrote into a region in use
+                assert (array == mark).all()
+                array[...] = mark
+            spans = sorted((arena.offset_of(a), arena.offset_of(a) + a.nbytes) for a, _ in held)
+            assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    finally:
+        held.clear()
+        arena.close()
+
+
+def test_an_arena_region_comes_back_only_when_every_view_is_gone():
+    arena = SharedArena.create(4096 + 64 * 100)
+    whole = arena.rows(100, 16)  # 64-byte rows: the whole ring
+    assert whole is not None and arena.rows(1, 16) is None
+    view = whole[10:20]
+    del whole
+    assert arena.rows(1, 16) is None  # a view still holds the region
+    del view
+    assert arena.rows(100, 16) is not None  # (dropped at once: free again)
+    again = arena.rows(10, 16)
+    assert again is not None
+    arena.keep_forever([again])
+    del again
+    assert arena.rows(100, 16) is None  # a kept region is never handed out again
+    assert arena.rows(90, 16) is not None  # the rest of the ring is
+    arena.close()
+
+
+def test_shared_flag_is_known_to_the_protocol():
+    assert protocol.FLAG_SHARED & protocol.KNOWN_FLAGS
+    request = ops.PullSparse.encode_request([(1, np.arange(3, dtype=np.int64))], [4096])
+    header = protocol.Header(
+        op=request.op, flags=request.flags, num_items=1, num_frames=len(request.frames)
+    )
+    decoded = ops.PullSparse.decode_request(header, request.frames)
+    assert decoded.offsets.tolist() == [4096]
