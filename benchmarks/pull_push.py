@@ -96,6 +96,7 @@ ALL_SYSTEMS = (
     "dist_sparse",
     "dist_sparse_nofast",
     "dist_sparse_ipc",
+    "dist_sparse_ipc_socket",
     "dist_sparse_unique",
     "dist_sparse_fp16",
     "dist_sparse_bf16",
@@ -113,7 +114,9 @@ DESCRIPTIONS = {
     "mxnet_pslite": "MXNet 1.9.1 dist_sync ps-lite ({fold}-row folded table)",
     "dist_sparse": "kvsparse dist_sparse, driven with NumPy",
     "dist_sparse_nofast": "dist_sparse, servers with --no-fast-path (all in Python)",
-    "dist_sparse_ipc": "dist_sparse with its servers on ipc:// sockets (same host)",
+    "dist_sparse_ipc": "dist_sparse with its servers on ipc:// sockets (same host): rows "
+    "through the worker's shared memory",
+    "dist_sparse_ipc_socket": "dist_sparse_ipc with shared_memory=False (rows on the socket)",
     "dist_sparse_unique": "dist_sparse fed the peers' deduplicated ids + summed gradients",
     "dist_sparse_fp16": "dist_sparse, float16 rows and gradients on the wire (tcp)",
     "dist_sparse_bf16": "dist_sparse, bfloat16 rows and gradients on the wire (tcp)",
@@ -422,13 +425,24 @@ def run_dist_sparse_nofast(work: wl.Workload, args, log_dir: str) -> dict:
             return drive_store(kv, work, args, server_pids=pids)
 
 
-def run_dist_sparse_ipc(work: wl.Workload, args, log_dir: str) -> dict:
-    """dist_sparse with its servers bound on ipc:// sockets (the same-host fast path)."""
+def run_dist_sparse_ipc(
+    work: wl.Workload, args, log_dir: str, shared_memory: bool | None = None
+) -> dict:
+    """dist_sparse with its servers bound on ipc:// sockets (the same-host fast path):
+    rows through the worker's shared memory (shared_memory=None, the default for ipc
+    servers), or on the sockets (False)."""
     socket_dir = tempfile.mkdtemp(prefix="kvs", dir="/tmp")  # short: a socket path <= 107 B
     try:
         with procs.Processes(log_dir) as processes:
             addresses, pids = start_kvsparse_servers(processes, NUM_SERVERS, socket_dir=socket_dir)
-            with kvsparse.create("dist_sparse", servers=addresses, rank=0, num_workers=1) as kv:
+            store = kvsparse.create(
+                "dist_sparse",
+                servers=addresses,
+                rank=0,
+                num_workers=1,
+                shared_memory=shared_memory,
+            )
+            with store as kv:
                 return drive_store(kv, work, args, server_pids=pids)
     finally:
         shutil.rmtree(socket_dir, ignore_errors=True)
@@ -571,6 +585,15 @@ RATIOS = (
     ("dist_sparse / raw_zmq", "dist_sparse", "step", "raw_zmq", "step", None),
     ("dist_sparse_ipc / mxnet_pslite", "dist_sparse_ipc", "step", "mxnet_pslite", "step", 5.0),
     ("dist_sparse_ipc / dist_sparse", "dist_sparse_ipc", "step", "dist_sparse", "step", None),
+    (
+        "dist_sparse_ipc / dist_sparse_ipc_socket",
+        "dist_sparse_ipc",
+        "step",
+        "dist_sparse_ipc_socket",
+        "step",
+        None,
+    ),
+    ("dist_sparse_ipc / raw_zmq", "dist_sparse_ipc", "step", "raw_zmq", "step", None),
     ("dist_sparse / dist_sparse_nofast", "dist_sparse", "step", "dist_sparse_nofast", "step", None),
     ("fast push / nofast push", "dist_sparse", "push", "dist_sparse_nofast", "push", None),
     ("dist_sparse_fp16 / mxnet_pslite", "dist_sparse_fp16", "step", "mxnet_pslite", "step", 5.0),
@@ -911,6 +934,8 @@ def run_system(name: str, work: wl.Workload, work_path: str, args, log_dir: str)
         return run_dist_sparse_unique(work, args, log_dir)
     if name == "dist_sparse_ipc":
         return run_dist_sparse_ipc(work, args, log_dir)
+    if name == "dist_sparse_ipc_socket":
+        return run_dist_sparse_ipc(work, args, log_dir, shared_memory=False)
     if name == "dist_sparse_nofast":
         return run_dist_sparse_nofast(work, args, log_dir)
     if name in WIRE_SYSTEMS:

@@ -405,9 +405,9 @@ class CoreSpy:
         self.filled.append(target.ctypes.data)
         return self._core.gather_from_shards(rows, offsets, slot, target)
 
-    def sum_rows_checked(self, grads, slot, count):
+    def sum_rows_checked(self, grads, slot, count, out=None):
         self.summed.append(grads.ctypes.data)
-        return self._core.sum_rows_checked(grads, slot, count)
+        return self._core.sum_rows_checked(grads, slot, count, out)
 
 
 @pytest.fixture

@@ -43,6 +43,7 @@ def test_the_protocol_holds_every_operation_of_the_store():
             "pull_sparse",
             "push_dense",
             "push_sparse",
+            "rows_buffer",
             "set_optimizer",
             "stats",
         ]

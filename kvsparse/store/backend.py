@@ -71,6 +71,10 @@ class Backend(Protocol):
         call of the backend may read the replies first, and keeps them for it.
         """
 
+    def rows_buffer(self, count: int, dim: int) -> np.ndarray | None:
+        """A fresh (count, dim) float32 array for a push's summed rows that push_sparse
+        sends without a copy (the remote backend's shared memory), or None: any array."""
+
     def push_sparse(self, items: list, wait: bool = True) -> None:
         """items: [(table_id, keys, offsets, summed rows[, wire_dtype])], rows in the wire
         dtype; all checked before any applies. wait=False: may return once sent, the

@@ -157,7 +157,7 @@ class KVStore(StoreFront):
     def __init__(self, backend: Backend, kind: str, wire_dtype: str = "float32"):
         self._backend = backend
         # Where a push's summed rows go: the backend's shared memory, if it has some.
-        self._rows_buffer = getattr(backend, "rows_buffer", None)
+        self._rows_buffer = backend.rows_buffer
         self._type = kind
         self._wire_dtype = check_wire_dtype(wire_dtype)
         self._keys = KeyRegistry()
