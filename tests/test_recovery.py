@@ -162,7 +162,8 @@ def test_killed_server_is_restarted_from_its_checkpoint_and_training_finishes(tm
         job.stop()
     output = job.output()
     assert code == 0, output
-    assert re.search(rf"server {killed} \(pid \d+\) restarted on tcp://\S+ from ", output), output
+    restarted = rf"server {killed} \(pid \d+\) restarted on (?:tcp|ipc)://\S+ from "
+    assert re.search(restarted, output), output
     checkpoints = [
         json.loads(line.split("] ", 1)[1])["checkpoint"]
         for line in job.lines[: next(i for i, x in enumerate(job.lines) if "restarted on" in x)]

@@ -9,6 +9,7 @@ that names it and changes nothing; the arena never hands out a region in use.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import tempfile
@@ -182,6 +183,23 @@ def test_hello_reply_names_why_a_segment_was_refused(ipc_servers):
         answer = session.exchange({0: ops.Hello.encode_request(bad)})[0]
         reply = ops.Hello.decode_reply(answer.header, answer.payload)
         assert reply.shared is False and reply.shared_error
+
+
+def test_a_segment_that_could_shrink_is_refused(ipc_servers):
+    """A mapped file that shrinks would fault in the server: only sealed memfds are taken."""
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 1 << 16)
+        token = os.urandom(16)
+        os.pwrite(fd, token, 0)
+        offer = {"pid": os.getpid(), "fd": fd, "bytes": 1 << 16, "token": token.hex()}
+        with kvsparse.create("dist_sparse", servers=ipc_servers, shared_memory=False) as kv:
+            hello = ops.HelloRequest(1, ops.Mode.BSP, None, 0, 2, 0, offer)
+            answer = kv._backend.session.exchange({0: ops.Hello.encode_request(hello)})[0]
+            reply = ops.Hello.decode_reply(answer.header, answer.payload)
+            assert reply.shared is False and "sealed" in reply.shared_error
+    finally:
+        os.close(fd)
 
 
 def shared_request(kv, op, offsets, rows=None):

@@ -112,10 +112,10 @@ def _launch_parser() -> argparse.ArgumentParser:
         "--transport",
         choices=("tcp", "ipc"),
         default=None,
-        help="how workers reach the servers: tcp (default: free ports on --host) or ipc (Unix "
-        "sockets in a private temporary directory, removed at the end; the workers are on "
-        "this host anyway). On 2 cores a whole step measured no faster over ipc "
-        "(docs/operations.md)",
+        help="how workers reach the servers: ipc (the default without --host and "
+        "--colocated: Unix sockets in a private temporary directory, removed at the end, and "
+        "rows through shared memory; the workers are on this host anyway) or tcp (free ports "
+        "on --host; the default with --host or --colocated). See docs/operations.md",
     )
     parser.add_argument(
         "--timeout",

@@ -8,8 +8,10 @@ memory"). That saves the two copies through the kernel each way and the
 ZeroMQ I/O threads' work.
 
 The segment is an anonymous memfd: nothing to clean up if the worker is
-killed. A server opens it as ``/proc/<pid>/fd/<fd>`` (same user only) and
-checks the random token in its first bytes (`kvsparse.server.shared`).
+killed. It is sealed at its size (a mapping of a file that shrinks would
+fault in the server). A server opens it as ``/proc/<pid>/fd/<fd>`` (same
+user only) and checks the seals and the random token in its first bytes
+(`kvsparse.server.shared`).
 
 Regions are handed out as NumPy arrays (`SharedArena.rows`) and come back by
 themselves: a region is free again once nothing refers to its array or to a
@@ -29,6 +31,7 @@ from whichever thread drops its last view).
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
@@ -42,6 +45,8 @@ DEFAULT_BYTES = 64 << 20
 ALIGN = 64  # regions start on cache lines
 TOKEN_BYTES = 16
 _START = 4096  # the first page holds the token
+# Its size can never change (nor its seals): what a server checks before it maps it.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class SharedArena:
@@ -60,7 +65,8 @@ class SharedArena:
         self._base = np.frombuffer(self._map, np.uint8).ctypes.data
         self._token = secrets.token_bytes(TOKEN_BYTES)
         self._map[:TOKEN_BYTES] = self._token
-        self._lock = threading.Lock()
+        # Reentrant: a region may come back (its array collected) while one is handed out.
+        self._lock = threading.RLock()
         # Live regions in the order they were handed out: start -> [end, still in use].
         self._live: dict[int, list] = {}
         self._kept: list = []  # regions kept for good (their replies never came)
@@ -71,9 +77,10 @@ class SharedArena:
         """A new arena of size bytes, or None where memfds do not exist (not Linux)."""
         if not hasattr(os, "memfd_create"):
             return None
-        fd = os.memfd_create("kvsparse-rows", os.MFD_CLOEXEC)
+        fd = os.memfd_create("kvsparse-rows", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, int(size))
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             return cls(fd, size)
         except BaseException:
             os.close(fd)
@@ -162,4 +169,4 @@ class SharedArena:
                 del self._live[first]
 
 
-__all__ = ["DEFAULT_BYTES", "SharedArena"]
+__all__ = ["DEFAULT_BYTES", "SEALS", "SharedArena"]

@@ -31,13 +31,15 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   ``checkpoint_dir`` holds a complete checkpoint; the workers get
   ``KVSPARSE_RETRY_WINDOW`` so that they say HELLO again and resend what
   was in flight (`kvsparse.client.remote`). Without it a dead server ends the job.
-- ``transport`` (``--transport``): ``'tcp'`` (the default) puts the servers
-  on free ports of ``host``; ``'ipc'`` on Unix sockets
+- ``transport`` (``--transport``): ``'ipc'`` puts the servers on Unix sockets
   (``ipc:///tmp/kvsparse-XXXXXXXX/server-I``) in a private temporary
   directory (mode 0700: only this user can connect), removed when the job
-  ends. A restarted server binds the same socket path. tcp stays the
-  default because, measured on 2 cores (docs/operations.md), a whole
-  pull/push step was no faster over ipc, although the bare transport is.
+  ends, and the workers then pass rows through shared memory
+  (`kvsparse.client.shared`); ``'tcp'`` on free ports of ``host``. A
+  restarted server binds the same socket path. The default is ipc, the
+  workers being on this host too (a W1 step took 0.82-0.86x the time of the
+  same over the sockets, docs/operations.md), and tcp when ``host`` is given
+  or the job is colocated (the workers' own shards listen on tcp ports).
 - ``save_every`` (``--save-every S``, with ``--checkpoint-dir``): rank 0
   saves on that interval while training runs, full then deltas
   (`kvsparse.store.periodic`), for serving replicas that follow the
@@ -119,7 +121,8 @@ DEFAULT_RETRY_WINDOW = config.DEFAULT_RETRY_WINDOW
 _POLL_SECONDS = 0.1
 _LOG = "kvsparse launch: "
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_TRANSPORT = "tcp"
+DEFAULT_TRANSPORT = "tcp"  # local_cluster's (its callers may be anywhere)
+LAUNCH_TRANSPORT = "ipc"  # launch's: its workers run on this host
 
 
 class _Stopped(Exception):
@@ -558,8 +561,13 @@ def free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
-def _transport_and_host(transport: Optional[str], host: Optional[str]) -> tuple:
-    transport = process.check_transport(DEFAULT_TRANSPORT if transport is None else transport)
+def _transport_and_host(
+    transport: Optional[str], host: Optional[str], default: str = DEFAULT_TRANSPORT
+) -> tuple:
+    """(transport, host) checked; no transport: tcp where a host is given, else default."""
+    if transport is None:
+        transport = "tcp" if host is not None else default
+    transport = process.check_transport(transport)
     if transport == "ipc" and host is not None:
         raise errors.InvalidArgument(
             "host is the interface of tcp servers; with transport 'ipc' the servers listen "
@@ -627,9 +635,10 @@ def launch(
         num_workers: workers to start; worker r gets ``KVSPARSE_RANK=r``.
         host: interface tcp servers listen on (workers connect to the
             addresses the servers print); default 127.0.0.1.
-        transport: 'tcp' (default) or 'ipc': Unix sockets in a private
-            temporary directory, removed at the end (the workers are on
-            this host; not with host).
+        transport: 'ipc' (the default without host, and not colocated): Unix
+            sockets in a private temporary directory, removed at the end,
+            rows through shared memory; or 'tcp' (the default with host or
+            colocated).
         timeout: ``KVSPARSE_TIMEOUT`` for the workers (seconds), or None.
         staleness: ``KVSPARSE_STALENESS`` for the workers, or None.
         env: extra variables for the workers (not the ``KVSPARSE_*`` ones the
@@ -686,7 +695,9 @@ def launch(
         0
     """
     _check_counts(num_servers, num_workers)
-    transport, host = _transport_and_host(transport, host)
+    transport, host = _transport_and_host(
+        transport, host, DEFAULT_TRANSPORT if colocated else LAUNCH_TRANSPORT
+    )
     if colocated and num_servers != 1:
         raise errors.InvalidArgument(
             "colocated: the workers are the servers (one shard each); give no server count"

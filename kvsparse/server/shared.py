@@ -8,7 +8,8 @@ the socket's copies (`kvsparse.wire.protocol`, "Shared memory").
 The server opens ``/proc/<pid>/fd/<fd>``: the kernel lets only a process of
 the same user (or root) do that, and only a memfd whose first 16 bytes hold
 the token the HELLO names is taken, so a HELLO cannot make the server map
-some other file.
+some other file. The memfd must be sealed against shrinking: a mapped file
+that shrinks makes the server's next access to the lost pages a SIGBUS.
 
     segments = SharedSegments()
     ok, why = segments.attach(client_id, {"pid": ..., "fd": ..., "bytes": ..., "token": ...})
@@ -21,6 +22,7 @@ path reads a segment's address only under it, `kvsparse.server.fastpath`).
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 from typing import Optional
@@ -28,6 +30,8 @@ from typing import Optional
 import numpy as np
 
 TOKEN_BYTES = 16  # at the start of a segment: the HELLO's token, as bytes
+# Seals a segment must carry: it can neither shrink nor lose them.
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
 
 class SharedSegments:
@@ -78,13 +82,16 @@ def _open(offer: dict) -> mmap.mmap:
 
     Raises:
         OSError: it cannot be opened (another host's pid, another user's process).
-        ValueError: not a memfd, another size, or not the token the HELLO names.
+        ValueError: not a memfd, not sealed against shrinking, another size, or not
+            the token the HELLO names.
     """
     path = f"/proc/{offer['pid']}/fd/{offer['fd']}"
     if not os.readlink(path).startswith("/memfd:"):
         raise ValueError(f"{path} is not a memfd")
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
+        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & REQUIRED_SEALS != REQUIRED_SEALS:
+            raise ValueError(f"{path} is not sealed against shrinking (F_SEAL_SHRINK)")
         size = os.fstat(fd).st_size
         if size != offer["bytes"]:
             raise ValueError(f"the segment has {size} bytes, the HELLO says {offer['bytes']}")
