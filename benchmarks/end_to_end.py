@@ -20,6 +20,8 @@ run, side by side:
                 their prefetch too (`prefetch_together`).
                 The pushes are sent without waiting for the servers' acknowledgements
                 (``push_together(kv, wait=False)``): the next prefetch collects them.
+- dist_sparse_ipc: dist_sparse with the servers on ipc:// sockets (what `kvsparse launch`
+                gives on one host): rows through the worker's shared memory.
 - dist_sparse_push_wait: the same, but each push waits for its acknowledgements in the
                 training thread (``push_together(kv)``, the loop before issue 10's wait=False).
 - dist_sparse_per_table: the same, one push and one prefetch per table (the loop
@@ -58,6 +60,7 @@ import os
 import platform
 import pstats
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -86,6 +89,7 @@ SYSTEMS = (
     "plain_torch",
     "local",
     "dist_sparse",
+    "dist_sparse_ipc",
     "dist_sparse_push_wait",
     "dist_sparse_per_table",
     "dist_sparse_nofast",
@@ -94,6 +98,7 @@ DESCRIPTIONS = {
     "plain_torch": "nn.Embedding(sparse=True) + torch.optim.Adagrad, one process",
     "local": "kvsparse local store via kvsparse.adapters.torch",
     "dist_sparse": f"kvsparse dist_sparse, 1 worker + {NUM_SERVERS} servers on tcp loopback",
+    "dist_sparse_ipc": "dist_sparse, servers on ipc:// sockets: rows through shared memory",
     "dist_sparse_push_wait": "dist_sparse, each push waits for its acknowledgements",
     "dist_sparse_per_table": "the same, one push and one prefetch per table",
     "dist_sparse_nofast": "dist_sparse, servers with --no-fast-path (all in Python)",
@@ -110,9 +115,15 @@ PROFILE_TOP = 15
 
 @contextlib.contextmanager
 def kvsparse_servers(
-    count: int, profile_paths: list | None = None, timeout: float = 60.0, extra_args: tuple = ()
+    count: int,
+    profile_paths: list | None = None,
+    timeout: float = 60.0,
+    extra_args: tuple = (),
+    socket_dir: str | None = None,
 ):
     """Starts `count` `python -m kvsparse.server` processes on free ports; yields their addresses.
+
+    socket_dir: bind server i on ``ipc://socket_dir/s<i>`` instead of a tcp port.
 
     profile_paths: run server i under cProfile, writing profile_paths[i] when it stops (a
     server exits cleanly on SIGTERM). Every server started is stopped on exit, whatever the
@@ -121,7 +132,8 @@ def kvsparse_servers(
     started: list[subprocess.Popen] = []
     try:
         for index in range(count):
-            argv = [sys.executable, "-m", "kvsparse.server", "--bind", "tcp://127.0.0.1:0"]
+            bind = f"ipc://{socket_dir}/s{index}" if socket_dir else "tcp://127.0.0.1:0"
+            argv = [sys.executable, "-m", "kvsparse.server", "--bind", bind]
             argv += extra_args
             if profile_paths:
                 argv[1:1] = ["-m", "cProfile", "-o", profile_paths[index]]
@@ -311,8 +323,14 @@ def run_once(system: str, work: Workload, seed: int, profile_dir: str | None = N
                 kv = kvsparse.create("local")
             else:
                 extra = ("--no-fast-path",) if system == "dist_sparse_nofast" else ()
+                socket_dir = None
+                if system == "dist_sparse_ipc":  # short: a socket path is <= 107 bytes
+                    socket_dir = tempfile.mkdtemp(prefix="kvs", dir="/tmp")
+                    stack.callback(shutil.rmtree, socket_dir, True)
                 servers = stack.enter_context(
-                    kvsparse_servers(NUM_SERVERS, server_profiles, extra_args=extra)
+                    kvsparse_servers(
+                        NUM_SERVERS, server_profiles, extra_args=extra, socket_dir=socket_dir
+                    )
                 )
                 kv = kvsparse.create("dist_sparse", servers=servers, rank=0, num_workers=1)
             stack.callback(kv.close)
