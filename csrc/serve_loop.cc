@@ -330,6 +330,8 @@ bool FastServeLoop::SharedOffsets(const Header& header, const Client& client) {
   for (size_t i = 0; i < num_items; ++i) {
     const uint64_t offset = Read<uint64_t>(data, i * sizeof(uint64_t));
     const Item& item = items_[i];
+    // The width the client made room for (a pull's item dim), or pushed: the table's.
+    if (item.dim != tables_.at(item.table_id).dim) return false;
     const uint64_t element = static_cast<uint64_t>(ElementBytes(item.flags));
     const uint64_t bytes = static_cast<uint64_t>(item.count) *
                            static_cast<uint64_t>(tables_.at(item.table_id).dim) * element;

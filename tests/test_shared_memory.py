@@ -202,12 +202,12 @@ def test_a_segment_that_could_shrink_is_refused(ipc_servers):
         os.close(fd)
 
 
-def shared_request(kv, op, offsets, rows=None):
+def shared_request(kv, op, offsets, rows=None, dim=DIM):
     """A FLAG_SHARED PULL_SPARSE or PUSH_SPARSE of 10 keys of table "t" to server 0."""
     table_id = kv._keys.info("t").table_id
     keys = np.arange(10, dtype=np.int64) * 2  # any keys: a server takes what it is sent
     if op == "pull":
-        request = ops.PullSparse.encode_request([(table_id, keys)], offsets)
+        request = ops.PullSparse.encode_request([(table_id, keys)], offsets, [dim])
     else:
         push = ops.SparsePush(table_id, keys, rows, True)
         request = ops.PushSparse.encode_request([push], offsets)
@@ -237,6 +237,18 @@ def test_bad_shared_requests_are_refused_and_change_nothing(ipc_servers, op, whe
         kv.push("t", (ids, np.ones((10, DIM), np.float32)))  # and applies good pushes
         kv.row_sparse_pull("t", out=after, row_ids=ids)
         np.testing.assert_allclose(after, before - 1.0, rtol=1e-6)
+
+
+def test_a_pull_into_room_for_another_dim_writes_nothing(ipc_servers):
+    """The rows of a table wider than the client made room for would spill into the next
+    region: refused before anything is written."""
+    with kvsparse.create("dist_async", servers=ipc_servers) as kv:
+        kv.init("t", kvsparse.SparseTable(dim=DIM, initializer=kvsparse.initializers.Normal()))
+        room = kv._backend._arena.rows(20, DIM // 2)  # 10 rows of DIM: 20 of DIM // 2
+        room[...] = 7.0
+        with pytest.raises(errors.ShapeError, match="dim"):
+            shared_request(kv, "pull", [kv._backend._arena.offset_of(room)], dim=DIM // 2)
+        assert (room == 7.0).all()
 
 
 def test_a_lost_exchange_keeps_its_region(socket_dir):
@@ -315,7 +327,7 @@ def test_an_arena_region_comes_back_only_when_every_view_is_gone():
 
 def test_shared_flag_is_known_to_the_protocol():
     assert protocol.FLAG_SHARED & protocol.KNOWN_FLAGS
-    request = ops.PullSparse.encode_request([(1, np.arange(3, dtype=np.int64))], [4096])
+    request = ops.PullSparse.encode_request([(1, np.arange(3, dtype=np.int64))], [4096], [8])
     header = protocol.Header(
         op=request.op, flags=request.flags, num_items=1, num_frames=len(request.frames)
     )

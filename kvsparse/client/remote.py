@@ -353,7 +353,8 @@ class RemoteBackend:
             if server in self._shared and all(e[0] in blocks for e in entries):
                 shared[server] = [blocks[index][a:b] for index, _, _, _, a, b in entries]
                 offsets = [self._arena.offset_of(view) for view in shared[server]]
-                requests[server] = ops.PullSparse.encode_request(plain, offsets)
+                dims = [view.shape[1] for view in shared[server]]
+                requests[server] = ops.PullSparse.encode_request(plain, offsets, dims)
             else:
                 requests[server] = ops.PullSparse.encode_request(plain)
         keep = list(blocks.values()) or None

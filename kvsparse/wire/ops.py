@@ -600,22 +600,27 @@ class PullSparse(_Codec):
     op = Op.PULL_SPARSE
 
     @classmethod
-    def encode_request(cls, entries: Sequence, offsets: Optional[Sequence] = None) -> Request:
+    def encode_request(
+        cls, entries: Sequence, offsets: Optional[Sequence] = None, dims: Optional[Sequence] = None
+    ) -> Request:
         """entries: [(table_id, int64 keys)] or [(table_id, keys, wire_dtype)]; one item each.
 
         wire_dtype ('float32' when not given): the dtype the rows come back in.
         offsets: byte offsets in this client's shared segment where the server writes
-        each item's rows (FLAG_SHARED); None: the rows come in the reply.
+        each item's rows (FLAG_SHARED), and dims the row widths the client made room
+        for (the items' dim; a server whose table is another width refuses); None:
+        the rows come in the reply.
         """
+        dims = [0] * len(entries) if dims is None else list(dims)
         items = protocol.make_items(
             [
                 (
                     entry[0],
                     entry[1].size,
-                    0,
+                    dim,
                     item_dtype_flags(entry[2] if len(entry) > 2 else "float32"),
                 )
-                for entry in entries
+                for entry, dim in zip(entries, dims)
             ]
         )
         frames = [items, *(entry[1] for entry in entries)]
@@ -637,9 +642,19 @@ class PullSparse(_Codec):
     ) -> list:
         """The (count, dim) views of the client's segment that a FLAG_SHARED pull's rows go to.
 
+        dims: the tables' row widths, which the items' dims (what the client made room
+        for) must equal.
+
         Raises:
+            ShapeError: an item's dim is not its table's.
             ProtocolError: rows that do not fit the segment at their offset.
         """
+        for (table_id, _, item_dim, _), dim in zip(items.tolist(), dims):
+            if item_dim != dim:
+                raise errors.ShapeError(
+                    f"PULL_SPARSE into shared memory: table {table_id:#x} has rows of dim "
+                    f"{dim}, the client made room for dim {item_dim}"
+                )
         return [
             shared_rows(segment, offset, count, dim, wire_dtype, f"PULL_SPARSE rows {i}")
             for i, (offset, (_, count, _, _), dim, wire_dtype) in enumerate(

@@ -98,13 +98,15 @@ both ends call:
 
 Shared memory (issue 10, the same-host fast path): a worker on a server's host
 may offer a segment of its memory in HELLO (``"shared": {pid, fd, bytes,
-token}``: a memfd the server opens as ``/proc/<pid>/fd/<fd>``, `bytes` long,
-its first 16 bytes the hex `token`). The reply says ``"shared": true`` if
-the server mapped it, else ``false`` and ``"shared_error"``. A PULL_SPARSE
-or PUSH_SPARSE with `FLAG_SHARED` then carries one more frame at the end,
-``num_items`` u64 byte offsets into the segment: where each item's rows go
-(a pull: the server writes them there, and each rows frame of the reply is
-empty) or are (a push: each item's rows frame is empty). Offsets are
+token}``: a memfd sealed against shrinking that the server opens as
+``/proc/<pid>/fd/<fd>``, `bytes` long, its first 16 bytes the hex `token`).
+The reply says ``"shared": true`` if the server mapped it, else ``false``
+and ``"shared_error"``. A PULL_SPARSE or PUSH_SPARSE with `FLAG_SHARED`
+then carries one more frame at the end, ``num_items`` u64 byte offsets
+into the segment: where each item's rows go (a pull: the server writes
+them there and each rows frame of the reply is empty; each item's dim is
+the row width the worker made room for, and a table of another width is a
+ShapeError) or are (a push: each item's rows frame is empty). Offsets are
 multiples of the row element size and the rows lie within the segment;
 anything else is a ProtocolError, as is `FLAG_SHARED` from a client whose
 segment the server did not map. The rows are read or written in place,
