@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 
 import numpy as np
 import pytest
-from conftest import ServerProcess
+from conftest import REPO_ROOT, ServerProcess, subprocess_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -128,6 +130,31 @@ def test_pulled_rows_stay_valid_while_later_steps_run(ipc_servers):
             kv.row_sparse_pull("t", out=np.empty((100, DIM), np.float32), row_ids=ids + 1000)
         for rows, before in zip(held[0], copy):
             np.testing.assert_array_equal(rows, before)
+
+
+def test_kvsparse_launch_gives_its_workers_shared_memory(tmp_path):
+    """The launcher's default: servers on ipc sockets, which map each worker's segment."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import kvsparse\n"
+        "kv = kvsparse.create('dist_async')\n"
+        "print('servers', *kv._backend.servers)\n"
+        "print('shared', *sorted(kv._backend.shared_servers))\n"
+        "kv.close()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "kvsparse", "launch", "-s", "2", "-n", "1", "--"]
+        + [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=str(REPO_ROOT),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    servers = next(line for line in done.stdout.splitlines() if " servers " in line).split()
+    assert all(address.startswith("ipc://") for address in servers[3:]), servers
+    assert "[worker 0] shared 0 1" in done.stdout, done.stdout
 
 
 def test_tcp_servers_share_memory_when_asked(server_factory, monkeypatch):
