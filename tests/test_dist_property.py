@@ -1,5 +1,7 @@
 """Property: any sequence of store operations gives the same tables on `local` and `dist_sparse`.
 
+`dist_sparse` moves its rows through the sockets or through the worker's shared memory.
+
 The servers (sets of 1, 2 and 3) are started once for the module and reused
 by every example; each example uses fresh key names and starts both stores
 from no optimizer. The shards run the same C++ code on the same summed
@@ -78,7 +80,13 @@ def exact_kind(optimizer) -> bool:
 def test_any_operation_sequence_gives_the_same_tables(server_sets, data, num_servers):
     prefix = f"p{next(_example_ids)}_"
     local = kvsparse.create("local")
-    dist = kvsparse.create("dist_sparse", servers=server_sets[num_servers], timeout=30)
+    # Rows through the sockets, or through this worker's shared memory (the servers are
+    # on this host; issue 10's same-host path).
+    shared = data.draw(st.booleans(), "shared_memory")
+    dist = kvsparse.create(
+        "dist_sparse", servers=server_sets[num_servers], timeout=30, shared_memory=shared
+    )
+    assert dist._backend.shared_servers == (frozenset(range(num_servers)) if shared else set())
     try:
         dist.set_optimizer(None)  # shared servers: an earlier example may have set one
         stores = (local, dist)
