@@ -167,6 +167,12 @@ def test_tcp_servers_share_memory_when_asked(server_factory, monkeypatch):
         assert kv._backend._arena.size == 1 << 20
 
 
+@pytest.mark.parametrize("value", ["yes", 1.5, 4096, -1])
+def test_a_bad_shared_memory_setting_is_refused(ipc_servers, value):
+    with pytest.raises(errors.InvalidArgument, match="shared_memory"):
+        kvsparse.create("dist_sparse", servers=ipc_servers, shared_memory=value)
+
+
 def test_no_shared_memory_with_a_retry_window(ipc_servers):
     with kvsparse.create("dist_sparse", servers=ipc_servers, retry_window=5.0) as kv:
         assert kv._backend.shared_servers == frozenset()

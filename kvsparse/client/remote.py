@@ -48,6 +48,7 @@ import zmq
 from kvsparse import config, errors
 from kvsparse.client.session import Session
 from kvsparse.client.shared import DEFAULT_BYTES, SharedArena
+from kvsparse.client.shared import MIN_BYTES as MIN_SHARED_BYTES
 from kvsparse.placement import dense_ranges
 from kvsparse.wire import ops
 from kvsparse.wire.protocol import WIRE_FRAME_DTYPES
@@ -104,6 +105,7 @@ class RemoteBackend:
     ):
         if mode not in ops.MODES:
             raise errors.InvalidArgument(f"mode must be 'bsp', 'asp' or 'ssp', got {mode!r}")
+        check_shared_memory(shared_memory)
         if (mode == ops.Mode.SSP) != (staleness is not None):
             raise errors.InvalidArgument("staleness goes with mode 'ssp' (and only with it)")
         self.servers = list(servers)
@@ -538,6 +540,17 @@ class RemoteBackend:
         finally:
             if self._arena is not None:
                 self._arena.close()
+
+
+def check_shared_memory(shared_memory) -> None:
+    """Raises InvalidArgument unless shared_memory is None, a bool, or a size in bytes."""
+    if shared_memory is None or isinstance(shared_memory, bool):
+        return
+    if not isinstance(shared_memory, int) or shared_memory < MIN_SHARED_BYTES:
+        raise errors.InvalidArgument(
+            "shared_memory must be None (ipc servers), True, False, or a segment size in "
+            f"bytes of at least {MIN_SHARED_BYTES}, got {shared_memory!r}"
+        )
 
 
 def pulls_may_follow_pending_pushes(

@@ -42,6 +42,7 @@ from typing import Optional
 import numpy as np
 
 DEFAULT_BYTES = 64 << 20
+MIN_BYTES = 1 << 16  # the token's page and some rows
 ALIGN = 64  # regions start on cache lines
 TOKEN_BYTES = 16
 _START = 4096  # the first page holds the token
@@ -169,4 +170,4 @@ class SharedArena:
                 del self._live[first]
 
 
-__all__ = ["DEFAULT_BYTES", "SEALS", "SharedArena"]
+__all__ = ["DEFAULT_BYTES", "MIN_BYTES", "SEALS", "SharedArena"]
