@@ -22,9 +22,20 @@ from hypothesis import strategies as st
 
 import kvsparse
 from kvsparse import initializers, optimizers
+from kvsparse.client import remote
 
 SERVER_COUNTS = (1, 2, 3)
 _example_ids = itertools.count()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def every_size_shared():
+    """Shared memory for these small tables too (else only from SHARED_MIN_BYTES of rows)."""
+    default, remote.SHARED_MIN_BYTES = remote.SHARED_MIN_BYTES, 0
+    try:
+        yield
+    finally:
+        remote.SHARED_MIN_BYTES = default
 
 
 @pytest.fixture(scope="module")

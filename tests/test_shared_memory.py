@@ -31,6 +31,12 @@ from kvsparse.wire import ops, protocol
 DIM = 8
 
 
+@pytest.fixture(autouse=True)
+def every_size_shared(monkeypatch):
+    """Shared memory for the small tables here too (else only from SHARED_MIN_BYTES)."""
+    monkeypatch.setattr(remote, "SHARED_MIN_BYTES", 0)
+
+
 @pytest.fixture
 def socket_dir():
     directory = tempfile.mkdtemp(prefix="kvs", dir="/tmp")
@@ -104,6 +110,30 @@ def test_shared_memory_gives_the_tables_the_sockets_give(ipc_servers, monkeypatc
         through_memory = train(kv, "shared", seed=3)
     assert seen and all(offsets is not None for offsets in seen)
     np.testing.assert_array_equal(through_memory, through_sockets)
+
+
+def test_small_calls_go_through_the_socket(ipc_servers, monkeypatch):
+    monkeypatch.setattr(remote, "SHARED_MIN_BYTES", 256 << 10)
+    seen = spy_offsets(monkeypatch)
+    blocks = []
+    original = remote.RemoteBackend._shared_blocks
+
+    def spy_blocks(self, *args):
+        found = original(self, *args)
+        blocks.append(bool(found))
+        return found
+
+    monkeypatch.setattr(remote.RemoteBackend, "_shared_blocks", spy_blocks)
+    with kvsparse.create("dist_sparse", servers=ipc_servers) as kv:
+        assert kv._backend.shared_servers == frozenset({0, 1})
+        kv.init("t", kvsparse.SparseTable(dim=64))
+        small, large = np.arange(100), np.arange(2000)  # 25 KiB, 500 KiB of rows
+        for ids in (small, large):
+            kv.row_sparse_pull("t", out=np.empty((ids.size, 64), np.float32), row_ids=ids)
+            kv.push("t", (ids, np.ones((ids.size, 64), np.float32)))
+    assert seen[0] is None and seen[1] is None  # the small push, to each server
+    assert seen[2] is not None and seen[3] is not None
+    assert blocks == [False, True]  # the small pull through the socket, the large one not
 
 
 def test_deferred_pulls_and_pushes_through_shared_memory(ipc_servers):
