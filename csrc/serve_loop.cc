@@ -433,13 +433,7 @@ bool FastServeLoop::ServePull(const Header& header, Client* client) {
   if (held && held + reply_bytes > max_unread_) return false;
 
   std::vector<ZmqMsg> reply(3 + num_items);
-  for (ZmqMsg& msg : reply) zmq_.msg_init(&msg);
-  const size_t routing_size = zmq_.msg_size(&frames_[0]);
-  zmq_.msg_init_size(&reply[0], routing_size);
-  std::memcpy(zmq_.msg_data(&reply[0]), zmq_.msg_data(&frames_[0]), routing_size);
-  zmq_.msg_init_size(&reply[2], num_items * kItemSize);
-  auto* reply_items = static_cast<unsigned char*>(zmq_.msg_data(&reply[2]));
-  if (num_items) std::memcpy(reply_items, zmq_.msg_data(&frames_[2]), num_items * kItemSize);
+  unsigned char* reply_items = StartPullReply(&reply);
   bool ok = true;
   for (size_t i = 0; i < num_items && ok; ++i) {
     const Item& item = items_[i];
@@ -495,8 +489,31 @@ bool FastServeLoop::ServePull(const Header& header, Client* client) {
     for (ZmqMsg& msg : reply) zmq_.msg_close(&msg);
     return false;
   }
-  zmq_.msg_init_size(&reply[1], kHeaderSize);
-  auto* head = static_cast<unsigned char*>(zmq_.msg_data(&reply[1]));
+  SendPullReply(header, client, &reply, started);
+  return true;
+}
+
+unsigned char* FastServeLoop::StartPullReply(std::vector<ZmqMsg>* reply) {
+  // Every frame empty, then the routing id and a copy of the request's items (their
+  // dims are the caller's to write).
+  const size_t num_items = items_.size();
+  for (ZmqMsg& msg : *reply) zmq_.msg_init(&msg);
+  const size_t routing_size = zmq_.msg_size(&frames_[0]);
+  zmq_.msg_init_size(&(*reply)[0], routing_size);
+  std::memcpy(zmq_.msg_data(&(*reply)[0]), zmq_.msg_data(&frames_[0]), routing_size);
+  zmq_.msg_init_size(&(*reply)[2], num_items * kItemSize);
+  auto* reply_items = static_cast<unsigned char*>(zmq_.msg_data(&(*reply)[2]));
+  if (num_items) std::memcpy(reply_items, zmq_.msg_data(&frames_[2]), num_items * kItemSize);
+  return reply_items;
+}
+
+void FastServeLoop::SendPullReply(const Header& header, Client* client,
+                                  std::vector<ZmqMsg>* reply,
+                                  std::chrono::steady_clock::time_point started) {
+  // (*reply)[2] holds the items, the rows frames follow; the header goes in [1].
+  const size_t num_items = items_.size();
+  zmq_.msg_init_size(&(*reply)[1], kHeaderSize);
+  auto* head = static_cast<unsigned char*>(zmq_.msg_data(&(*reply)[1]));
   PackReply(header, static_cast<uint32_t>(1 + num_items), static_cast<uint32_t>(num_items),
             head);
   unsigned char kept[kHeaderSize];
@@ -505,10 +522,9 @@ bool FastServeLoop::ServePull(const Header& header, Client* client) {
     CountTable(kFastPull, item.table_id, item.count);
     pending_.keys += item.count;
   }
-  SendReply(&reply);
+  SendReply(reply);
   Record(header, client, kept,
          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
-  return true;
 }
 
 bool FastServeLoop::ServeSharedPull(const Header& header, Client* client,
@@ -540,30 +556,12 @@ bool FastServeLoop::ServeSharedPull(const Header& header, Client* client,
     NarrowFloats(KindOf(item.flags), row_scratch_.data(), n, reinterpret_cast<uint16_t*>(out));
   }
   std::vector<ZmqMsg> reply(3 + num_items);
-  for (ZmqMsg& msg : reply) zmq_.msg_init(&msg);  // the rows frames stay empty
-  const size_t routing_size = zmq_.msg_size(&frames_[0]);
-  zmq_.msg_init_size(&reply[0], routing_size);
-  std::memcpy(zmq_.msg_data(&reply[0]), zmq_.msg_data(&frames_[0]), routing_size);
-  zmq_.msg_init_size(&reply[2], num_items * kItemSize);
-  auto* reply_items = static_cast<unsigned char*>(zmq_.msg_data(&reply[2]));
-  if (num_items) std::memcpy(reply_items, zmq_.msg_data(&frames_[2]), num_items * kItemSize);
+  unsigned char* reply_items = StartPullReply(&reply);  // the rows frames stay empty
   for (size_t i = 0; i < num_items; ++i) {
     Write<int32_t>(reply_items + i * kItemSize, 16,
                    static_cast<int32_t>(tables_.at(items_[i].table_id).dim));
   }
-  zmq_.msg_init_size(&reply[1], kHeaderSize);
-  auto* head = static_cast<unsigned char*>(zmq_.msg_data(&reply[1]));
-  PackReply(header, static_cast<uint32_t>(1 + num_items), static_cast<uint32_t>(num_items),
-            head);
-  unsigned char kept[kHeaderSize];
-  std::memcpy(kept, head, kHeaderSize);
-  for (const Item& item : items_) {
-    CountTable(kFastPull, item.table_id, item.count);
-    pending_.keys += item.count;
-  }
-  SendReply(&reply);
-  Record(header, client, kept,
-         std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  SendPullReply(header, client, &reply, started);
   return true;
 }
 

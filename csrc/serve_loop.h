@@ -201,6 +201,11 @@ class FastServeLoop {
   bool ServePull(const Header& header, Client* client);
   bool ServeSharedPull(const Header& header, Client* client,
                        std::chrono::steady_clock::time_point started);
+  // A pull's reply (3 + items frames): routing id and items copied; returns the items.
+  unsigned char* StartPullReply(std::vector<ZmqMsg>* reply);
+  // A served pull's header frame, counts, send and record (reply[1] is filled here).
+  void SendPullReply(const Header& header, Client* client, std::vector<ZmqMsg>* reply,
+                     std::chrono::steady_clock::time_point started);
   // offsets_ from a FLAG_SHARED request's last frame, each item's rows checked to lie in
   // the client's segment (items_ parsed first).
   bool SharedOffsets(const Header& header, const Client& client);

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,6 +117,17 @@ class ServerFactory:
             server.stderr.close()
         self.processes = []
         return codes
+
+
+@pytest.fixture
+def socket_dir():
+    """A private directory under /tmp, short enough for socket paths; removed afterwards
+    (pytest's tmp_path can be longer than the 107 bytes of a Unix socket path)."""
+    directory = tempfile.mkdtemp(prefix="kvs", dir="/tmp")
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

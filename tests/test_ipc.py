@@ -12,7 +12,6 @@ import io
 import os
 import queue
 import re
-import shutil
 import signal
 import stat
 import subprocess
@@ -35,16 +34,6 @@ from kvsparse.cluster.launch import local_cluster
 
 MAX = config.IPC_PATH_MAX_BYTES
 JOB_TIMEOUT = 120.0
-
-
-@pytest.fixture
-def socket_dir():
-    """A private directory under /tmp, short enough for socket paths; removed afterwards."""
-    directory = tempfile.mkdtemp(prefix="kvs", dir="/tmp")
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def cli(*args, timeout=60):

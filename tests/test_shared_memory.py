@@ -10,11 +10,9 @@ that names it and changes nothing; the arena never hands out a region in use.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -35,15 +33,6 @@ DIM = 8
 def every_size_shared(monkeypatch):
     """Shared memory for the small tables here too (else only from SHARED_MIN_BYTES)."""
     monkeypatch.setattr(remote, "SHARED_MIN_BYTES", 0)
-
-
-@pytest.fixture
-def socket_dir():
-    directory = tempfile.mkdtemp(prefix="kvs", dir="/tmp")
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(params=[(), ("--no-fast-path",)], ids=["fast_path", "python_path"])
