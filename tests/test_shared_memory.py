@@ -377,6 +377,12 @@ def test_an_arena_region_comes_back_only_when_every_view_is_gone():
     arena.close()
 
 
+def test_shared_flag_on_another_op_is_refused():
+    header = protocol.Header(op=protocol.Op.PING, flags=protocol.FLAG_SHARED)
+    with pytest.raises(errors.ProtocolError, match="FLAG_SHARED"):
+        protocol.unpack_header(header.pack())
+
+
 def test_shared_flag_is_known_to_the_protocol():
     assert protocol.FLAG_SHARED & protocol.KNOWN_FLAGS
     request = ops.PullSparse.encode_request([(1, np.arange(3, dtype=np.int64))], [4096], [8])

@@ -343,6 +343,8 @@ def unpack_header(frame, *, reply: bool = False) -> Header:
         raise errors.ProtocolError(f"unknown op {op}")
     if flags & ~KNOWN_FLAGS:
         raise errors.ProtocolError(f"unknown flags {flags:#x}")
+    if flags & FLAG_SHARED and op not in (Op.PULL_SPARSE, Op.PUSH_SPARSE):
+        raise errors.ProtocolError("FLAG_SHARED is for PULL_SPARSE and PUSH_SPARSE only")
     if status and not reply:
         raise errors.ProtocolError(f"a request must have status 0, got {status}")
     if incarnation and not reply:
