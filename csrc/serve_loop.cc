@@ -330,11 +330,12 @@ bool FastServeLoop::SharedOffsets(const Header& header, const Client& client) {
   for (size_t i = 0; i < num_items; ++i) {
     const uint64_t offset = Read<uint64_t>(data, i * sizeof(uint64_t));
     const Item& item = items_[i];
+    const int64_t dim = tables_.at(item.table_id).dim;
     // The width the client made room for (a pull's item dim), or pushed: the table's.
-    if (item.dim != tables_.at(item.table_id).dim) return false;
+    if (item.dim != dim) return false;
     const uint64_t element = static_cast<uint64_t>(ElementBytes(item.flags));
-    const uint64_t bytes = static_cast<uint64_t>(item.count) *
-                           static_cast<uint64_t>(tables_.at(item.table_id).dim) * element;
+    const uint64_t bytes =
+        static_cast<uint64_t>(item.count) * static_cast<uint64_t>(dim) * element;
     const uint64_t size = static_cast<uint64_t>(client.shared_bytes);
     if (offset % element != 0 || offset > size || bytes > size - offset) return false;
     offsets_[i] = offset;

@@ -197,10 +197,8 @@ def _shared_offsets(header: Header, payload, what: str) -> tuple:
     Raises:
         ProtocolError: no offsets frame, or one of another size.
     """
-    if not header.flags & FLAG_SHARED:
+    if not header.flags & FLAG_SHARED:  # (unpack_header refuses it on other ops)
         return payload, None
-    if header.op not in (Op.PULL_SPARSE, Op.PUSH_SPARSE):
-        raise errors.ProtocolError(f"{what}: FLAG_SHARED is for PULL_SPARSE and PUSH_SPARSE")
     if len(payload) < 2:
         raise errors.ProtocolError(f"{what} with FLAG_SHARED needs an offsets frame")
     offsets = protocol.frame_array(
