@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -357,6 +358,38 @@ def test_the_arena_never_hands_out_a_region_in_use(script):
     finally:
         held.clear()
         arena.close()
+
+
+def test_the_arena_shared_by_threads_never_hands_out_a_region_in_use():
+    """Regions are handed out on one thread and come back on whichever drops the last view
+    (the store's caller, an adapter's thread): each thread's regions keep their contents."""
+    arena = SharedArena.create(1 << 18)
+    errors_seen = []
+
+    def work(mark: float):
+        rng = np.random.default_rng(int(mark))
+        held = []
+        try:
+            for _ in range(3000):
+                if held and (rng.random() < 0.5 or len(held) > 6):
+                    array = held.pop(int(rng.integers(len(held))))
+                    assert (array == mark).all(), "another thread wrote into a region in use"
+                    continue
+                array = arena.rows(int(rng.integers(1, 60)), DIM)
+                if array is not None:
+                    array[...] = mark
+                    held.append(array)
+        except AssertionError as exc:
+            errors_seen.append(exc)
+
+    threads = [threading.Thread(target=work, args=(float(k + 1),)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors_seen
+    assert arena.rows((arena.size - 4096) // (4 * DIM), DIM) is not None  # all came back
+    arena.close()
 
 
 def test_an_arena_region_comes_back_only_when_every_view_is_gone():
