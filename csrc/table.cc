@@ -75,8 +75,7 @@ EmbeddingTable::EmbeddingTable(const TableConfig& config)
   slots_.Reset(config.slot_type, config.dim * optimizer_.num_slots(), log2);
   master_.Reset(KeepsMaster(config.optimizer, config.value_type) ? config.dim : 0, log2);
   half_ = !values_.is_f32() || !slots_.is_f32();
-  steps_.Reset(1, log2);
-  stamps_.Reset(1, log2);
+  row_meta_.Reset(2, log2);
   touches_.Reset(TracksTouches() ? 1 : 0, log2);
   last_step_.Reset(TracksLastStep() ? 1 : 0, log2);
   initial_rows_.Configure(config.dim);
@@ -109,7 +108,7 @@ Status EmbeddingTable::Create(const TableConfig& config, std::unique_ptr<Embeddi
 int64_t EmbeddingTable::MemoryBytes() const {
   return static_cast<int64_t>(buckets_.capacity() * sizeof(BucketLine) +
                               free_rows_.capacity() * sizeof(uint32_t)) +
-         values_.Bytes() + slots_.Bytes() + master_.Bytes() + steps_.Bytes() + stamps_.Bytes() +
+         values_.Bytes() + slots_.Bytes() + master_.Bytes() + row_meta_.Bytes() +
          static_cast<int64_t>(removed_.capacity() * sizeof(removed_[0])) +
          touches_.Bytes() + last_step_.Bytes() + CandidateBytes() + ScratchBytes() +
          static_cast<int64_t>(sizeof(EmbeddingTable));
@@ -282,8 +281,8 @@ void EmbeddingTable::InitRowSlots(int64_t row) {
       slots_.Write(row, initial);
     }
   }
-  *steps_.Row(row) = 0;
-  *stamps_.Row(row) = change_epoch_;
+  *StepOf(row) = 0;
+  *StampOf(row) = change_epoch_;
 }
 
 void EmbeddingTable::FillNewRows(const int64_t* keys, const int64_t* rows, int64_t n) {
@@ -339,8 +338,7 @@ void EmbeddingTable::EnsureRowsUpTo(int64_t row) {
   values_.EnsureRow(row);
   slots_.EnsureRow(row);
   if (has_master()) master_.EnsureRow(row);
-  steps_.EnsureRow(row);
-  stamps_.EnsureRow(row);
+  row_meta_.EnsureRow(row);
   if (TracksTouches()) touches_.EnsureRow(row);
   if (TracksLastStep()) last_step_.EnsureRow(row);
 }
@@ -358,8 +356,8 @@ int64_t EmbeddingTable::InsertReservedRow(int64_t key, bool init_slots) {
   if (init_slots) {
     InitRowSlots(row);
   } else {
-    *steps_.Row(row) = 0;
-    *stamps_.Row(row) = change_epoch_;
+    *StepOf(row) = 0;
+    *StampOf(row) = change_epoch_;
   }
   InitRowMeta(row);
   return row;
@@ -673,9 +671,14 @@ Status EmbeddingTable::BeginPlan(const int64_t* keys, int64_t n, const float* gr
     if (policy == NonFinitePolicy::kReject) {
       RestoreExistingRows(*plan);
       table_step_ = saved_table_step;
+      if (FirstNonFiniteRow(plan->grads, static_cast<int64_t>(plan->unique.size()),
+                            config_.dim) >= 0) {
+        return NonFiniteStatus(*plan);
+      }
       return OverflowStatus(plan->unique[plan->existing[first]]);
     }
-    // kSkip: the rows that overflowed are back as they were; the rest stays.
+    // kSkip: the rows that overflowed are back as they were, those with a
+    // non-finite gradient untouched; the rest stays.
   }
   return Status::Ok();
 }
@@ -718,7 +721,7 @@ Status EmbeddingTable::FinishPlan(const PushPlan& plan, int64_t saved_table_step
       std::memcpy(master_.Row(row), state + dim + slot_floats, sizeof(float) * dim);
     }
     TouchRow(row);
-    *steps_.Row(row) = 1;
+    *StepOf(row) = 1;
   }
   int64_t updated = 0;
   for (const uint8_t overflowed : plan.overflows) updated += !overflowed;
@@ -735,6 +738,13 @@ Status EmbeddingTable::OverflowStatus(int64_t key) const {
                     StorageName(values_.is_f32() ? slots_.type() : values_.type()) + " (its gradient and row are finite; the result is inf "
                     "or NaN): nothing of this push was applied; lower the learning rate or "
                     "clip the gradients");
+}
+
+Status EmbeddingTable::NonFiniteStatus(const PushPlan& p) const {
+  const int64_t bad =
+      FirstNonFiniteRow(p.grads, static_cast<int64_t>(p.unique.size()), config_.dim);
+  return Status(StatusCode::kNonFinite,
+                "gradient for id " + KeyText(p.unique[bad]) + " has a NaN or inf value");
 }
 
 Status EmbeddingTable::PreparePush(const int64_t* keys, int64_t n, const float* grads,
@@ -755,18 +765,22 @@ Status EmbeddingTable::PreparePush(const int64_t* keys, int64_t n, const float* 
     }
   }
   const int64_t u = static_cast<int64_t>(p.unique.size());
-  // The one check of a push's gradients on a server (the fast path leaves it here).
-  const int64_t bad = may_be_nonfinite ? FirstNonFiniteRow(p.grads, u, dim) : -1;
-  if (bad >= 0 && !skipping) {
-    return Status(StatusCode::kNonFinite,
-                  "gradient for id " + KeyText(p.unique[bad]) + " has a NaN or inf value");
-  }
   p.skip.assign(static_cast<size_t>(u), 0);
-  if (bad >= 0) {
-    for (int64_t j = bad; j < u; ++j) p.skip[j] = FirstNonFiniteRow(p.grads + j * dim, 1, dim) >= 0;
-  }
   p.rows.resize(static_cast<size_t>(u));
   FindRows(p.unique.data(), u, p.rows.data());
+  // The one check of a push's gradients on a server (the fast path leaves it
+  // here). A stored row's gradient is checked as the row is updated
+  // (UpdateExistingRows: the gradient is in cache then; a pass of its own
+  // over them was 11% of a warm W1 push). The others are checked now, before
+  // admission counts their ids.
+  p.may_be_nonfinite = may_be_nonfinite;
+  if (may_be_nonfinite) {
+    for (int64_t j = 0; j < u; ++j) {
+      if (p.rows[j] >= 0 || AllFiniteFloats(p.grads + j * dim, dim)) continue;
+      if (!skipping) return NonFiniteStatus(p);
+      p.skip[j] = 1;
+    }
+  }
   // With kSkip, an id whose new row overflows is dropped like a non-finite
   // gradient (not seen, not inserted), and admission is decided again: the
   // room it leaves may go to another id. Each round drops at least one id.
@@ -774,7 +788,11 @@ Status EmbeddingTable::PreparePush(const int64_t* keys, int64_t n, const float* 
     PlanAdmission(&p);
     const int64_t first = ComputeFreshRows(&p, skipping);
     if (first < 0) break;
-    if (!skipping) return OverflowStatus(p.fresh_keys[first]);
+    if (!skipping) {
+      // A non-finite gradient is named first, as if checked before anything.
+      if (FirstNonFiniteRow(p.grads, u, dim) >= 0) return NonFiniteStatus(p);
+      return OverflowStatus(p.fresh_keys[first]);
+    }
   }
   // Room for the commit, so that it cannot fail halfway.
   const int64_t fresh = static_cast<int64_t>(p.fresh.size());
@@ -933,8 +951,7 @@ void EmbeddingTable::PrefetchRowState(int64_t row) const {
     const char* master = reinterpret_cast<const char*>(master_.Row(row));
     for (int64_t b = 0; b < config_.dim * 4; b += 64) PrefetchLine(master + b);
   }
-  PrefetchLine(steps_.Row(row));
-  PrefetchLine(stamps_.Row(row));
+  PrefetchLine(row_meta_.Row(row));  // the step and the stamp
   if (TracksTouches()) PrefetchLine(touches_.Row(row));
   if (TracksLastStep()) PrefetchLine(last_step_.Row(row));
 }
@@ -993,6 +1010,11 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
       if (e + kRowsAhead < end) PrefetchRowState(p.rows[p.existing[e + kRowsAhead]]);
       const int64_t j = p.existing[e];
       const int64_t row = p.rows[j];
+      if (p.may_be_nonfinite && !AllFiniteFloats(p.grads + j * dim, dim)) {
+        p.overflows[e] = 1;  // left as it is: nothing written to it
+        overflowed = true;
+        continue;
+      }
       float* w;
       float* slots;
       float* master = keeps_master ? master_.Row(row) : nullptr;
@@ -1017,15 +1039,15 @@ bool EmbeddingTable::UpdateExistingRows(PushPlan* plan) {
       if (master != nullptr) {  // the optimizer starts from the master, not the rounded value
         for (int64_t i = 0; i < dim; ++i) saved[dim + slot_floats + i] = w[i] = master[i];
       }
-      uint32_t* step = steps_.Row(row);
+      uint32_t* step = StepOf(row);
       uint32_t* meta = p.saved_meta + e * 4;
       meta[0] = *step;
-      meta[1] = *stamps_.Row(row);
+      meta[1] = *StampOf(row);
       meta[2] = TracksTouches() ? *touches_.Row(row) : 0;
       meta[3] = TracksLastStep() ? *last_step_.Row(row) : 0;
       TouchRow(row);
       if (*step < UINT32_MAX) *step += 1;  // saturate: a wrap to 0 would break Adam
-      *stamps_.Row(row) = change_epoch_;
+      *StampOf(row) = change_epoch_;
       optimizer_.Update(w, slots, p.grads + j * dim, dim,
                         per_table ? table_step : static_cast<int64_t>(*step), scratch);
       if (half_) {
@@ -1059,8 +1081,8 @@ void EmbeddingTable::RestoreRow(int64_t row, const float* saved, const uint32_t*
   if (has_master()) {
     std::memcpy(master_.Row(row), saved + dim + slot_floats, sizeof(float) * dim);
   }
-  *steps_.Row(row) = meta[0];
-  *stamps_.Row(row) = meta[1];
+  *StepOf(row) = meta[0];
+  *StampOf(row) = meta[1];
   if (TracksTouches()) *touches_.Row(row) = meta[2];
   if (TracksLastStep()) *last_step_.Row(row) = meta[3];
 }
@@ -1111,7 +1133,7 @@ Status EmbeddingTable::Assign(const int64_t* keys, int64_t n, const float* value
     if (!s.ok()) return s;
     values_.Write(row, values + i * dim);
     if (has_master()) std::memcpy(master_.Row(row), values + i * dim, sizeof(float) * dim);
-    *stamps_.Row(row) = change_epoch_;
+    *StampOf(row) = change_epoch_;
   }
   return Status::Ok();
 }
@@ -1178,7 +1200,7 @@ void EmbeddingTable::ReadRowState(int64_t row, float* values, float* slots,
   if (has_master()) {
     std::memcpy(slots + slot_floats, master_.Row(row), sizeof(float) * dim);
   }
-  *step = static_cast<int64_t>(*steps_.Row(row));
+  *step = static_cast<int64_t>(*StepOf(row));
 }
 
 Status EmbeddingTable::ReadState(const int64_t* keys, int64_t n, float* values, float* slots,
@@ -1219,8 +1241,8 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
     if (has_master()) {
       std::memcpy(master_.Row(row), row_slots + slot_floats, sizeof(float) * dim);
     }
-    *steps_.Row(row) = static_cast<uint32_t>(steps[i]);
-    *stamps_.Row(row) = change_epoch_;
+    *StepOf(row) = static_cast<uint32_t>(steps[i]);
+    *StampOf(row) = change_epoch_;
   }
   return Status::Ok();
 }
@@ -1243,7 +1265,7 @@ int64_t EmbeddingTable::NextChangedKeys(int64_t* cursor, int64_t max_rows, uint3
   int64_t b = *cursor;
   for (; b < capacity && count < max_rows; ++b) {
     const uint32_t row = SlotRow(b);
-    if (row != kEmpty && *stamps_.Row(row) > since) keys_out[count++] = SlotKey(b);
+    if (row != kEmpty && *StampOf(row) > since) keys_out[count++] = SlotKey(b);
   }
   *cursor = b;
   return count;
@@ -1258,7 +1280,7 @@ int64_t EmbeddingTable::NextChangedRows(int64_t* cursor, int64_t max_rows, uint3
   int64_t b = *cursor;
   for (; b < capacity && count < max_rows; ++b) {
     const uint32_t row = SlotRow(b);
-    if (row == kEmpty || *stamps_.Row(row) <= since) continue;
+    if (row == kEmpty || *StampOf(row) <= since) continue;
     keys_out[count] = SlotKey(b);
     ReadRowState(row, values + count * dim, slots + count * dim * num_slots(), steps + count);
     ++count;

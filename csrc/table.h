@@ -518,12 +518,18 @@ class EmbeddingTable {
   // none (width 0). See StorageType.
   ChunkedRows<float> master_;
   bool half_ = false;  // values or slots are 16-bit: the converting paths
-  // 32 bits: 4 billion updates of one row is far beyond any run, and the
-  // saved 4 bytes a row matter at small dims (memory target: 1.3x raw).
-  ChunkedRows<uint32_t> steps_;
+  // Per row, side by side: its step (the updates it had; 32 bits: 4 billion
+  // updates of one row is far beyond any run, and the saved 4 bytes a row
+  // matter at small dims, memory target 1.3x raw) and its change epoch stamp.
+  // An update writes both: one cache line a row instead of two (a warm W1
+  // push is bound by memory traffic; issue 10).
+  ChunkedRows<uint32_t> row_meta_;
+  uint32_t* StepOf(int64_t row) { return row_meta_.Row(row); }
+  const uint32_t* StepOf(int64_t row) const { return row_meta_.Row(row); }
+  uint32_t* StampOf(int64_t row) { return row_meta_.Row(row) + 1; }
+  const uint32_t* StampOf(int64_t row) const { return row_meta_.Row(row) + 1; }
   int64_t table_step_ = 0;
-  // Change epoch stamp of each row and the removals not yet checkpointed.
-  ChunkedRows<uint32_t> stamps_;
+  // The current change epoch, and the removals not yet checkpointed.
   uint32_t change_epoch_ = 1;
   std::vector<std::pair<int64_t, uint32_t>> removed_;
 
@@ -554,6 +560,8 @@ class EmbeddingTable {
     const float* grads = nullptr;   // u * dim: the gradient of unique[j]
     std::vector<int64_t> rows;      // row of unique[j], -1 when not stored
     std::vector<uint8_t> skip;      // 1: unique[j] is left alone (kSkip)
+    // False: every gradient is known finite (the push's own sum said so).
+    bool may_be_nonfinite = true;
     // Admission: ids to insert, candidates counted (with their count before)
     // or forgotten, rows evicted for room.
     std::vector<int64_t> fresh;
@@ -576,6 +584,8 @@ class EmbeddingTable {
   // grow the map and row arrays); may throw std::bad_alloc.
   Status PreparePush(const int64_t* keys, int64_t n, const float* grads, NonFinitePolicy policy,
                      PushPlan* plan);
+  // kNonFinite naming the first id (in plan.unique's order) whose gradient holds NaN or inf.
+  Status NonFiniteStatus(const PushPlan& plan) const;
   // Decides which ids get a row: candidate counts, capacity victims, rejects.
   void PlanAdmission(PushPlan* plan) const;
   void SelectVictims(int64_t count, const std::vector<uint8_t>& keep_row,
@@ -584,7 +594,8 @@ class EmbeddingTable {
   // of the first one that overflows, or -1; with skipping, marks them skipped.
   int64_t ComputeFreshRows(PushPlan* plan, bool skipping);
   // Updates the plan's stored rows in place; a row whose result is not
-  // finite is put back at once and flagged. Returns whether any was.
+  // finite is put back at once and flagged, as is (untouched) a row whose
+  // gradient is not finite. Returns whether any was.
   bool UpdateExistingRows(PushPlan* plan);
   // Prefetches (for writing) every line the update of a stored row touches.
   void PrefetchRowState(int64_t row) const;
