@@ -8,9 +8,10 @@
 //   // ids[i] == unique[inverse[i]]
 //
 //   kvsparse::BatchPlan plan;
-//   kvsparse::PlanBatch(ids, n, kvsparse::Partitioner::Hash(3), &plan);
+//   std::vector<int64_t> slot(n);
+//   kvsparse::PlanBatch(ids, n, kvsparse::Partitioner::Hash(3), &plan, slot.data());
 //   // plan.keys[plan.offsets[s] .. plan.offsets[s+1]) go to shard s;
-//   // ids[i] == plan.keys[plan.slot[i]].
+//   // ids[i] == plan.keys[slot[i]].
 #ifndef KVSPARSE_BATCH_H_
 #define KVSPARSE_BATCH_H_
 
@@ -70,10 +71,12 @@ Status ValidatePartitioner(const Partitioner& partitioner);
 struct BatchPlan {
   std::vector<int64_t> keys;     // unique keys, grouped by shard
   std::vector<int64_t> offsets;  // num_shards + 1
-  std::vector<int64_t> slot;     // per input position: index into keys
 };
 
-void PlanBatch(const int64_t* ids, int64_t n, const Partitioner& partitioner, BatchPlan* plan);
+// slot: the caller's n entries, set to each input position's index into
+// plan->keys (written in place: the caller's array is the result).
+void PlanBatch(const int64_t* ids, int64_t n, const Partitioner& partitioner, BatchPlan* plan,
+               int64_t* slot);
 
 // out[i] = rows of shard s at (slot[i] - offsets[s]), where s is the shard of
 // slot[i]. shard_rows[s] points at (offsets[s+1] - offsets[s]) * dim floats.

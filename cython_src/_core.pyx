@@ -854,13 +854,15 @@ def plan_batch(ids_arg, int64_t num_shards, boundaries=None):
     cdef Partitioner c_partitioner = _partitioner(num_shards, boundaries)
     cdef BatchPlan c_plan
     cdef int64_t c_n = ids.shape[0]
+    # The slots are written straight into the returned array (a W1 batch: 512 KB).
+    slot = np.empty(c_n, np.int64)
+    cdef int64_t[::1] c_slot = slot
     with nogil:
-        PlanBatch(&ids[0] if c_n else NULL, c_n, c_partitioner, &c_plan)
+        PlanBatch(&ids[0] if c_n else NULL, c_n, c_partitioner, &c_plan,
+                  &c_slot[0] if c_n else NULL)
     keys = np.asarray(<int64_t[:c_plan.keys.size()]> c_plan.keys.data()).copy() \
         if c_plan.keys.size() else np.empty(0, np.int64)
     offsets = np.asarray(<int64_t[:c_plan.offsets.size()]> c_plan.offsets.data()).copy()
-    slot = np.asarray(<int64_t[:c_plan.slot.size()]> c_plan.slot.data()).copy() \
-        if c_plan.slot.size() else np.empty(0, np.int64)
     return keys, offsets, slot
 
 

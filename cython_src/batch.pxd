@@ -22,10 +22,9 @@ cdef extern from "batch.h" namespace "kvsparse" nogil:
     cdef cppclass BatchPlan:
         vector[int64_t] keys
         vector[int64_t] offsets
-        vector[int64_t] slot
 
     void PlanBatch(const int64_t* ids, int64_t n, const Partitioner& partitioner,
-                   BatchPlan* plan) except +
+                   BatchPlan* plan, int64_t* slot) except +
     void GatherFromShards(const float* const* shard_rows, const int64_t* offsets,
                           int64_t num_shards, const int64_t* slot, int64_t n, int64_t dim,
                           float* out) except +
