@@ -37,10 +37,15 @@ void UniqueWithInverse(const int64_t* keys, int64_t n, std::vector<int64_t>* uni
   if (n == 0) return;
   // Open addressing at a load factor <= 0.5, in a per-thread scratch kept
   // between calls (a W1 batch of 65,536 ids: 2 MB that no call allocates or
-  // clears). Indices are 32-bit: a batch holds fewer than 2^32 ids.
-  thread_local UniqueScratch scratch;
+  // clears). A larger batch's set is its own, freed on return, so that one
+  // huge batch does not pin its memory for the thread's life. Indices are
+  // 32-bit: a batch holds fewer than 2^32 ids.
+  constexpr uint64_t kKeptSlots = uint64_t{1} << 20;  // 16 MB
+  thread_local UniqueScratch kept;
+  UniqueScratch own;
   uint64_t capacity = 16;
   while (capacity < static_cast<uint64_t>(n) * 2) capacity <<= 1;
+  UniqueScratch& scratch = capacity <= kKeptSlots ? kept : own;
   if (scratch.slots.size() < capacity) {
     scratch.slots.assign(capacity, UniqueSlot{0, 0, 0});
     scratch.generation = 0;

@@ -668,6 +668,48 @@ def test_nonfinite_gradient_skip_leaves_only_those_rows(bad, optimizer):
     assert_same_state(table, ref)
 
 
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_a_stored_rows_nonfinite_gradient_late_in_a_large_push_changes_nothing(clip):
+    # A stored row's gradient is checked as the row is updated (issue 10), thousands of
+    # rows into the push here: the rows updated before it are put back, the error names
+    # the first bad id in the push's order (the stored 4000, not the new id after it),
+    # and clipping does not let an inf through.
+    dim = 8
+    table = _core.Table(
+        dim, {"kind": "uniform", "a": -1, "b": 1}, {"kind": "adagrad", "clip_gradient": clip}
+    )
+    stored = np.arange(6000, dtype=np.int64)
+    table.lookup_or_insert(stored, np.empty((stored.size, dim), np.float32))
+    table.apply_gradients(stored, np.ones((stored.size, dim), np.float32))
+    before = table_state(table)
+    step_before = table.table_step
+    keys = np.append(stored, 10**12)
+    grads = np.full((keys.size, dim), 0.25, np.float32)
+    grads[4000, 3] = np.inf
+    grads[-1, 0] = np.nan
+    with pytest.raises(errors.NonFiniteGradient, match="id 4000 "):
+        table.apply_gradients(keys, grads)
+    for part_before, part_after in zip(before, table_state(table)):
+        np.testing.assert_array_equal(part_before, part_after)
+    assert table.table_step == step_before
+
+
+def test_a_stored_rows_nonfinite_gradient_is_named_before_a_new_rows_overflow():
+    # The new id 77's update overflows (found first: new rows are computed before stored
+    # rows are updated); the stored id 5's gradient is NaN: that is the error, as when
+    # every gradient was checked before anything else.
+    table = _core.Table(2, {"kind": "zeros"}, {"kind": "sgd", "learning_rate": 1e30})
+    table.apply_gradients(ids([5]), np.zeros((1, 2), np.float32))
+    before = table_state(table)
+    grads = np.array([[1e10, 0.0], [np.nan, 0.0]], np.float32)
+    with pytest.raises(errors.NonFiniteGradient, match="id 5 "):
+        table.apply_gradients(ids([77, 5]), grads)
+    with pytest.raises(errors.UpdateOverflow, match="id 77 "):
+        table.apply_gradients(ids([77, 5]), np.array([[1e10, 0.0], [1.0, 0.0]], np.float32))
+    for part_before, part_after in zip(before, table_state(table)):
+        np.testing.assert_array_equal(part_before, part_after)
+
+
 def test_first_nonfinite_row_and_sum_rows_match_numpy():
     rng = np.random.default_rng(2)
     rows = rng.standard_normal((50, 7)).astype(np.float32)
@@ -1019,6 +1061,17 @@ def test_plan_batch_of_a_large_batch(num_shards, boundaries):
     out = np.empty((len(values), dim), np.float32)
     _core.gather_from_shards(shard_rows, offsets, slot, out)
     np.testing.assert_array_equal(out, rows_for(values, dim))
+
+
+def test_plans_of_batches_in_turn_large_and_small_forget_each_other():
+    """The deduplication's scratch set is kept per thread between calls (its slots
+    outlived by a generation number), except for a batch of over 2^19 ids, which gets
+    its own: batches in turn, sharing ids, each planned as if alone."""
+    rng = np.random.default_rng(5)
+    pool = rng.integers(-(2**40), 2**40, size=400_000)
+    for size in (600_000, 3, 65_536, 1_200_000, 5, 65_536, 0, 17):
+        values = rng.choice(pool, size=size)
+        check_plan(values, 2, None)
 
 
 @pytest.mark.parametrize("dim,offset", [(64, 0), (64, 1), (8, 0), (6, 0)])
