@@ -9,9 +9,13 @@ refuse it, the client cannot know). close() collects them too. (Issue 10.)
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 import kvsparse
 from kvsparse import errors, initializers, optimizers
@@ -111,6 +115,61 @@ def test_close_collects_a_pending_push_that_succeeded(servers):
     with kvsparse.create("dist_sparse", servers=servers, rank=0, num_workers=1) as kv:
         kv.init(key, kvsparse.SparseTable(dim=2, initializer=ZEROS, optimizer=SGD_1))
         np.testing.assert_array_equal(kv.row_sparse_pull(key, row_ids=[8]), [[-1.0, -1.0]])
+
+
+def run_program(servers, body: str) -> subprocess.CompletedProcess:
+    """Runs a program that opens a store on servers, runs body, and ends without close()."""
+    program = textwrap.dedent(
+        f"""
+        import numpy as np
+        import kvsparse
+        from kvsparse import initializers, optimizers
+        kv = kvsparse.create("dist_sparse", servers={list(servers)!r}, rank=0, num_workers=1)
+        """
+    ) + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True, text=True, env=subprocess_env(), timeout=120,
+    )  # fmt: skip
+
+
+def test_a_program_ending_right_after_a_push_without_waiting_still_applies_it(servers):
+    # The sockets close with LINGER 0: without the exit hook that reads the replies, a
+    # 64 MB push still queued when the program ended was dropped (seen here: all zeros).
+    key = fresh()
+    done = run_program(
+        servers,
+        f"""
+        spec = kvsparse.SparseTable(
+            dim=16, initializer=initializers.Zeros(), optimizer=optimizers.SGD(learning_rate=1.0)
+        )
+        kv.init({key!r}, spec)
+        ids = np.arange(1_000_000, dtype=np.int64)
+        kv.push({key!r}, (ids, np.ones((ids.size, 16), np.float32)), wait=False)
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    with kvsparse.create("dist_sparse", servers=servers, rank=0, num_workers=1) as kv:
+        kv.init(key, kvsparse.SparseTable(dim=16, initializer=ZEROS, optimizer=SGD_1))
+        rows = kv.row_sparse_pull(key, row_ids=np.arange(0, 1_000_000, 997, dtype=np.int64))
+    np.testing.assert_array_equal(rows, -np.ones_like(rows))
+
+
+def test_a_push_without_waiting_that_fails_at_exit_is_logged(servers):
+    key = fresh()
+    done = run_program(
+        servers,
+        f"""
+        spec = kvsparse.SparseTable(
+            dim=2, initializer=initializers.Zeros(), optimizer=optimizers.SGD(learning_rate=1e30)
+        )
+        kv.init({key!r}, spec)
+        kv.push({key!r}, (np.array([5], np.int64), np.array([[1e10, 0.0]], np.float32)), wait=False)
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "at exit, a push sent with wait=False failed" in done.stderr
+    assert "id 5" in done.stderr
 
 
 def test_a_local_store_applies_a_push_without_waiting_at_once():

@@ -65,7 +65,10 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
+import os
 import secrets
 import threading
 import time
@@ -81,6 +84,25 @@ from kvsparse.wire.protocol import Header
 
 DEFAULT_TIMEOUT = 60.0
 _MAX_RESENDS = 3  # of a request a live server says it never got
+_LOG = logging.getLogger(__name__)
+
+# Sessions holding exchanges sent with wait=False whose replies are not read yet. Their
+# sockets close with LINGER 0, which drops what is still queued: a push sent last, by a
+# program that then ends (or drops its store) without close(), never reached the servers.
+# A session stays here, alive, until its replies are read; at exit they are read by
+# `_settle_at_exit` (registered after zmq's own exit hook, so it runs before it).
+_UNSETTLED: set = set()
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    for session in list(_UNSETTLED):
+        if session._pid != os.getpid():
+            continue  # a forked child's copy: its sockets are the parent's
+        try:
+            session.close()
+        except Exception as exc:  # noqa: BLE001 - nothing is left to raise it to
+            _LOG.error("at exit, a push sent with wait=False failed: %s", exc)
 
 
 class NoAnswer(errors.ServerUnavailable):
@@ -248,6 +270,7 @@ class Session:
         self._clock = 0
         self._lock = threading.RLock()
         self._closed = False
+        self._pid = os.getpid()
         # Exchanges sent with wait=False whose replies are not read yet, in send order.
         self._deferred: list[Pending] = []
         self._links = ServerSockets(self.servers, keys, self._client_id, local)
@@ -366,6 +389,7 @@ class Session:
                 if not wait:
                     pending = Pending(self, call, check, raises=push, keep=keep)
                     self._deferred.append(pending)
+                    _UNSETTLED.add(self)
                     return pending
                 if behind:
                     # Each server answers the exchanges before first: their replies precede
@@ -404,6 +428,7 @@ class Session:
                 self._settle_deferred()
             finally:
                 self._closed = True
+                _UNSETTLED.discard(self)
                 self._links.close()
 
     def _settle_deferred(self) -> None:
@@ -419,15 +444,19 @@ class Session:
         follow pending pushes, so it is also one whose failure is raised).
         """
         with self._lock:
-            while self._deferred and not last.done:
-                pending = self._deferred.pop(0)
-                try:
-                    pending._settle()
-                except errors.KVSparseError as exc:
-                    for later in self._deferred:
-                        later._abandon(exc)
-                    self._deferred.clear()
-                    raise
+            try:
+                while self._deferred and not last.done:
+                    pending = self._deferred.pop(0)
+                    try:
+                        pending._settle()
+                    except errors.KVSparseError as exc:
+                        for later in self._deferred:
+                            later._abandon(exc)
+                        self._deferred.clear()
+                        raise
+            finally:
+                if not self._deferred:
+                    _UNSETTLED.discard(self)
 
     # -- sending --------------------------------------------------------------------------------
 

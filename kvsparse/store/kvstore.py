@@ -404,7 +404,9 @@ class KVStore(StoreFront):
                 acknowledgements are collected by this store's next call that
                 reaches them (a pull, push, barrier, save, stats...) or by
                 close(), which raises the push's failure then, before sending
-                anything. A pull after the push still reads what it wrote.
+                anything; a program that ends without either has them collected
+                at exit (a failure logged). A pull after the push still reads
+                what it wrote.
                 The arrays pushed must not change until then. (The torch
                 adapter's ``push_together(kv, wait=False)``: issue 10.)
 
