@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <new>
 
@@ -46,6 +47,28 @@ inline void* AllocateBytes(size_t bytes, size_t alignment = alignof(std::max_ali
   void* p = std::malloc(bytes == 0 ? 1 : bytes);
   if (p == nullptr) throw std::bad_alloc();
   return p;
+}
+
+// Asks the kernel to back the whole pages inside [from, to) with memory now
+// (MADV_POPULATE_WRITE, Linux 5.14+), as a first write would, without writing:
+// their contents stay what they are. Returns false where the kernel refuses.
+// A cold W1 server spent a third of its push zeroing fresh pages on first
+// write (clear_page_erms); done ahead, in idle time, that leaves the push.
+inline bool PopulateBytes(void* from, void* to) {
+#if defined(__linux__)
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+  constexpr uintptr_t kPage = 4096;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(from) + kPage - 1) & ~(kPage - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(to) & ~(kPage - 1);
+  if (end <= begin) return true;
+  return madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) == 0;
+#else
+  (void)from;
+  (void)to;
+  return false;
+#endif
 }
 
 template <typename T>

@@ -191,6 +191,9 @@ class FastServeLoop {
   void Run();
   // Serves waiting messages (mutex held); true if more wait (a full batch was served).
   bool ServeBatch();
+  // One slice of work for when no request waits (mutex held): the tables'
+  // PrefaultAhead. True if it did any.
+  bool IdleWork();
   bool ReceiveMessage();
   void CloseFrames();
   void Forward(bool has_header, const Header& header);

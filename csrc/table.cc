@@ -334,6 +334,27 @@ Status EmbeddingTable::FindOrInsertRow(int64_t key, int64_t* row_out, bool* inse
   return Status::Ok();
 }
 
+bool EmbeddingTable::PrefaultAhead(int64_t max_bytes) {
+  const int64_t chunk_rows = int64_t{1} << RowsPerChunkLog2(config_.dim);
+  // Chunk 0 grows by moving its rows: a table that small has nothing to gain.
+  const int64_t begin = std::max({prefaulted_, next_row_, chunk_rows});
+  if (!prefault_works_ || begin >= prefault_target_) return false;
+  const int64_t row_bytes =
+      values_.row_bytes() + slots_.row_bytes() + master_.width() * 4 + 8 + 8;
+  const int64_t end = std::min(prefault_target_, begin + std::max<int64_t>(1, max_bytes / row_bytes));
+  try {
+    EnsureRowsUpTo(end - 1);
+  } catch (const std::bad_alloc&) {
+    prefault_target_ = 0;  // the next push allocates (and reports) what it needs
+    return false;
+  }
+  prefault_works_ = values_.Populate(begin, end) && slots_.Populate(begin, end) &&
+                    master_.Populate(begin, end) && row_meta_.Populate(begin, end) &&
+                    touches_.Populate(begin, end) && last_step_.Populate(begin, end);
+  prefaulted_ = end;
+  return prefault_works_;
+}
+
 void EmbeddingTable::EnsureRowsUpTo(int64_t row) {
   values_.EnsureRow(row);
   slots_.EnsureRow(row);
@@ -722,6 +743,10 @@ Status EmbeddingTable::FinishPlan(const PushPlan& plan, int64_t saved_table_step
     }
     TouchRow(row);
     *StepOf(row) = 1;
+  }
+  if (fresh > 0) {
+    const int64_t chunk_rows = int64_t{1} << RowsPerChunkLog2(dim);
+    prefault_target_ = std::min(next_row_ + 2 * fresh, next_row_ + chunk_rows);
   }
   int64_t updated = 0;
   for (const uint8_t overflowed : plan.overflows) updated += !overflowed;

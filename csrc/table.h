@@ -171,6 +171,20 @@ class ChunkedRows {
       chunks_.emplace_back(AllocateArray<T>(static_cast<size_t>(ChunkElements())));
     }
   }
+  // Backs rows [begin, end) with memory now (PopulateBytes), in chunks 1 and
+  // later that are allocated (chunk 0 may still move). False if the kernel
+  // refused; the rows hold what they held either way.
+  bool Populate(int64_t begin, int64_t end) {
+    if (width_ == 0) return true;
+    begin = std::max(begin, int64_t{1} << log2_);
+    end = std::min(end, static_cast<int64_t>(chunks_.size()) << log2_);
+    while (begin < end) {
+      const int64_t stop = std::min(end, ((begin >> log2_) + 1) << log2_);
+      if (!PopulateBytes(Row(begin), Row(stop - 1) + width_)) return false;
+      begin = stop;
+    }
+    return true;
+  }
   int64_t ChunkElements() const { return (int64_t{1} << log2_) * width_; }
   int64_t Bytes() const {
     if (chunks_.empty()) return 0;
@@ -219,6 +233,9 @@ class RowArray {
     } else {
       f16_.EnsureRow(row);
     }
+  }
+  bool Populate(int64_t begin, int64_t end) {
+    return is_f32() ? f32_.Populate(begin, end) : f16_.Populate(begin, end);
   }
   bool is_f32() const { return type_ == StorageType::kFloat32; }
   StorageType type() const { return type_; }
@@ -286,6 +303,13 @@ class EmbeddingTable {
   int64_t MemoryBytes() const;
   // The part of MemoryBytes that is push scratch (kept for the next push).
   int64_t ScratchBytes() const;
+  // Idle-time work, for a server between requests: backs with memory up to
+  // max_bytes of the rows the next inserts will write (the last push's count
+  // of new rows, twice, at most one chunk past the end), so that the kernel's
+  // zeroing of fresh pages happens now rather than inside the next push.
+  // Returns whether it did any (call again until it returns false). Changes
+  // no row; may allocate the next chunk of each row array early.
+  bool PrefaultAhead(int64_t max_bytes);
   // Step counter of the whole table (pushes applied), for StepMode::kPerTable.
   int64_t table_step() const { return table_step_; }
   void set_table_step(int64_t step) { table_step_ = step; }
@@ -611,6 +635,11 @@ class EmbeddingTable {
   int64_t InsertReservedRow(int64_t key, bool init_slots = true);
   // Backs rows [0, row] in every per-row array.
   void EnsureRowsUpTo(int64_t row);
+  // PrefaultAhead's range: rows [max(prefaulted_, next_row_), prefault_target_);
+  // off for good once the kernel refuses (before Linux 5.14).
+  int64_t prefault_target_ = 0;
+  int64_t prefaulted_ = 0;
+  bool prefault_works_ = true;
   void MaybeEvictAutomatically();
   int64_t CandidateBytes() const;
   // The two halves of ApplyGradients (see BeginPush): on failure nothing of

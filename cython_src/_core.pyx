@@ -301,6 +301,16 @@ cdef class Table:
         cdef EmbeddingTable* c_table = self._table()
         return c_table.MemoryBytes()
 
+    def prefault_ahead(self, int64_t max_bytes):
+        """One slice of a server's idle-time work (EmbeddingTable::PrefaultAhead): backs
+        up to max_bytes of the rows the next inserts will write with memory. Returns
+        whether it did any; changes no row."""
+        cdef EmbeddingTable* c_table = self._table()
+        cdef bint done
+        with nogil:
+            done = c_table.PrefaultAhead(max_bytes)
+        return bool(done)
+
     def scratch_bytes(self):
         """The part of memory_bytes() that pushes reuse as scratch (sized by the largest push)."""
         cdef EmbeddingTable* c_table = self._table()

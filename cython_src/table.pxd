@@ -57,6 +57,7 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         const TableConfig& config()
         int64_t Size()
         int64_t MemoryBytes()
+        bint PrefaultAhead(int64_t max_bytes)
         int64_t ScratchBytes()
         int64_t table_step()
         void set_table_step(int64_t step)
