@@ -76,6 +76,15 @@ class ProtocolError(KVSparseError, ValueError):
     """A malformed wire message."""
 
 
+class SharedMemoryMissing(ProtocolError):
+    """Rows named in a worker's shared memory, at a server that does not hold it.
+
+    A server restarted since the worker's HELLO: the worker greets it again
+    (which maps the segment) and resends the request, nothing of it applied;
+    raised only if the server still does not take the segment then.
+    """
+
+
 class ServerError(KVSparseError, RuntimeError):
     """A server answered a request with an error it could not classify."""
 

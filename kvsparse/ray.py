@@ -31,7 +31,9 @@ servers run on the driver's node (each bundle asks for that node's
 ``node:IP`` resource) and listen on Unix sockets there, each in a private
 directory (mode 0700) of that node's temporary directory: only processes of
 the same node and user can reach them, so use it when the workers run on
-the driver's node too (a one-node cluster, or tasks pinned to it).
+the driver's node too (a one-node cluster, or tasks pinned to it). The
+workers' rows then go through shared memory (`kvsparse.client.remote`),
+retry window and all.
 
 Failures. A shard's actor is restarted by Ray (``max_restarts``) when its
 process dies, and the actor exits (to be restarted) when its server process

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import kvsparse
 from kvsparse import errors
-from kvsparse.client import remote
+from kvsparse.client import recovery, remote
 from kvsparse.client.shared import SharedArena
 from kvsparse.wire import ops, protocol
 
@@ -193,9 +193,58 @@ def test_a_bad_shared_memory_setting_is_refused(ipc_servers, value):
         kvsparse.create("dist_sparse", servers=ipc_servers, shared_memory=value)
 
 
-def test_no_shared_memory_with_a_retry_window(ipc_servers):
-    with kvsparse.create("dist_sparse", servers=ipc_servers, retry_window=5.0) as kv:
-        assert kv._backend.shared_servers == frozenset()
+@pytest.mark.parametrize("first", ["small", "shared"])
+@pytest.mark.parametrize("path", [(), ("--no-fast-path",)], ids=["fast_path", "python_path"])
+def test_a_restarted_server_maps_the_segment_again(socket_dir, tmp_path, monkeypatch, first, path):
+    """With a retry window rows go through shared memory too. A server restarted from its
+    checkpoint holds no segment until greeted: a shared request that finds it first is
+    refused and recovered (the greeting maps the segment, then the resend); a small
+    request (through the socket) that finds it first is answered, and the next shared
+    one is refused with SharedMemoryMissing: the worker greets it again and resends. No
+    push is lost or applied twice: the table equals a local store's."""
+    monkeypatch.setattr(remote, "SHARED_MIN_BYTES", 1024)  # one row goes through the socket
+    seen = spy_offsets(monkeypatch)
+    greeted_again = []
+    original = recovery.Recovery.greet_again
+
+    def spy(self, server, request, deadline):
+        greeted_again.append(server)
+        return original(self, server, request, deadline)
+
+    monkeypatch.setattr(recovery.Recovery, "greet_again", spy)
+    address, ckpt = f"ipc://{socket_dir}/restarted", str(tmp_path / "ckpt")
+    server, replacement = ServerProcess(bind=address, extra_args=path), None
+    big, small = np.arange(500, dtype=np.int64), np.array([7], np.int64)
+    reference = kvsparse.create("local")
+    try:
+        kv = kvsparse.create(
+            "dist_async", servers=[address], rank=0, num_workers=1, retry_window=30
+        )
+        assert kv._backend.shared_servers == frozenset({0})
+        table = kvsparse.SparseTable(dim=DIM, initializer=kvsparse.initializers.Normal(0, 0.1))
+        for store in (kv, reference):
+            store.init("t", table)
+            store.set_optimizer(kvsparse.optimizers.Adagrad(learning_rate=0.1))
+            store.push("t", (big, np.ones((big.size, DIM), np.float32)))
+        assert seen[-1] is not None  # through the segment
+        kv.save(ckpt)
+        server.kill()
+        restore = ("--restore", ckpt, "--shard-index", "0", "--num-shards", "1", "--restarted")
+        replacement = ServerProcess(bind=address, extra_args=(*path, *restore))
+        ids = small if first == "small" else big
+        for store in (kv, reference):
+            store.push("t", (ids, np.full((ids.size, DIM), 0.5, np.float32)))
+            store.push("t", (big, np.full((big.size, DIM), 0.25, np.float32)))
+        assert seen[-1] is not None  # through the segment again
+        assert greeted_again == ([0] if first == "small" else [])
+        np.testing.assert_array_equal(
+            kv.row_sparse_pull("t", row_ids=big), reference.row_sparse_pull("t", row_ids=big)
+        )
+        kv.close()
+    finally:
+        server.stop()
+        if replacement is not None:
+            replacement.stop()
 
 
 def test_sixteen_bit_rows_go_through_the_socket(ipc_servers, monkeypatch):

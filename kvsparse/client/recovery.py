@@ -155,6 +155,25 @@ class Recovery:
                 self._unavailable(server)
         return self._send(server, request)
 
+    def greet_again(self, server: int, request: ops.Request, deadline: float) -> int:
+        """Sends server its greeting (HELLO) again, then request under a new id.
+
+        For a server that lost what its greeting set up (a restarted one, adopted
+        from a reply, that holds no shared segment of ours). Returns the request
+        id the reply will carry.
+
+        Raises:
+            ServerUnavailable: no answer to the greeting by deadline.
+            the error of an error reply to the greeting.
+        """
+        greeting = self._greetings.get(server)
+        if greeting is not None:
+            hello_id = self._send(server, greeting)
+            answer = self._await_reply(server, hello_id, deadline)
+            if answer is None:
+                self._unavailable(server)
+        return self._send(server, request)
+
     @staticmethod
     def _probe_deadline(deadline: float) -> float:
         return min(deadline, time.monotonic() + _RECOVERY_PROBE_SECONDS)

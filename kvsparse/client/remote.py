@@ -17,9 +17,11 @@ Servers on the worker's host (``ipc://`` addresses, or any with
 (`kvsparse.client.shared`): pulled rows are written straight into it and
 pushed rows read straight from it, so only keys and offsets cross the socket.
 The push's summed rows are made there (`rows_buffer`). Only for calls with
-`SHARED_MIN_BYTES` of rows or more (below that the socket is as fast). Not with a retry
-window (a resent request would need its rows again) nor for shards in this
-process.
+`SHARED_MIN_BYTES` of rows or more (below that the socket is as fast), and not for
+shards in this process. With a retry window, a request resent to a restarted
+server finds its rows where they were (the session keeps them until the reply),
+and a server that lost the segment (restarted, and reached without a greeting)
+answers SharedMemoryMissing, on which the session greets it again and resends.
 
 Consistency modes (chosen by the store kind, or ``staleness=``):
 
@@ -170,7 +172,7 @@ class RemoteBackend:
 
     def _shared_candidates(self, shared_memory, local) -> frozenset:
         """The servers to offer the shared segment to (module docstring)."""
-        if shared_memory is False or self.session.retry_window > 0:
+        if shared_memory is False:
             return frozenset()
         return frozenset(
             server
@@ -444,8 +446,8 @@ class RemoteBackend:
     def _shared_offsets(self, server: int, entries: list) -> Optional[list]:
         """The byte offset of each entry's rows in the shared segment, if server shares it
         and every entry's float32 rows lie there (or are empty); else None."""
-        if server not in self._shared:
-            return None
+        if server not in self._shared or all(entry.keys.size == 0 for entry in entries):
+            return None  # (rows through the segment or not: nothing to name)
         offsets = []
         for entry in entries:
             if entry.keys.size == 0:

@@ -84,6 +84,7 @@ from kvsparse.wire.protocol import Header
 
 DEFAULT_TIMEOUT = 60.0
 _MAX_RESENDS = 3  # of a request a live server says it never got
+_SHARED_MEMORY_MISSING = protocol.ERROR_CODES[errors.SharedMemoryMissing]
 _LOG = logging.getLogger(__name__)
 
 # Sessions holding exchanges sent with wait=False whose replies are not read yet. Their
@@ -118,7 +119,10 @@ Outcome = Union[Answer, errors.KVSparseError]
 class _Call:
     """What one exchange still waits for (the session's private bookkeeping, one per call)."""
 
-    __slots__ = ("requests", "gather", "waiting", "heard", "pings", "drops", "outcomes", "poller")
+    __slots__ = (
+        "requests", "gather", "waiting", "heard", "pings", "drops", "regreeted", "outcomes",
+        "poller",
+    )  # fmt: skip
 
     def __init__(self, requests: dict, gather: bool):
         self.requests = requests
@@ -127,6 +131,7 @@ class _Call:
         self.heard: dict[int, float] = {}  # server -> when it last said anything
         self.pings: dict[int, Optional[int]] = {}  # server -> request id of a liveness ping
         self.drops: dict[int, int] = {}  # server -> resends of a request it never got
+        self.regreeted: set = set()  # servers greeted again for SharedMemoryMissing
         self.outcomes: dict[int, Outcome] = {}
         self.poller: Optional[tuple] = None  # (zmq.Poller, {socket: server})
 
@@ -582,6 +587,17 @@ class Session:
                 continue
             if header.request_id != call.waiting[server]:
                 continue  # the reply to an abandoned request
+            if header.status == _SHARED_MEMORY_MISSING and server not in call.regreeted:
+                # A server that restarted since our HELLO, reached without a greeting (a
+                # request of ours it answered made us adopt it): greet it again, which
+                # maps the segment, and resend (it applied nothing). Once per call.
+                call.regreeted.add(server)
+                call.waiting[server] = self._recovery.greet_again(
+                    server, call.requests[server], time.monotonic() + self.timeout
+                )
+                call.heard[server] = time.monotonic()
+                call.poller = None
+                continue
             if header.status:
                 protocol.raise_remote_error(header, payload, self.servers[server])
             call.settle(server, Answer(header, payload), (sock, self._links.monitor(server)))

@@ -157,11 +157,12 @@ class Handlers:
         """The client's shared segment, for a FLAG_SHARED request.
 
         Raises:
-            ProtocolError: the server holds none of the client's.
+            SharedMemoryMissing: the server holds none of the client's (it restarted
+                since the client's HELLO; the client greets it again).
         """
         segment = None if self._segments is None else self._segments.get(header.client_id)
         if segment is None:
-            raise errors.ProtocolError(
+            raise errors.SharedMemoryMissing(
                 f"{Op(header.op).name} with FLAG_SHARED, but this server holds no shared "
                 "segment of the client's (HELLO offers one)"
             )

@@ -205,7 +205,8 @@ def create_remote_store(
             through a shared-memory segment instead of the socket: None (default)
             for servers on ``ipc://`` addresses, True for any server that can map
             it, False never; an int: True with a segment of that many bytes
-            (`kvsparse.client.remote.RemoteBackend`). Never with a retry window.
+            (`kvsparse.client.remote.RemoteBackend`), with or without a retry
+            window.
 
     Raises:
         InvalidArgument: an unknown kind or a bad configuration.

@@ -122,8 +122,8 @@ message; the client re-raises it as the matching `kvsparse.errors` class
 InvalidArgument, 3 ShapeError, 4 DTypeError, 5 KeyTypeError, 6 UnknownKey, 7
 DuplicateKey, 8 NonFiniteGradient, 9 CapacityError, 10 ServerError (anything
 else), 11 CheckpointError, 12 LimitExceeded, 13 WorkerLeft, 14
-UpdateOverflow (a client that predates a code raises ServerError with the
-message). The reply to a message whose header cannot be read echoes its
+UpdateOverflow, 15 SharedMemoryMissing (a client that predates a code raises
+ServerError with the message). The reply to a message whose header cannot be read echoes its
 request id when the size and magic are right, else 0, with op 0 if the op is
 unknown.
 
@@ -242,6 +242,7 @@ MUTATING_OPS = frozenset(
 # Error codes on the wire; the order of the checks in `error_code` puts
 # subclasses before their bases.
 ERROR_CODES = {
+    errors.SharedMemoryMissing: 15,
     errors.ProtocolError: 1,
     errors.NonFiniteGradient: 8,
     errors.UpdateOverflow: 14,
