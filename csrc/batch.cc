@@ -9,6 +9,7 @@
 #endif
 
 #include "hash.h"
+#include "memory.h"
 
 namespace kvsparse {
 
@@ -145,7 +146,15 @@ bool SumRowsByIndex(const float* rows, const int64_t* index, int64_t n, int64_t 
   std::vector<uint8_t> seen(static_cast<size_t>(num_unique), 0);
   uint32_t any = 0;  // sign bit set: some input is NaN or inf
   uint32_t top = 0;  // the largest biased exponent of an input, in place
+  // The output rows are read and written in the batch's random order: each is
+  // prefetched kAhead inputs before its add (the inputs stream in order).
+  constexpr int64_t kAhead = 8;
+  const int64_t lines = std::min<int64_t>(8, (dim * 4 + 63) / 64);
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      const char* next = reinterpret_cast<const char*>(out + index[i + kAhead] * dim);
+      for (int64_t l = 0; l < lines; ++l) PrefetchLine(next + 64 * l);
+    }
     const int64_t u = index[i];
     AddRowChecked(out + u * dim, rows + i * dim, dim, !seen[u], &any, &top);
     seen[u] = 1;
