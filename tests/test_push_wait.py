@@ -9,13 +9,16 @@ refuse it, the client cannot know). close() collects them too. (Issue 10.)
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import ServerProcess, subprocess_env
 
 import kvsparse
 from kvsparse import errors, initializers, optimizers
@@ -170,6 +173,36 @@ def test_a_push_without_waiting_that_fails_at_exit_is_logged(servers):
     assert done.returncode == 0, done.stderr
     assert "at exit, a push sent with wait=False failed" in done.stderr
     assert "id 5" in done.stderr
+
+
+def test_an_exit_waits_at_most_ten_seconds_for_a_server_that_does_not_answer():
+    # The store's timeout is 60 s; at exit the wait is capped (a dead server must not
+    # hang the program's end), and the lost push is logged.
+    server = ServerProcess()
+    try:
+        program = textwrap.dedent(
+            f"""
+            import os, signal
+            import numpy as np
+            import kvsparse
+            kv = kvsparse.create("dist_sparse", servers=[{server.address!r}], rank=0)
+            kv.init("t", kvsparse.SparseTable(dim=2))
+            os.kill({server.process.pid}, signal.SIGSTOP)
+            kv.push("t", (np.array([1], np.int64), np.ones((1, 2), np.float32)), wait=False)
+            """
+        )
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-c", program],
+            capture_output=True, text=True, env=subprocess_env(), timeout=120,
+        )  # fmt: skip
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()
+    assert done.returncode == 0, done.stderr
+    assert "at exit, a push sent with wait=False failed" in done.stderr
+    assert elapsed < 40, elapsed
 
 
 def test_a_local_store_applies_a_push_without_waiting_at_once():

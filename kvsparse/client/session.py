@@ -91,8 +91,10 @@ _LOG = logging.getLogger(__name__)
 # sockets close with LINGER 0, which drops what is still queued: a push sent last, by a
 # program that then ends (or drops its store) without close(), never reached the servers.
 # A session stays here, alive, until its replies are read; at exit they are read by
-# `_settle_at_exit` (registered after zmq's own exit hook, so it runs before it).
+# `_settle_at_exit` (registered after zmq's own exit hook, so it runs before it), waiting
+# at most _EXIT_SECONDS for a silent server (a program must not hang at exit on a dead one).
 _UNSETTLED: set = set()
+_EXIT_SECONDS = 10.0
 
 
 @atexit.register
@@ -101,6 +103,7 @@ def _settle_at_exit() -> None:
         if session._pid != os.getpid():
             continue  # a forked child's copy: its sockets are the parent's
         try:
+            session.limit_waits(_EXIT_SECONDS)
             session.close()
         except Exception as exc:  # noqa: BLE001 - nothing is left to raise it to
             _LOG.error("at exit, a push sent with wait=False failed: %s", exc)
@@ -435,6 +438,13 @@ class Session:
                 self._closed = True
                 _UNSETTLED.discard(self)
                 self._links.close()
+
+    def limit_waits(self, seconds: float) -> None:
+        """Caps the timeout and the retry window at seconds (a retry window stays on)."""
+        with self._lock:
+            self.timeout = min(self.timeout, seconds)
+            self.retry_window = min(self.retry_window, seconds)
+            self._recovery.retry_window = self.retry_window
 
     def _settle_deferred(self) -> None:
         """Reads the replies of every exchange sent with wait=False (the lock held)."""
