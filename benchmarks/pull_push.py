@@ -18,6 +18,11 @@ time). In the same run, side by side:
                 server table lookup and Adagrad), and with --profile cProfile of the worker
                 and of both servers.
 - dist_sparse_unique: the same store fed exactly what the peers get (below).
+- dist_sparse_ipc_prefetch: dist_sparse_ipc in the torch adapter's loop: a step's push
+                with wait=False and the next batch's pull sent right behind it
+                (wait=False), read by the next step; the same pushes and pulls in the same
+                order, overlapped with the servers' work. The peers' loops wait for each
+                call, so this row is compared with dist_sparse_ipc, not with them.
 - dist_sparse_fp16, dist_sparse_bf16: dist_sparse over tcp with
                 ``wire_dtype='float16'`` / ``'bfloat16'``: pulled rows and pushed
                 gradients travel as 16-bit values (issue 10); the tables stay float32.
@@ -97,6 +102,7 @@ ALL_SYSTEMS = (
     "dist_sparse_nofast",
     "dist_sparse_ipc",
     "dist_sparse_ipc_socket",
+    "dist_sparse_ipc_prefetch",
     "dist_sparse_unique",
     "dist_sparse_fp16",
     "dist_sparse_bf16",
@@ -117,6 +123,8 @@ DESCRIPTIONS = {
     "dist_sparse_ipc": "dist_sparse with its servers on ipc:// sockets (same host): rows "
     "through the worker's shared memory",
     "dist_sparse_ipc_socket": "dist_sparse_ipc with shared_memory=False (rows on the socket)",
+    "dist_sparse_ipc_prefetch": "dist_sparse_ipc, a step's push not waited for and the next "
+    "batch's pull sent behind it (the torch adapter's loop)",
     "dist_sparse_unique": "dist_sparse fed the peers' deduplicated ids + summed gradients",
     "dist_sparse_fp16": "dist_sparse, float16 rows and gradients on the wire (tcp)",
     "dist_sparse_bf16": "dist_sparse, bfloat16 rows and gradients on the wire (tcp)",
@@ -181,11 +189,15 @@ def drive_store(
     profile_path: str | None = None,
     unique_inputs: bool = False,
     server_pids: tuple = (),
+    prefetch: bool = False,
 ) -> dict:
     """W1 on a kvsparse store through its NumPy API (row_sparse_pull with out=, push).
 
     unique_inputs: feed it what the peers get instead (each batch's sorted unique ids and
     the summed gradient rows, prepared untimed; the pull returns one row per unique id).
+    prefetch: in the timed steps, push with wait=False and send the next step's pull
+    right behind it (wait=False), read by that step; the last step's push waits, so
+    every push of the phase is applied within its timing.
     """
     kv.init("embedding", make_table_spec(args))
     kv.set_optimizer(kvsparse.optimizers.Adagrad(learning_rate=wl.LEARNING_RATE, eps=wl.EPS))
@@ -208,6 +220,25 @@ def drive_store(
 
         def push(b):
             kv.push("embedding", prepared[b])
+
+    elif prefetch:
+        steps = common.phase_batches(args.warmup, args.steps)["step"]
+        ahead: dict = {}
+
+        def pull(b):
+            pending = ahead.pop(b, None)
+            if pending is None:
+                kv.row_sparse_pull("embedding", out=out, row_ids=work.batches[b])
+            else:
+                pending.wait()
+
+        def push(b):
+            overlap = b in steps and b != steps[-1]
+            kv.push("embedding", (work.batches[b], work.grads), wait=not overlap)
+            if overlap:
+                ahead[b + 1] = kv.row_sparse_pull(
+                    "embedding", out=out, row_ids=work.batches[b + 1], wait=False
+                )
 
     else:
 
@@ -426,11 +457,15 @@ def run_dist_sparse_nofast(work: wl.Workload, args, log_dir: str) -> dict:
 
 
 def run_dist_sparse_ipc(
-    work: wl.Workload, args, log_dir: str, shared_memory: bool | None = None
+    work: wl.Workload,
+    args,
+    log_dir: str,
+    shared_memory: bool | None = None,
+    prefetch: bool = False,
 ) -> dict:
     """dist_sparse with its servers bound on ipc:// sockets (the same-host fast path):
     rows through the worker's shared memory (shared_memory=None, the default for ipc
-    servers), or on the sockets (False)."""
+    servers), or on the sockets (False); prefetch: `drive_store`'s."""
     socket_dir = tempfile.mkdtemp(prefix="kvs", dir="/tmp")  # short: a socket path <= 107 B
     try:
         with procs.Processes(log_dir) as processes:
@@ -443,7 +478,7 @@ def run_dist_sparse_ipc(
                 shared_memory=shared_memory,
             )
             with store as kv:
-                return drive_store(kv, work, args, server_pids=pids)
+                return drive_store(kv, work, args, server_pids=pids, prefetch=prefetch)
     finally:
         shutil.rmtree(socket_dir, ignore_errors=True)
 
@@ -594,6 +629,14 @@ RATIOS = (
         None,
     ),
     ("dist_sparse_ipc / raw_zmq", "dist_sparse_ipc", "step", "raw_zmq", "step", None),
+    (
+        "dist_sparse_ipc_prefetch / dist_sparse_ipc",
+        "dist_sparse_ipc_prefetch",
+        "step",
+        "dist_sparse_ipc",
+        "step",
+        None,
+    ),
     ("dist_sparse / dist_sparse_nofast", "dist_sparse", "step", "dist_sparse_nofast", "step", None),
     ("fast push / nofast push", "dist_sparse", "push", "dist_sparse_nofast", "push", None),
     ("dist_sparse_fp16 / mxnet_pslite", "dist_sparse_fp16", "step", "mxnet_pslite", "step", 5.0),
@@ -936,6 +979,8 @@ def run_system(name: str, work: wl.Workload, work_path: str, args, log_dir: str)
         return run_dist_sparse_ipc(work, args, log_dir)
     if name == "dist_sparse_ipc_socket":
         return run_dist_sparse_ipc(work, args, log_dir, shared_memory=False)
+    if name == "dist_sparse_ipc_prefetch":
+        return run_dist_sparse_ipc(work, args, log_dir, prefetch=True)
     if name == "dist_sparse_nofast":
         return run_dist_sparse_nofast(work, args, log_dir)
     if name in WIRE_SYSTEMS:
