@@ -336,9 +336,11 @@ Status EmbeddingTable::FindOrInsertRow(int64_t key, int64_t* row_out, bool* inse
 
 bool EmbeddingTable::PrefaultAhead(int64_t max_bytes) {
   const int64_t chunk_rows = int64_t{1} << RowsPerChunkLog2(config_.dim);
-  // Chunk 0 grows by moving its rows: a table that small has nothing to gain.
-  const int64_t begin = std::max({prefaulted_, next_row_, chunk_rows});
-  if (!prefault_works_ || begin >= prefault_target_) return false;
+  // Not while chunk 0 holds every row: it grows by moving them, doubling, so
+  // that a small table stays small; a table that small has nothing to gain.
+  if (!prefault_works_ || next_row_ < chunk_rows) return false;
+  const int64_t begin = std::max(prefaulted_, next_row_);
+  if (begin >= prefault_target_) return false;
   const int64_t row_bytes =
       values_.row_bytes() + slots_.row_bytes() + master_.width() * 4 + 8 + 8;
   const int64_t end = std::min(prefault_target_, begin + std::max<int64_t>(1, max_bytes / row_bytes));

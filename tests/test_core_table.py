@@ -1306,3 +1306,14 @@ def test_prefault_ahead_backs_the_next_inserts_memory_and_changes_nothing():
         t.apply_gradients(third, np.ones((third.size, dim), np.float32))
     for mine, theirs in zip(table_state(table), table_state(plain)):
         np.testing.assert_array_equal(mine, theirs)
+
+
+def test_prefault_ahead_leaves_a_table_within_its_first_chunk_alone():
+    """A table of fewer rows than a chunk (8,192 at dim 64) keeps its small first chunk:
+    nothing is backed ahead, and its memory does not grow."""
+    table = _core.Table(64, {"kind": "zeros"}, {"kind": "adagrad", "learning_rate": 0.1})
+    keys = np.arange(5000, dtype=np.int64)
+    table.apply_gradients(keys, np.ones((keys.size, 64), np.float32))
+    memory = table.memory_bytes()
+    assert not table.prefault_ahead(1 << 20)
+    assert table.memory_bytes() == memory
