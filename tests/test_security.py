@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -88,6 +90,69 @@ def test_client_without_keys_gets_a_clear_error_naming_the_server(curve_server):
         )
     assert info.value.address == curve_server.address
     assert curve_server.address in str(info.value)
+
+
+def test_a_peer_closing_every_connection_in_its_handshake_is_named_not_waited_out():
+    # What a CurveZMQ server does to a client without keys when it reads the client's
+    # greeting first (the client then sees only the close; which side reads first is a
+    # race): here every time, with a listener that closes each connection it accepts.
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    done = threading.Event()
+
+    def close_each():
+        while not done.is_set():
+            try:
+                connection, _ = listener.accept()
+            except OSError:  # the 0.2 s timeout: look at done again
+                continue
+            connection.close()
+
+    closer = threading.Thread(target=close_each, daemon=True)
+    closer.start()
+    try:
+        with pytest.raises(errors.ServerUnavailable) as info:
+            # Before: NoAnswer after the whole timeout, whatever its length.
+            kvsparse.create("dist_sparse", servers=[address], rank=0, num_workers=1, timeout=60)
+    finally:
+        done.set()
+        closer.join(5)
+        listener.close()
+    message = str(info.value)
+    assert info.value.address == address
+    assert "closed the connection during the security handshake (3 times in a row)" in message
+    assert "requires CurveZMQ keys: set KVSPARSE_KEYS" in message
+    assert "not a kvsparse server" in message
+
+
+def test_keys_refused_either_way_are_named_every_time(keys, curve_server):
+    # Which side of a refused handshake reads the other's greeting first is a race; each
+    # way must end in the error that says what to do (before: about one in four waited
+    # for further reconnections, sometimes past the timeout).
+    plain = ServerProcess()
+    try:
+        for _ in range(8):
+            with pytest.raises(errors.ServerUnavailable, match="requires CurveZMQ keys"):
+                kvsparse.create(
+                    "dist_sparse",
+                    servers=[curve_server.address],
+                    rank=0,
+                    num_workers=1,
+                    timeout=30,
+                )
+            with pytest.raises(errors.ServerUnavailable, match="does not use these CurveZMQ keys"):
+                kvsparse.create(
+                    "dist_sparse",
+                    servers=[plain.address],
+                    rank=0,
+                    num_workers=1,
+                    keys=keys,
+                    timeout=30,
+                )
+    finally:
+        plain.stop()
+        plain.stderr.close()
 
 
 def test_client_with_unknown_keys_is_refused_by_the_authenticator(keys, curve_server, tmp_path):

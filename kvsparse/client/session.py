@@ -493,7 +493,12 @@ class Session:
                 [header.pack(), *request.frames], copy=False, flags=zmq.NOBLOCK
             )
         except zmq.Again:
+            # The send queue is unbounded: no connection to queue on. A peer that closed
+            # one during its handshake says why (a server that wants CurveZMQ keys).
+            why = self._links.handshake_error(server) or self._links.closed_in_handshake(server)
             self._links.reset(server)
+            if why is not None:
+                raise why from None
             raise errors.ServerUnavailable(
                 f"server {self.servers[server]} does not take requests (send queue full)",
                 address=self.servers[server],
