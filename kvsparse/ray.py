@@ -71,7 +71,6 @@ same command line, bind retries, and environment rule (no ``DMLC_ROLE``,
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import os
@@ -96,7 +95,6 @@ NAMESPACE = "kvsparse"
 NAME_PREFIX = "kvsparse-server"
 START_TIMEOUT = 60.0
 DEFAULT_RETRY_WINDOW = cluster_config.DEFAULT_RETRY_WINDOW  # as `kvsparse launch`
-_PR_SET_PDEATHSIG = 1
 # A port just given up by a killed server may still be held for a moment; retry the bind.
 _BIND_RETRY_SECONDS = 10.0
 
@@ -133,15 +131,6 @@ def _registry_delete(name: str, namespace: str) -> None:
     from ray.experimental import internal_kv
 
     internal_kv._internal_kv_del(_registry_key(name), namespace=namespace)
-
-
-def _die_with_parent() -> None:
-    """In the forked server, before exec: SIGKILL when the actor process goes away."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: shutdown() still stops the servers
-        pass
 
 
 def _pid_alive(pid: int) -> bool:
@@ -268,7 +257,7 @@ class ServerShard:
                 on_stdout=functools.partial(output.line, prefix),
                 on_stderr=functools.partial(output.line, prefix),
                 new_session=False,
-                preexec_fn=_die_with_parent,
+                preexec_fn=server_process.die_with_parent(signal.SIGKILL),
             )
 
         # Port 0 picks a free port: a bind failure there is no lingering port, no retry.

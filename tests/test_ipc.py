@@ -12,6 +12,7 @@ import io
 import os
 import queue
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -113,7 +114,7 @@ def test_socket_directory_is_private_and_short(tmp_path, monkeypatch):
         address = server_process.ipc_bind_address(directory, "server-0")
         assert address == "ipc://" + os.path.join(directory, "server-0")
     finally:
-        os.rmdir(directory)
+        shutil.rmtree(directory)
     # A temporary directory too deep for a socket name: the directory goes under /tmp.
     deep = tmp_path / ("d" * (MAX - len(str(tmp_path))))
     deep.mkdir()
@@ -122,7 +123,7 @@ def test_socket_directory_is_private_and_short(tmp_path, monkeypatch):
     try:
         assert os.path.dirname(directory) == "/tmp"
     finally:
-        os.rmdir(directory)
+        shutil.rmtree(directory)
     with pytest.raises(errors.InvalidArgument, match="longer than the"):
         server_process.ipc_bind_address(str(deep), "server-0")
 

@@ -14,10 +14,12 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -292,6 +294,72 @@ def test_a_signal_to_the_launcher_stops_everything(tmp_path, sig):
         "worker 1 (pid" in line and "ignored SIGTERM; killing it" in line for line in job.stderr
     )
     assert_all_gone(started)
+
+
+SLEEPER = """
+import time
+import kvsparse
+
+kv = kvsparse.create("dist_sparse")
+kv.barrier()
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_servers_and_workers_along(tmp_path):
+    # SIGKILL leaves the launcher no time to stop anyone: before, its servers (and
+    # workers) served on as orphans, the ipc directory stayed, and nothing said so.
+    script = write(tmp_path, "sleeper.py", SLEEPER)
+    job = Job(["-s", "2", "-n", "1", "--transport", "ipc", "--", sys.executable, script], tmp_path)
+    try:
+        job.wait_for(r"\] ready$")
+        pids = job.pids()
+        assert len(pids) == 3, job.output()
+        servers = [psutil.Process(pid) for name, pid in pids.items() if name.startswith("server")]
+        socket_dir = os.path.dirname(servers[0].cmdline()[-1][len("ipc://") :])
+        assert os.path.isdir(socket_dir)
+        job.process.kill()
+        job.process.wait(30)
+        assert_all_gone(pids.values())
+    finally:
+        job.stop()
+    # The next launch on this host removes the directory the killed one left.
+    code = run_job(["-s", "1", "-n", "1", "--transport", "ipc", "--", "true"], tmp_path)[1]
+    assert code == 0
+    assert not os.path.exists(socket_dir)
+
+
+def test_socket_directories_removed_are_only_those_of_makers_gone(monkeypatch):
+    parent = tempfile.mkdtemp(prefix="kvs", dir="/tmp")  # short: socket paths fit
+    monkeypatch.setattr(tempfile, "tempdir", parent)
+    try:
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        namespace = os.readlink("/proc/self/ns/pid")
+        made = {}
+        for name, owner in [
+            ("dead", f"{gone.pid} {namespace}"),
+            ("alive", f"{os.getpid()} {namespace}"),
+            ("other-namespace", f"{gone.pid} pid:[1]"),
+            ("unnamed", None),  # an older kvsparse's, or one being made
+        ]:
+            made[name] = os.path.join(parent, f"kvsparse-{name}")
+            os.mkdir(made[name])
+            if owner is not None:
+                with open(os.path.join(made[name], "owner"), "w") as file:
+                    file.write(owner)
+        other = os.path.join(parent, "kvsparse-online-run")  # another kvsparse-* directory
+        os.mkdir(other)
+        mine = server_process.socket_directory()
+        assert os.path.dirname(mine) == parent
+        assert sorted(os.listdir(mine)) == ["owner"]
+        assert not os.path.exists(made["dead"])
+        for name in ("alive", "other-namespace", "unnamed"):
+            assert os.path.isdir(made[name]), name
+        assert os.path.isdir(other)
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
 
 
 def test_a_dead_server_stops_the_job(tmp_path):

@@ -212,6 +212,9 @@ class _Cluster:
             "label": f"{role} {index}",
             "on_stdout": functools.partial(self.out.line, prefix),
             "on_stderr": functools.partial(self.err.line, prefix),
+            # A launcher killed with SIGKILL cannot stop its children: they get the
+            # SIGTERM it would have sent them (else its servers served on, orphaned).
+            "preexec_fn": process.die_with_parent(signal.SIGTERM),
         }
 
     def _watch(self, role: str, index: int, child: process.ChildProcess) -> None:

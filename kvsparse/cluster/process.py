@@ -17,7 +17,10 @@ client's ``ping`` only when it is called.
   held by one that just died (bind retries); `wait_answering`: pings a server
   until it answers.
 - `socket_directory` / `ipc_bind_address`: where servers of the same host
-  put their ``ipc://`` sockets (a private temporary directory, mode 0700).
+  put their ``ipc://`` sockets (a private temporary directory, mode 0700;
+  those of makers killed with SIGKILL are removed by the next one).
+- `die_with_parent`: a child started with it gets a signal when its parent
+  dies, even by SIGKILL (Linux), so that no server outlives its launcher.
 
 The environment rule. A child gets its parent's environment, without
 
@@ -46,7 +49,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,6 +88,9 @@ _RECENT_LINES = 20
 # for workers on the servers' host).
 TRANSPORTS = ("tcp", "ipc")
 _SOCKET_DIRECTORY_PREFIX = "kvsparse-"
+# In each socket directory: "PID PID-NAMESPACE" of the process that made it.
+_SOCKET_DIRECTORY_OWNER = "owner"
+_PR_SET_PDEATHSIG = 1
 # The longest socket name ipc_bind_address is given ("server-NNNN"), with a margin.
 _SOCKET_NAME_ROOM = len(_SOCKET_DIRECTORY_PREFIX) + 8 + len("/server-00000") + 2
 
@@ -119,7 +127,82 @@ def socket_directory() -> str:
     parent = tempfile.gettempdir()
     if len(os.fsencode(parent)) + _SOCKET_NAME_ROOM > config.IPC_PATH_MAX_BYTES:
         parent = "/tmp"
-    return tempfile.mkdtemp(prefix=_SOCKET_DIRECTORY_PREFIX, dir=parent)
+    _remove_orphaned_socket_directories(parent)
+    directory = tempfile.mkdtemp(prefix=_SOCKET_DIRECTORY_PREFIX, dir=parent)
+    with open(os.path.join(directory, _SOCKET_DIRECTORY_OWNER), "w") as owner:
+        owner.write(f"{os.getpid()} {_pid_namespace()}")
+    return directory
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "-"
+
+
+def _remove_orphaned_socket_directories(parent: str) -> None:
+    """Removes the socket directories in parent of this user's makers that are gone.
+
+    A maker removes its own at its end; one killed with SIGKILL cannot, and its
+    servers went with it (`die_with_parent`). Only directories that name their
+    maker are looked at, and only makers in this PID namespace (a pid of
+    another, a container's say, means nothing here).
+    """
+    uid, namespace = os.getuid(), _pid_namespace()
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(_SOCKET_DIRECTORY_PREFIX):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            with open(os.path.join(entry.path, _SOCKET_DIRECTORY_OWNER)) as owner:
+                pid_text, owner_namespace = owner.read().split()
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            continue  # not one of these, still being made, or made by an older kvsparse
+        if owner_namespace != namespace or namespace == "-" or _alive(pid):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def die_with_parent(signum: int) -> Callable[[], None]:
+    """A `ChildProcess` preexec_fn: the child gets signum when this process dies (Linux).
+
+    Also when it is killed with SIGKILL, which leaves it no time to stop its
+    children. Linux sends it when the thread that started the child ends:
+    start children from a thread that outlives them (the main thread). The
+    child's own children are not covered. Elsewhere it does nothing.
+    """
+    parent = os.getpid()
+    try:  # looked up here: the child, forked from a process with threads, only calls it
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        prctl = None
+
+    def preexec() -> None:
+        if prctl is None or prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+            return
+        if os.getppid() != parent:  # it died before the line above: no signal will come
+            os.kill(os.getpid(), signum)
+
+    return preexec
 
 
 def ipc_bind_address(directory: str, name: str) -> str:
@@ -607,6 +690,7 @@ __all__ = [
     "enter_worker_environment",
     "server_environment",
     "socket_directory",
+    "die_with_parent",
     "start_server",
     "wait_answering",
     "worker_environment",
