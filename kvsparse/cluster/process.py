@@ -167,12 +167,13 @@ def _remove_orphaned_socket_directories(parent: str) -> None:
             pid = int(pid_text)
         except (OSError, ValueError):
             continue  # not one of these, still being made, or made by an older kvsparse
-        if owner_namespace != namespace or namespace == "-" or _alive(pid):
+        if owner_namespace != namespace or namespace == "-" or pid_alive(pid):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user's counts). Thread-safe."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -691,6 +692,7 @@ __all__ = [
     "server_environment",
     "socket_directory",
     "die_with_parent",
+    "pid_alive",
     "start_server",
     "wait_answering",
     "worker_environment",

@@ -57,16 +57,6 @@ def delete_record(name: str, namespace: str) -> None:
     internal_kv._internal_kv_del(_key(name), namespace=namespace)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def same_server(pid: int, record: dict) -> bool:
     """True if pid is still the kvsparse server of record (not a recycled pid)."""
     try:

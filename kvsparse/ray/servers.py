@@ -81,8 +81,9 @@ class ServerShard:
         self.restarts = 0 if record is None else record["restarts"] + 1
         if record is not None:
             # A server left over from a dead actor (no PDEATHSIG on this OS) holds the port.
-            if registry.pid_alive(record["pid"]) and registry.same_server(record["pid"], record):
-                os.kill(record["pid"], signal.SIGKILL)
+            pid = record["pid"]
+            if server_process.pid_alive(pid) and registry.same_server(pid, record):
+                os.kill(pid, signal.SIGKILL)
         self.socket_directory: Optional[str] = None
         if transport == "ipc":
             bind = _ipc_bind(record, index)
