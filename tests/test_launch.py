@@ -358,6 +358,12 @@ def test_socket_directories_removed_are_only_those_of_makers_gone(monkeypatch):
         for name in ("alive", "other-namespace", "unnamed"):
             assert os.path.isdir(made[name]), name
         assert os.path.isdir(other)
+        # What kvsparse.ray makes (an actor restarted after its process died takes it over):
+        # no maker named, so no sweep removes it.
+        taken_over = server_process.socket_directory(removed_with_maker=False)
+        assert os.listdir(taken_over) == []
+        server_process.socket_directory()
+        assert os.path.isdir(taken_over)
     finally:
         shutil.rmtree(parent, ignore_errors=True)
 

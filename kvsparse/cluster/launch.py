@@ -814,7 +814,9 @@ def local_cluster(
         InvalidArgument: a bad count, transport, or host with 'ipc'.
         ServerUnavailable: a server did not start or answer in time.
 
-    Thread-safe: each call starts its own servers.
+    Thread-safe: each call starts its own servers. On Linux they get SIGTERM
+    when the thread that called this ends (`process.die_with_parent`), so
+    leave the block in that thread.
 
     Example:
         >>> import kvsparse

@@ -105,7 +105,7 @@ def check_transport(transport) -> str:
     return transport
 
 
-def socket_directory() -> str:
+def socket_directory(removed_with_maker: bool = True) -> str:
     """Makes a private directory (mode 0700) for the ``ipc://`` sockets of this host's servers.
 
     It is made in the temporary directory (``tempfile.gettempdir()``), or in
@@ -113,6 +113,12 @@ def socket_directory() -> str:
     socket path has at most `kvsparse.config.IPC_PATH_MAX_BYTES` bytes). Only
     this user can reach sockets in it. The caller removes it (with what is in
     it) when its servers have stopped.
+
+    removed_with_maker: True: it names this process as its maker, and a later
+    call (of any process of this user) removes it once this process is gone
+    (killed with SIGKILL, say, so that it could not). False: only the caller
+    removes it (`kvsparse.ray`: a restarted actor takes over its shard's
+    directory, whose maker died).
 
     Raises:
         OSError: the directory cannot be made.
@@ -129,8 +135,9 @@ def socket_directory() -> str:
         parent = "/tmp"
     _remove_orphaned_socket_directories(parent)
     directory = tempfile.mkdtemp(prefix=_SOCKET_DIRECTORY_PREFIX, dir=parent)
-    with open(os.path.join(directory, _SOCKET_DIRECTORY_OWNER), "w") as owner:
-        owner.write(f"{os.getpid()} {_pid_namespace()}")
+    if removed_with_maker:
+        with open(os.path.join(directory, _SOCKET_DIRECTORY_OWNER), "w") as owner:
+            owner.write(f"{os.getpid()} {_pid_namespace()}")
     return directory
 
 

@@ -38,7 +38,9 @@ def _ipc_bind(record: Optional[dict], index: int) -> str:
         path = cluster_config.ipc_path(record["address"])
         if path is not None and os.path.isdir(os.path.dirname(path)):
             return record["address"]
-    return server_process.ipc_bind_address(server_process.socket_directory(), f"server-{index}")
+    # Not removed with this actor's process: the actor restarted after it dies takes it over.
+    directory = server_process.socket_directory(removed_with_maker=False)
+    return server_process.ipc_bind_address(directory, f"server-{index}")
 
 
 class ServerShard:
