@@ -297,3 +297,42 @@ def test_the_polling_thread_lowers_its_own_priority_only(tmp_path):
 def test_a_bad_niceness_is_refused(tmp_path, niceness):
     with pytest.raises(errors.InvalidArgument, match="niceness"):
         Follower(str(tmp_path), ServingState(), Selection(), niceness=niceness)
+
+
+def test_status_never_shows_a_newer_checkpoint_with_the_error_of_an_older_one(tmp_path):
+    # The follower makes the new state visible, then clears the error of the checkpoint
+    # it had refused: a /healthz read in between said "degraded" about the checkpoint
+    # that had just healed it (seen once in CI: test_serving_replica's corrupt delta).
+    from kvsparse.serving.server import ServingConfig, ServingServer
+
+    kv, ids = _store(100)
+    _set_all(kv, ids, 1.0)
+    kv.save(tmp_path)
+    state, follower = _follow_one(tmp_path)
+    server = ServingServer(ServingConfig(path=str(tmp_path), bind="tcp://127.0.0.1:0"))
+    server.state, server.follower = state, follower
+    _set_all(kv, ids, 2.0)
+    kv.save(tmp_path, incremental=True)
+    (shard,) = tmp_path.glob("ckpt-000002.shard-*.kvs")
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert not follower.poll_once()  # refused: checksum mismatch
+    status = server.status()
+    assert status["status"] == "degraded" and status["last_error"]["seq"] == 2
+    assert status["version"]["seq"] == 1
+    _set_all(kv, ids, 3.0)
+    assert kv.save(tmp_path) == 3
+    seen = []
+    real_apply = state.apply
+
+    def apply_then_look(update):
+        real_apply(update)
+        seen.append(server.status())  # the new state shows; the error is not cleared yet
+
+    state.apply = apply_then_look
+    assert follower.poll_once()
+    (between,) = seen
+    assert between["version"]["seq"] == 3
+    assert between["status"] == "ok" and between["last_error"] is None, between
+    assert server.status()["status"] == "ok"

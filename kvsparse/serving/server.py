@@ -205,9 +205,13 @@ class ServingServer:
 
     def status(self) -> dict:
         """The replica's tables, version, freshness, selection and last error."""
-        described = self.state.describe()
         error = None if self.follower is None else self.follower.last_error
+        described = self.state.describe()
         version = described["version"]
+        if error is not None and version is not None and version.get("seq", -1) >= error["seq"]:
+            # Refused, then served by a later checkpoint: the follower clears the error
+            # just after the new state shows; read in between, it is already stale.
+            error = None
         fresh = freshness(version)
         return {
             "status": "empty" if version is None else ("degraded" if error else "ok"),
