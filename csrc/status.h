@@ -2,7 +2,7 @@
 //
 // The core never throws across its public API and never aborts. A Status is
 // checked by the Cython bridge without the GIL and turned into one
-// kvsparse.errors class there (habit 3 of CONVENTIONS.md).
+// kvsparse.errors class there (CONTRIBUTING.md, "Style").
 //
 //   kvsparse::Status s = table.ApplyGradients(keys, n, grads, policy);
 //   if (!s.ok()) { /* s.code(), s.message() */ }

@@ -1,6 +1,6 @@
 """Cluster configuration: where the servers are, and who this worker is.
 
-This is the one module that reads environment variables (CONVENTIONS habit 6).
+This is the one module that reads environment variables (CONTRIBUTING.md, "Style").
 Everything else takes a `ClusterConfig` (or plain arguments) explicitly. The
 one other module that touches ``os.environ``, `kvsparse.cluster.process`,
 copies it into the processes it starts and reads no setting from it;

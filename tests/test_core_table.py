@@ -569,7 +569,7 @@ def test_wrong_dtypes_raise_dtype_error(case):
     """A dtype the core does not take raises kvsparse.errors.DTypeError (a TypeError).
 
     errors.DTypeError exists for exactly this ("e.g. float ids"); habit 3 of
-    CONVENTIONS.md: errors cross the boundary as kvsparse.errors classes.
+    CONTRIBUTING.md: errors cross the boundary as kvsparse.errors classes.
     """
     table = _core.Table(3)
     with pytest.raises(errors.DTypeError) as info:

@@ -1,4 +1,4 @@
-"""docs/: every ```python block of the quickstart runs; links between the docs resolve."""
+"""docs/: every ```python block of the quickstart and the README runs; links between the docs resolve."""
 
 from __future__ import annotations
 
@@ -49,6 +49,24 @@ def test_every_quickstart_block_runs(tmp_path):
     assert f"QUICKSTART OK {len(blocks)}" in result.stdout
 
 
+def test_the_readme_example_runs(tmp_path):
+    """The README's ten-line example is the first code a newcomer pastes: it must run as is."""
+    blocks = python_blocks(REPO_ROOT / "README.md")
+    assert len(blocks) == 1 and len(blocks[0].splitlines()) <= 12
+    (tmp_path / "blocks.json").write_text(json.dumps(blocks))
+    (tmp_path / "runner.py").write_text(RUNNER)
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "blocks.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+        env=subprocess_env(),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert "QUICKSTART OK 1" in result.stdout
+
+
 def test_the_runner_reports_a_failing_block(tmp_path):
     (tmp_path / "blocks.json").write_text(json.dumps(["x = 1", "assert x == 2"]))
     (tmp_path / "runner.py").write_text(RUNNER)
@@ -69,7 +87,10 @@ def test_every_python_block_in_the_docs_compiles():
 
 def test_relative_links_resolve():
     link = re.compile(r"\]\(([^)#:]+\.(?:md|py|yaml))(?:#[^)]*)?\)")
-    for path in sorted(DOCS.glob("*.md")) + [REPO_ROOT / "README.md"]:
+    for path in sorted(DOCS.glob("*.md")) + [
+        REPO_ROOT / "README.md",
+        REPO_ROOT / "CONTRIBUTING.md",
+    ]:
         for target in link.findall(path.read_text()):
             assert (path.parent / target).exists(), f"{path.name} links to missing {target}"
 

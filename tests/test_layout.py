@@ -1,7 +1,7 @@
 """Rules of the layout that no single file shows: who may read the environment, who may import whom.
 
-`kvsparse.config` is the one reader of environment variables (CONVENTIONS
-habit 6). The process-environment builders of `kvsparse.cluster.process`
+`kvsparse.config` is the one reader of environment variables
+(CONTRIBUTING.md, "Style"). The process-environment builders of `kvsparse.cluster.process`
 touch ``os.environ`` too, but only to copy it into the processes they start.
 This test parses every Python source of kvsparse/ and adapters/ and fails on
 any other ``os.environ``, ``os.getenv`` or ``environ.get``, listing them.
