@@ -1,4 +1,4 @@
-"""docs/: every ```python block of the quickstart and the README runs; links between the docs resolve."""
+"""docs/: every ```python block of the quickstart and the README runs; doc links resolve."""
 
 from __future__ import annotations
 
