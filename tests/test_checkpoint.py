@@ -484,13 +484,16 @@ def test_server_restore_flag(tmp_path):
 
 
 def test_save_and_load_without_a_path_use_the_launchers_checkpoint_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVSPARSE_CHECKPOINT_DIR", raising=False)
+    without = kvsparse.create("local")
+    without.init("t", kvsparse.SparseTable(dim=2))
+    with pytest.raises(kvsparse.errors.InvalidArgument, match="KVSPARSE_CHECKPOINT_DIR"):
+        without.save()
+    # The directory is settled when the store is made (kvsparse.create reads the environment).
+    monkeypatch.setenv("KVSPARSE_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
     kv = kvsparse.create("local")
     kv.init("t", kvsparse.SparseTable(dim=2, initializer=kvsparse.initializers.Zeros()))
     kv.push("t", (np.array([3]), np.ones((1, 2), np.float32)))
-    monkeypatch.delenv("KVSPARSE_CHECKPOINT_DIR", raising=False)
-    with pytest.raises(kvsparse.errors.InvalidArgument, match="KVSPARSE_CHECKPOINT_DIR"):
-        kv.save()
-    monkeypatch.setenv("KVSPARSE_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
     kv.save()
     other = kvsparse.create("local")
     other.load()

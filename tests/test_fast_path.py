@@ -507,13 +507,23 @@ def test_the_fast_path_is_off_with_the_environment_variable():
     assert config.fast_path({"KVSPARSE_FAST_PATH": "0"}) is False
     with pytest.raises(errors.InvalidArgument, match="KVSPARSE_FAST_PATH"):
         config.fast_path({"KVSPARSE_FAST_PATH": "maybe"})
-    code = "from kvsparse.server.server import Server; s = Server(); print(s.fast_path); s.close()"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=subprocess_env({"KVSPARSE_FAST_PATH": "0"}),
-        capture_output=True,
+    # `kvsparse server` resolves it once and hands it to the Server it makes.
+    code = (
+        "import kvsparse.server.main as main\n"
+        "def made(bind, **options):\n"
+        "    print(options['fast_path'], options['heartbeat_timeout']); raise SystemExit(0)\n"
+        "main.Server = made\n"
+        "main.main(['--bind', 'tcp://127.0.0.1:0'])\n"
     )
-    assert out.stdout.strip() == b"False", out.stderr
+    for variables, expected in (({}, b"True 30.0"), ({"KVSPARSE_FAST_PATH": "0"}, b"False 30.0")):
+        variables["KVSPARSE_HEARTBEAT_TIMEOUT"] = "30s"
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env=subprocess_env(variables),
+            capture_output=True,
+            timeout=60,
+        )
+        assert out.stdout.strip() == expected, out.stderr
     assert zmq.zmq_version_info()[0] >= 4
 
 

@@ -424,6 +424,8 @@ def test_server_that_cannot_bind_is_reported(tmp_path):
         (["-s", "two", "--", "python"], "expected an integer, got 'two'"),
         (["--env", "NOVALUE", "--", "python"], "expected KEY=VALUE"),
         (["-n", "2"], "no worker command"),
+        (["--timeout", "0", "--", "python"], "--timeout='0' is not a number of seconds > 0"),
+        (["--save-every", "soon", "--", "python"], "--save-every='soon' is not a number of"),
     ],
 )
 def test_launch_usage_errors(args, message):
@@ -437,7 +439,6 @@ def test_launch_usage_errors(args, message):
     [
         (["--env", "KVSPARSE_RANK=3"], "KVSPARSE_RANK is set by the launcher"),
         (["--env", "DMLC_ROLE=server"], "DMLC_ROLE would make MXNet's ps-lite take over"),
-        (["--timeout", "0"], "timeout must be a positive number of seconds"),
         (["--staleness", "-1"], "staleness must be >= 0"),
     ],
 )

@@ -22,7 +22,10 @@ from conftest import REPO_ROOT
 SOURCE_DIRECTORIES = ("kvsparse", "adapters")
 # path -> the functions in it that may touch the environment (None: the whole module).
 ALLOWED = {
-    "kvsparse/config.py": None,
+    **{
+        path.relative_to(REPO_ROOT).as_posix(): None
+        for path in (REPO_ROOT / "kvsparse" / "config").glob("*.py")
+    },
     # enter_worker_environment: a Ray actor running a colocated worker's code sets its own
     # environment as kvsparse launch sets a worker's (kvsparse.ray.start_colocated).
     "kvsparse/cluster/process.py": {
@@ -134,6 +137,97 @@ def test_the_checker_sees_every_form(tmp_path):
     ]
 
 
+# The functions of kvsparse.config that read the environment (a setting's `read` too).
+READERS = {
+    "from_environment",
+    "monitor_config",
+    "server_bind_address",
+    "colocated_peers",
+    "restarted",
+    "shard_fd",
+    "rejoin_window",
+    "checkpoint_dir",
+    "periodic_save",
+    "curve_keys",
+    "retry_window",
+    "heartbeat_timeout",
+    "fast_path",
+    "server_limits",
+    "mxnet_role",
+    "read",
+}
+# The entry points: they resolve the settings once and pass them down. A module below
+# them takes its settings as arguments (a WorkerSettings, a ServerSettings, or values).
+ENTRY_POINTS = (
+    "kvsparse/store/factory.py",  # kvsparse.create
+    "kvsparse/server/main.py",  # kvsparse server
+    "kvsparse/serving/main.py",  # kvsparse serve
+    "kvsparse/cli/",  # the other commands
+    "kvsparse/cluster/launch.py",  # kvsparse launch
+    "kvsparse/ray/",  # the Ray actors' own entry
+    "adapters/mxnet.py",  # refuses a ps-lite role before MXNet's import can start one
+)
+
+
+def reader_calls(path) -> list[tuple[int, str]]:
+    """(line, name) of each call of a kvsparse.config reader in one Python file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    config_names = {"config", "cluster_config"}  # how the package is imported here
+    direct = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "kvsparse":
+            config_names |= {a.asname or a.name for a in node.names if a.name == "config"}
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvsparse.config"):
+            direct |= {a.asname or a.name for a in node.names if a.name in READERS}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        function = node.func
+        if isinstance(function, ast.Name) and function.id in direct:
+            found.append((node.lineno, function.id))
+        elif isinstance(function, ast.Attribute) and function.attr in READERS:
+            base = function.value
+            while isinstance(base, (ast.Attribute, ast.Subscript)):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in config_names:
+                found.append((node.lineno, function.attr))
+    return found
+
+
+def test_settings_are_read_at_the_entry_points_only():
+    offenders = []
+    for directory in SOURCE_DIRECTORIES:
+        for path in sorted((REPO_ROOT / directory).rglob("*.py")):
+            name = path.relative_to(REPO_ROOT).as_posix()
+            if name.startswith("kvsparse/config/") or name.startswith(ENTRY_POINTS):
+                continue
+            offenders += [f"{name}:{line}: config.{what}()" for line, what in reader_calls(path)]
+    assert not offenders, (
+        "take the setting as an argument (resolved at an entry point: kvsparse.create, "
+        "kvsparse server, the CLI) instead of reading it here:\n" + "\n".join(offenders)
+    )
+
+
+def test_the_reader_checker_sees_every_form(tmp_path):
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "from kvsparse import config as cfg\n"
+        "from kvsparse.config import retry_window as window\n"
+        "a = cfg.curve_keys()\n"
+        "b = window()\n"
+        "c = cfg.SETTINGS['timeout'].read()\n"
+        "d = cfg.WorkerSettings.from_environment()\n"
+        "e = cfg.parse_bytes('1GiB')\n"
+    )
+    assert reader_calls(source) == [
+        (3, "curve_keys"),
+        (4, "window"),
+        (5, "read"),
+        (6, "from_environment"),
+    ]
+
+
 # The base: what users configure, the errors, the environment reader, the core.
 BASE = {
     "kvsparse.errors",
@@ -170,7 +264,7 @@ MAY_IMPORT = {
 
 def wing_of(module: str) -> str:
     """The wing of a dotted module name inside kvsparse."""
-    if module in BASE:
+    if module in BASE or module.startswith("kvsparse.config."):
         return "base"
     parts = module.split(".")
     if parts[0] == "adapters" or module.startswith("kvsparse.adapters"):

@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Optional
 
-from kvsparse import errors
+from kvsparse import config, errors
 
 _COMMANDS = {
     "launch": "start servers and workers on this host and run a training job",
@@ -119,7 +119,7 @@ def _launch_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=config.SETTINGS["timeout"].argument(),
         default=None,
         metavar="SECONDS",
         help="KVSPARSE_TIMEOUT for the workers: seconds to wait for a server",
@@ -141,14 +141,14 @@ def _launch_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--startup-timeout",
-        type=float,
+        type=config.SETTINGS["startup_timeout"].argument(),
         default=60.0,
         metavar="SECONDS",
         help="seconds to wait for the servers to answer (default: 60)",
     )
     parser.add_argument(
         "--grace-period",
-        type=float,
+        type=config.SETTINGS["grace_period"].argument(),
         default=5.0,
         metavar="SECONDS",
         help="seconds between SIGTERM and SIGKILL when stopping (default: 5)",
@@ -169,7 +169,7 @@ def _launch_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--retry-window",
-        type=float,
+        type=config.SETTINGS["retry_window"].argument(),
         default=None,
         metavar="SECONDS",
         help="KVSPARSE_RETRY_WINDOW for the workers: how long they retry a restarted server "
@@ -184,7 +184,7 @@ def _launch_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--save-every",
-        type=float,
+        type=config.SETTINGS["save_every"].argument(),
         default=None,
         metavar="SECONDS",
         help="rank 0 saves into --checkpoint-dir on this interval while training runs (full "

@@ -48,7 +48,7 @@ from typing import Optional
 import numpy as np
 import zmq
 
-from kvsparse import config, errors
+from kvsparse import errors
 from kvsparse.client.session import Session
 from kvsparse.client.shared import DEFAULT_BYTES, SharedArena
 from kvsparse.client.shared import MIN_BYTES as MIN_SHARED_BYTES
@@ -76,10 +76,10 @@ class RemoteBackend:
             ServerUnavailable (default 60).
         retry_window: seconds to keep trying to reach a restarted or silent
             server (HELLO again, then resend the request in flight) before
-            ServerUnavailable; 0: no retry. None: `kvsparse.config.retry_window`
-            (``KVSPARSE_RETRY_WINDOW``, else 0).
-        keys: a ``kvsparse keys`` directory for CurveZMQ; None:
-            `kvsparse.config.curve_keys` (``KVSPARSE_KEYS``), else no encryption.
+            ServerUnavailable; 0 or None: no retry (``kvsparse.create``
+            passes ``KVSPARSE_RETRY_WINDOW``).
+        keys: a ``kvsparse keys`` directory for CurveZMQ; None: no encryption
+            (``kvsparse.create`` passes ``KVSPARSE_KEYS``).
         local: {server index: endpoint} of shards served in this process
             (colocated mode: `kvsparse.store.colocated`), reached without a socket.
         shared_memory: rows through a shared-memory segment (module docstring):
@@ -126,8 +126,8 @@ class RemoteBackend:
             self.servers,
             rank=self.rank,
             timeout=timeout,
-            retry_window=config.retry_window() if retry_window is None else retry_window,
-            keys=config.curve_keys() if keys is None else keys,
+            retry_window=0.0 if retry_window is None else retry_window,
+            keys=keys,
             local=local,
         )
         self._pipelined_pulls = pulls_may_follow_pending_pushes(
@@ -592,8 +592,7 @@ def ping(address: str, timeout: float = 1.0, keys: Optional[str] = None) -> bool
     Args:
         address: ``tcp://host:port``.
         timeout: seconds to wait.
-        keys: a ``kvsparse keys`` directory for a CurveZMQ server (default:
-            `kvsparse.config.curve_keys`, ``KVSPARSE_KEYS``, else none).
+        keys: a ``kvsparse keys`` directory for a CurveZMQ server (None: none).
 
     Raises:
         InvalidArgument: keys is not a usable key directory.
@@ -605,7 +604,7 @@ def ping(address: str, timeout: float = 1.0, keys: Optional[str] = None) -> bool
     session = Session(
         [address],
         timeout=timeout,
-        keys=config.curve_keys() if keys is None else keys,
+        keys=keys,
         monitor=True,
     )
     try:

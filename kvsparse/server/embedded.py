@@ -60,13 +60,13 @@ class EmbeddedServer:
         keys: a CurveZMQ key directory (see `Server`), or None.
         limits: the `kvsparse.config.ServerLimits` (default: the defaults).
         restarted: the shard replaces one that died (see `Server`).
-        heartbeat_timeout: see `Server` (None: the configured one).
+        heartbeat_timeout: see `Server` (None: 30 s).
         rejoin_window: see `Server`.
         restore: (checkpoint path, shard index, number of shards): loaded
             (`Server.restore`) before the shard serves anything.
         use_fd: a listening tcp socket's file descriptor to serve instead of
             binding bind (see `Server`); the shard takes it over.
-        fast_path: see `Server` (None: ``KVSPARSE_FAST_PATH``, on by default).
+        fast_path: see `Server` (None: on).
 
     Raises:
         zmq.ZMQError: the address cannot be bound.

@@ -49,13 +49,6 @@ def _port(text: str) -> int:
     return port
 
 
-def _byte_count(text: str) -> int:
-    try:
-        return config.parse_bytes(text, "value")
-    except errors.InvalidArgument as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _count(text: str) -> int:
     try:
         value = int(text, 10)
@@ -77,7 +70,7 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits.add_argument(
         "--max-reply-bytes",
-        type=_byte_count,
+        type=config.SETTINGS["max_reply_bytes"].argument(),
         metavar="BYTES",
         help="largest reply one request may ask for, checked before any work (a pull of N ids "
         f"of dim D is N*D*4 bytes) (KVSPARSE_MAX_REPLY_BYTES; default: "
@@ -85,7 +78,7 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits.add_argument(
         "--max-unread-reply-bytes",
-        type=_byte_count,
+        type=config.SETTINGS["max_unread_reply_bytes"].argument(),
         metavar="BYTES",
         help="replies one connection may leave unread in the server; further pulls are refused "
         f"until it reads (KVSPARSE_MAX_UNREAD_REPLY_BYTES; default: "
@@ -155,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-message-size",
-        type=int,
+        type=config.SETTINGS["max_message_size"].argument(),
         default=DEFAULT_MAX_MESSAGE_SIZE,
         metavar="BYTES",
         help="largest message frame accepted; a bigger one drops the sender's connection "
@@ -245,13 +238,11 @@ def main(argv=None) -> int:
     ):
         print("kvsparse server: --restore needs --shard-index I --num-shards N", file=sys.stderr)
         return 2
-    keys = args.keys if args.keys is not None else config.curve_keys()
     try:
-        if args.bind is not None:
-            bind = config.parse_bind_address(args.bind, "--bind")
-        else:
-            bind = config.server_bind_address() or "tcp://127.0.0.1:0"
-        limits = config.server_limits(
+        # The one place a server process reads its environment: flags first.
+        settings = config.ServerSettings.from_environment(
+            keys=args.keys,
+            fast_path=False if args.no_fast_path else None,
             max_reply_bytes=args.max_reply_bytes,
             max_unread_reply_bytes=args.max_unread_reply_bytes,
             max_tables=args.max_tables,
@@ -259,6 +250,10 @@ def main(argv=None) -> int:
             max_rows_per_request=args.max_rows_per_request,
             checkpoint_root=args.checkpoint_root,
         )
+        if args.bind is not None:
+            bind = config.parse_bind_address(args.bind, "--bind")
+        else:
+            bind = config.server_bind_address() or "tcp://127.0.0.1:0"
     except errors.InvalidArgument as exc:
         print(f"kvsparse server: {exc}", file=sys.stderr)
         return 2
@@ -272,11 +267,12 @@ def main(argv=None) -> int:
     try:
         server = Server(
             bind,
-            keys=keys,
+            keys=settings.keys,
             max_message_size=args.max_message_size,
             restarted=args.restarted,
-            limits=limits,
-            fast_path=False if args.no_fast_path else None,
+            limits=settings.limits,
+            heartbeat_timeout=settings.heartbeat_timeout,
+            fast_path=settings.fast_path,
         )
     except zmq.ZMQError as exc:
         print(f"kvsparse server: cannot bind {bind}: {exc}", file=sys.stderr)

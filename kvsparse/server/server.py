@@ -96,15 +96,15 @@ class Server:
             (`kvsparse.config.ServerLimits`; default: its defaults).
         heartbeat_timeout: seconds a peer may stay silent after a ZeroMQ
             heartbeat before its connection is closed (and, for a worker,
-            before it counts as gone: `kvsparse.server.liveness`); None:
-            `kvsparse.config.heartbeat_timeout` (``KVSPARSE_HEARTBEAT_TIMEOUT``,
-            default 30); 0: no heartbeats.
+            before it counts as gone: `kvsparse.server.liveness`); None: 30 s
+            (``kvsparse server`` passes ``KVSPARSE_HEARTBEAT_TIMEOUT``); 0: no
+            heartbeats.
         guard: a lock serve() holds while it handles messages (not while it
             waits), so that other threads holding it may call handle() and
             `attach` too (`kvsparse.server.embedded`, issue 14). None: none.
         fast_path: answer PULL_SPARSE and PUSH_SPARSE on a C++ thread without the
-            GIL (`kvsparse.server.fastpath`); None: `kvsparse.config.fast_path`
-            (``KVSPARSE_FAST_PATH``, on by default). Needs guard None or a
+            GIL (`kvsparse.server.fastpath`); None: on (``kvsparse server``
+            passes ``KVSPARSE_FAST_PATH``). Needs guard None or a
             `kvsparse._core.ShardLock`; another guard turns it off.
         rejoin_window: seconds the requests that wait for a worker that left
             are held for it to come back (a colocated worker restarted by
@@ -148,7 +148,7 @@ class Server:
     ):
         limits = limits if limits is not None else ServerLimits()
         if fast_path is None:
-            fast_path = config.fast_path()
+            fast_path = True
         if fast_path and guard is None:
             guard = _core.ShardLock()
         self._guard = guard if guard is not None else contextlib.nullcontext()
@@ -156,7 +156,7 @@ class Server:
         if "://" not in bind:  # 'host:port', as clients accept it (inproc:// etc. pass as is)
             bind = config.parse_bind_address(bind, "bind")
         if heartbeat_timeout is None:
-            heartbeat_timeout = config.heartbeat_timeout()
+            heartbeat_timeout = config.DEFAULT_HEARTBEAT_TIMEOUT
         self._loop = EventLoop(
             bind,
             context,

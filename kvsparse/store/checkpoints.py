@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from kvsparse import _core, config, errors, optimizers
+from kvsparse import _core, errors, optimizers
 from kvsparse.arrays import as_list
 from kvsparse.placement import dense_ranges
 from kvsparse.shard.checkpoint import CheckpointAction
@@ -41,21 +41,24 @@ class Checkpoints:
     Args:
         backend: the store's backend.
         keys: the store's key registry; `load` replaces its keys.
+        checkpoint_dir: where a save or load without a path goes (the
+            launcher's ``--checkpoint-dir``, resolved when the store was made).
     """
 
-    def __init__(self, backend: Backend, keys: KeyRegistry):
+    def __init__(self, backend: Backend, keys: KeyRegistry, checkpoint_dir=None):
         self._backend = backend
         self._keys = keys
+        self._checkpoint_dir = checkpoint_dir
 
-    @staticmethod
-    def resolve(path) -> str:
+    def resolve(self, path) -> str:
         """path, or the launcher's --checkpoint-dir when path is None.
 
         Raises:
-            InvalidArgument: path is None and KVSPARSE_CHECKPOINT_DIR is not set.
+            InvalidArgument: path is None and the store was made without
+                KVSPARSE_CHECKPOINT_DIR set.
         """
         if path is None:
-            path = config.checkpoint_dir()
+            path = self._checkpoint_dir
             if path is None:
                 raise errors.InvalidArgument(
                     "no checkpoint path given and KVSPARSE_CHECKPOINT_DIR is not set "

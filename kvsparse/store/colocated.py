@@ -283,6 +283,7 @@ def create_colocated_backend(
     checkpoint_dir: Optional[str] = None,
     rejoin_window: float = 0.0,
     listener_fd: Optional[int] = None,
+    server: Optional[config.ServerSettings] = None,
 ) -> ColocatedBackend:
     """Binds this worker's shard at peers[rank], waits for the other shards, greets all.
 
@@ -295,7 +296,9 @@ def create_colocated_backend(
     (``KVSPARSE_SHARD_FD``, from ``kvsparse launch --colocated``): the shard
     serves a duplicate of it instead of binding, so the port the launcher
     reserved cannot have been taken meanwhile. One listening elsewhere (the
-    caller named other peers) is not used.
+    caller named other peers) is not used. server: the settings of the shard
+    this worker hosts (limits, heartbeats, fast path; default: the defaults);
+    keys, when given, replace its keys.
 
     Raises:
         InvalidArgument: num_workers is not len(peers), a malformed address.
@@ -315,7 +318,8 @@ def create_colocated_backend(
             f"colocated mode has one shard per worker: {cluster.num_workers} workers but "
             f"{len(peers)} peer addresses {peers}"
         )
-    keys = config.curve_keys() if keys is None else keys
+    server = server if server is not None else config.ServerSettings()
+    keys = server.keys if keys is None else keys
     bind = config.peer_bind_address(peers[cluster.rank])
     restore = None
     if restarted and checkpoint_dir is not None and _has_checkpoint(checkpoint_dir):
@@ -327,7 +331,9 @@ def create_colocated_backend(
                 bind,
                 use_fd=_listener_for(bind, listener_fd),
                 keys=keys,
-                limits=config.server_limits(),
+                limits=server.limits,
+                heartbeat_timeout=server.heartbeat_timeout,
+                fast_path=server.fast_path,
                 restarted=restarted,
                 rejoin_window=rejoin_window,
                 restore=restore,

@@ -51,6 +51,8 @@ def create(name: str = "local", **kwargs) -> KVStore:
             travel, unless a table sets its own (`SparseTable.wire_dtype`).
             'local' rounds them the same way, so it gives the numbers
             'dist_sparse' gives with the same setting.
+            settings: a `kvsparse.config.WorkerSettings` to use instead of
+            the environment's (which is read here, once, and nowhere below).
 
     Raises:
         InvalidArgument (a ValueError): an unknown kind, a bad wire_dtype, or
@@ -59,6 +61,14 @@ def create(name: str = "local", **kwargs) -> KVStore:
     if not isinstance(name, str):
         raise errors.InvalidArgument(f"store kind must be a str, got {name!r}")
     kind = name.lower()
+    settings = kwargs.pop("settings", None)
+    if kind not in LOCAL_KINDS and kind != "colocated" and kind not in _KIND_MODES:
+        raise errors.InvalidArgument(
+            f"unknown store kind {name!r}; use 'local', 'dist_sparse', 'dist_sync', "
+            "'dist_async' or 'colocated'"
+        )
+    if settings is None:
+        settings = cluster_config.WorkerSettings.from_environment()
     if kind in LOCAL_KINDS:
         wire_dtype = kwargs.pop("wire_dtype", "float32")
         if kwargs:
@@ -68,18 +78,23 @@ def create(name: str = "local", **kwargs) -> KVStore:
         from kvsparse.store.local import LocalBackend
 
         check_wire_dtype(wire_dtype, "kvsparse.create wire_dtype")
-        return KVStore(LocalBackend(), "local", wire_dtype)
-    if kind == "colocated":
-        return create_colocated_store(kind, **kwargs)
-    if kind in _KIND_MODES:
-        if kwargs.get("servers") is None and cluster_config.colocated_peers() is not None:
-            # Under `kvsparse launch --colocated`: the same code, the colocated store.
-            return create_colocated_store(kind, **kwargs)
-        return create_remote_store(kind, **kwargs)
-    raise errors.InvalidArgument(
-        f"unknown store kind {name!r}; use 'local', 'dist_sparse', 'dist_sync', "
-        "'dist_async' or 'colocated'"
-    )
+        return KVStore(LocalBackend(), "local", wire_dtype, settings.checkpoint_dir)
+    if kind == "colocated" or (kwargs.get("servers") is None and settings.peers is not None):
+        # Under `kvsparse launch --colocated` the dist kinds give the colocated store too:
+        # the same training code.
+        return create_colocated_store(kind, settings=settings, **kwargs)
+    return create_remote_store(kind, settings=settings, **kwargs)
+
+
+def _launched_store(store: KVStore, settings, rank: int) -> KVStore:
+    """What every launched store gets alike, whichever backend it has.
+
+    ``kvsparse launch --save-every S [--keep N]``: rank 0 saves into the
+    checkpoint directory on that interval.
+    """
+    if settings.periodic_save is not None and rank == 0:
+        store.save_every(*settings.periodic_save)
+    return store
 
 
 def create_colocated_store(
@@ -94,6 +109,7 @@ def create_colocated_store(
     wire_dtype="float32",
     startup_timeout=None,
     servers=None,
+    settings=None,
 ) -> KVStore:
     """A KVStore whose worker r hosts shard r of every table (colocated mode, issue 14).
 
@@ -110,6 +126,7 @@ def create_colocated_store(
         startup_timeout: seconds to wait for the other workers' shards
             (default 60).
         servers: not taken (the peers are the servers); given, InvalidArgument.
+        settings: a `kvsparse.config.WorkerSettings`; None: the environment's.
 
     Raises:
         InvalidArgument: a bad configuration, servers given, or no peers.
@@ -130,14 +147,18 @@ def create_colocated_store(
             "a colocated store has no separate servers: give peers=[...] (every worker's "
             "shard address), not servers"
         )
+    if settings is None:
+        settings = cluster_config.WorkerSettings.from_environment()
     if peers is None:
-        peers = cluster_config.colocated_peers()
+        peers = settings.peers
         if peers is None:
             raise errors.InvalidArgument(
                 f"no colocated peers configured: set {cluster_config.PEERS}=addr,... (one per "
                 "worker), pass peers=[...], or start the job with `kvsparse launch --colocated`"
             )
-        found = cluster_config.from_environment()
+        found = settings.cluster
+        if found is None:
+            found = cluster_config.WorkerSettings.from_environment(cluster=True).cluster
         rank = found.rank if rank is None else rank
         num_workers = found.num_workers if num_workers is None else num_workers
         timeout = found.timeout if timeout is None else timeout
@@ -156,16 +177,18 @@ def create_colocated_store(
         mode=mode,
         staleness=staleness,
         timeout=timeout,
-        retry_window=cluster_config.retry_window() if retry_window is None else retry_window,
+        retry_window=settings.retry_window if retry_window is None else retry_window,
         keys=keys,
         startup_timeout=DEFAULT_STARTUP_TIMEOUT if startup_timeout is None else startup_timeout,
         # `kvsparse launch --colocated --restart-workers` (kvsparse.store.colocated).
-        restarted=cluster_config.restarted() > 0,
-        checkpoint_dir=cluster_config.checkpoint_dir(),
-        rejoin_window=cluster_config.rejoin_window(),
-        listener_fd=cluster_config.shard_fd(),
+        restarted=settings.restarted > 0,
+        checkpoint_dir=settings.checkpoint_dir,
+        rejoin_window=settings.rejoin_window,
+        listener_fd=settings.shard_fd,
+        server=settings.server,
     )
-    return KVStore(backend, kind, wire_dtype)
+    store = KVStore(backend, kind, wire_dtype, settings.checkpoint_dir)
+    return _launched_store(store, settings, backend.rank)
 
 
 def create_remote_store(
@@ -179,6 +202,7 @@ def create_remote_store(
     keys=None,
     wire_dtype="float32",
     shared_memory=None,
+    settings=None,
 ) -> KVStore:
     """A KVStore whose tables live on `kvsparse server` processes.
 
@@ -207,6 +231,7 @@ def create_remote_store(
             it, False never; an int: True with a segment of that many bytes
             (`kvsparse.client.remote.RemoteBackend`), with or without a retry
             window.
+        settings: a `kvsparse.config.WorkerSettings`; None: the environment's.
 
     Raises:
         InvalidArgument: an unknown kind or a bad configuration.
@@ -222,9 +247,13 @@ def create_remote_store(
         raise errors.InvalidArgument(
             f"unknown dist store kind {kind!r}; use one of {sorted(_KIND_MODES)}"
         )
+    if settings is None:
+        settings = cluster_config.WorkerSettings.from_environment(cluster=servers is None)
     if servers is None:
-        found = cluster_config.from_environment()
-        settings = {
+        found = settings.cluster
+        if found is None:
+            found = cluster_config.WorkerSettings.from_environment(cluster=True).cluster
+        given = {
             "servers": found.servers,
             "rank": found.rank if rank is None else rank,
             "num_workers": found.num_workers if num_workers is None else num_workers,
@@ -232,14 +261,14 @@ def create_remote_store(
             "staleness": found.staleness if staleness is None else staleness,
         }
     else:
-        settings = {
+        given = {
             "servers": list(servers) if isinstance(servers, (list, tuple)) else servers,
             "rank": 0 if rank is None else rank,
             "num_workers": 1 if num_workers is None else num_workers,
             "timeout": timeout,
             "staleness": staleness,
         }
-    config = cluster_config.ClusterConfig(**settings)
+    config = cluster_config.ClusterConfig(**given)
     mode = "ssp" if config.staleness is not None else _KIND_MODES[kind]
     from kvsparse.client.remote import RemoteBackend
 
@@ -250,15 +279,12 @@ def create_remote_store(
         mode=mode,
         staleness=config.staleness,
         timeout=config.timeout,
-        retry_window=cluster_config.retry_window() if retry_window is None else retry_window,
-        keys=cluster_config.curve_keys() if keys is None else keys,
+        retry_window=settings.retry_window if retry_window is None else retry_window,
+        keys=settings.keys if keys is None else keys,
         shared_memory=shared_memory,
     )
-    store = KVStore(backend, kind, wire_dtype)
-    periodic = cluster_config.periodic_save()
-    if periodic is not None and config.rank == 0:
-        store.save_every(*periodic)  # kvsparse launch --save-every S [--keep N] (issue 13)
-    return store
+    store = KVStore(backend, kind, wire_dtype, settings.checkpoint_dir)
+    return _launched_store(store, settings, config.rank)
 
 
 __all__ = ["LOCAL_KINDS", "create", "create_colocated_store", "create_remote_store"]

@@ -154,8 +154,11 @@ class KVStore(StoreFront):
         InvalidArgument: a wire_dtype that is not one of those.
     """
 
-    def __init__(self, backend: Backend, kind: str, wire_dtype: str = "float32"):
+    def __init__(
+        self, backend: Backend, kind: str, wire_dtype: str = "float32", checkpoint_dir=None
+    ):
         self._backend = backend
+        self._checkpoint_dir = checkpoint_dir
         # Where a push's summed rows go: the backend's shared memory, if it has some.
         self._rows_buffer = backend.rows_buffer
         self._type = kind
@@ -175,7 +178,7 @@ class KVStore(StoreFront):
     def _checkpoints(self):
         from kvsparse.store.checkpoints import Checkpoints
 
-        return Checkpoints(self._backend, self._keys)
+        return Checkpoints(self._backend, self._keys, self._checkpoint_dir)
 
     @functools.cached_property
     def _optimizer_file(self):
