@@ -249,7 +249,8 @@ MAY_IMPORT = {
     # kvsparse/store/colocated.py); the rest of the server wing stays out of reach.
     "store": {"client", "shard", "kvsparse.server.embedded"},
     "server": {"shard", "wire"},
-    "serving": {"shard", "wire"},
+    # kvsparse.serving.client is a client: the training client's sockets and exchange.
+    "serving": {"shard", "wire", "kvsparse.client.sockets", "kvsparse.client.exchange"},
     # "package": process.py finds the installed kvsparse to put it on a server's PYTHONPATH.
     "cluster": {"kvsparse.server.listening", "client", "shard", "wire", "package"},
     # kvsparse.store.colocated: a colocated worker actor closes the stores its code left

@@ -217,6 +217,44 @@ def _raw_request(address: str, frames: list) -> tuple:
         context.term()
 
 
+def test_a_replica_behind_curvezmq_answers_keyed_clients_only(tmp_path, replicas):
+    keys = tmp_path / "keys"
+    subprocess.run(
+        [sys.executable, "-m", "kvsparse", "keys", str(keys)],
+        check=True,
+        capture_output=True,
+        env=subprocess_env(),
+        timeout=60,
+    )
+    kv, ids = _store()
+    kv.save(tmp_path / "ckpt")
+    replica = replicas(tmp_path / "ckpt", "--keys", str(keys), http=False)
+    expected = kv.row_sparse_pull("user", row_ids=ids[:5])
+    with Client([replica.address], keys=keys) as client:
+        np.testing.assert_array_equal(client.lookup("user", ids[:5]), expected)
+    # Without keys: refused and named as such, well before the client's timeout.
+    started = time.monotonic()
+    with Client([replica.address], timeout=30) as keyless:
+        with pytest.raises(errors.ServerUnavailable, match="CurveZMQ|security handshake"):
+            keyless.lookup("user", ids[:5])
+    assert time.monotonic() - started < 25
+    # Keys of another job: refused too.
+    other = tmp_path / "other"
+    subprocess.run(
+        [sys.executable, "-m", "kvsparse", "keys", str(other)],
+        check=True,
+        capture_output=True,
+        env=subprocess_env(),
+        timeout=60,
+    )
+    with Client([replica.address], timeout=30, keys=other) as stranger:
+        with pytest.raises(errors.ServerUnavailable):
+            stranger.lookup("user", ids[:5])
+    # The replica goes on serving its clients.
+    with Client([replica.address], keys=keys) as client:
+        np.testing.assert_array_equal(client.lookup("user", ids[:5]), expected)
+
+
 def test_bad_requests_get_4xx_or_a_kvsparse_error_and_the_replica_goes_on(tmp_path, replicas):
     kv, ids = _store()
     kv.save(tmp_path)

@@ -77,6 +77,7 @@ from typing import Callable, Optional, Union
 import zmq
 
 from kvsparse import errors
+from kvsparse.client.exchange import send_request
 from kvsparse.client.recovery import Answer, Recovery
 from kvsparse.client.sockets import ServerSockets
 from kvsparse.wire import ops, protocol
@@ -488,21 +489,7 @@ class Session:
             clock=self._clock,
             num_frames=len(request.frames),
         )
-        try:
-            self._links.socket(server).send_multipart(
-                [header.pack(), *request.frames], copy=False, flags=zmq.NOBLOCK
-            )
-        except zmq.Again:
-            # The send queue is unbounded: no connection to queue on. A peer that closed
-            # one during its handshake says why (a server that wants CurveZMQ keys).
-            why = self._links.handshake_error(server) or self._links.closed_in_handshake(server)
-            self._links.reset(server)
-            if why is not None:
-                raise why from None
-            raise errors.ServerUnavailable(
-                f"server {self.servers[server]} does not take requests (send queue full)",
-                address=self.servers[server],
-            ) from None
+        send_request(self._links, server, header, request.frames)
         return request_id
 
     # -- the exchange loop ------------------------------------------------------------------------

@@ -24,14 +24,14 @@ import itertools
 import os
 import secrets
 import threading
-import time
 from typing import Optional
 
 import numpy as np
-import zmq
 
 from kvsparse import _core, errors
-from kvsparse.wire import ops, protocol
+from kvsparse.client.exchange import collect_replies, send_request
+from kvsparse.client.sockets import ServerSockets
+from kvsparse.wire import ops
 from kvsparse.wire.protocol import Header
 
 DEFAULT_TIMEOUT = 10.0
@@ -43,84 +43,53 @@ class Client:
     Args:
         addresses: the replicas' ZeroMQ addresses (a list, or one comma-separated str).
         timeout: seconds to wait for an answer.
+        keys: a ``kvsparse keys`` directory, for replicas started with
+            ``kvsparse serve --keys`` (CurveZMQ); None: no encryption.
 
     Raises (lookup):
         UnknownKey: no replica serves the table. ServerUnavailable: a replica
-        did not answer in time. Errors a replica answers (KeyTypeError,
+        did not answer in time, or refused the security handshake (keys missing
+        or not accepted), named at once. Errors a replica answers (KeyTypeError,
         LimitExceeded, ...) are raised as their kvsparse.errors class.
     """
 
-    def __init__(self, addresses, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, addresses, timeout: float = DEFAULT_TIMEOUT, keys=None):
         if isinstance(addresses, str):
             addresses = [a for a in addresses.split(",") if a]
         self.addresses = [os.fspath(a) for a in addresses]
         if not self.addresses:
             raise errors.InvalidArgument("Client needs at least one replica address")
         self.timeout = float(timeout)
-        self._context = zmq.Context()
-        self._sockets: list = [None] * len(self.addresses)
+        self.keys = None if keys is None else os.fspath(keys)
+        if self.keys is not None:
+            from kvsparse.wire import security
+
+            security.check_keys(self.keys)
         self._client_id = secrets.randbits(63)
+        # The training client's sockets: CurveZMQ, and refused handshakes named at once.
+        self._links = ServerSockets(self.addresses, self.keys, self._client_id)
         self._request_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._statuses: Optional[list] = None
         self._turn = itertools.count()
         self.last_versions: dict = {}  # {address: checkpoint seq of the last answer}
 
-    # -- sockets and exchange ---------------------------------------------------------------
-
-    def _socket(self, index: int):
-        if self._sockets[index] is None:
-            socket = self._context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(self.addresses[index])
-            self._sockets[index] = socket
-        return self._sockets[index]
+    # -- exchange ---------------------------------------------------------------------------
 
     def _exchange(self, requests: dict) -> dict:
         """{replica index: ops.Request} -> {replica index: (header, payload)}; raises errors."""
         sent = {}
         for index, request in requests.items():
-            request_id = next(self._request_ids)
             header = Header(
                 op=request.op,
                 flags=request.flags,
-                request_id=request_id,
+                request_id=next(self._request_ids),
                 client_id=self._client_id,
                 num_items=request.num_items,
                 num_frames=len(request.frames),
             )
-            self._socket(index).send_multipart([header.pack(), *request.frames], copy=False)
-            sent[index] = request_id
-        poller = zmq.Poller()
-        for index in sent:
-            poller.register(self._socket(index), zmq.POLLIN)
-        answers: dict = {}
-        deadline = time.monotonic() + self.timeout
-        while len(answers) < len(sent):
-            remaining = deadline - time.monotonic()
-            events = dict(poller.poll(max(0, remaining) * 1000)) if remaining > 0 else {}
-            if not events:
-                missing = [i for i in sent if i not in answers]
-                for index in missing:  # a late answer must not be taken for the next one's
-                    self._sockets[index].close(0)
-                    self._sockets[index] = None
-                shown = ", ".join(self.addresses[i] for i in missing)
-                raise errors.ServerUnavailable(
-                    f"serving replica {shown} did not answer within {self.timeout:g} s"
-                )
-            for index in sent:
-                socket = self._sockets[index]
-                if index in answers or socket not in events:
-                    continue
-                frames = socket.recv_multipart(copy=False)
-                header, payload = protocol.parse_message(frames, reply=True)
-                if header.request_id != sent[index]:
-                    continue  # an answer to a request that timed out earlier
-                answers[index] = (header, payload)
-        for index, (header, payload) in answers.items():
-            if header.status:
-                protocol.raise_remote_error(header, payload, self.addresses[index])
-        return answers
+            sent[index] = send_request(self._links, index, header, request.frames)
+        return collect_replies(self._links, sent, self.timeout, "serving replica")
 
     # -- what the replicas serve ------------------------------------------------------------
 
@@ -235,13 +204,9 @@ class Client:
             return unique_rows[slot].reshape(ids.shape + (dim,))
 
     def close(self) -> None:
-        """Closes the sockets."""
+        """Closes the sockets (idempotent)."""
         with self._lock:
-            for socket in self._sockets:
-                if socket is not None:
-                    socket.close(0)
-            self._sockets = [None] * len(self.addresses)
-            self._context.term()
+            self._links.close()
 
     def __enter__(self):
         return self

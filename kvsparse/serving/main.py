@@ -25,6 +25,7 @@ import sys
 import threading
 from typing import Optional
 
+from kvsparse import config as cluster_config
 from kvsparse import errors
 from kvsparse.serving.server import (
     DEFAULT_APPLY_NICENESS,
@@ -62,6 +63,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--http-host", default=None, help="HTTP interface (default: --bind's host)")
     p.add_argument("--follow", action="store_true", help="apply each new checkpoint in DIR")
     p.add_argument("--poll-interval", type=float, default=0.2, metavar="SECONDS")
+    p.add_argument(
+        "--keys",
+        default=None,
+        metavar="DIR",
+        help="CurveZMQ key directory (kvsparse keys DIR): lookups over ZeroMQ are encrypted and "
+        "only its clients are served (default: KVSPARSE_KEYS, else none); give clients "
+        "kvsparse.serving.Client(addresses, keys=DIR)",
+    )
     p.add_argument("--tables", default=None, help="serve only these tables (comma-separated)")
     p.add_argument(
         "--shard",
@@ -106,6 +115,7 @@ def main(argv: Optional[list] = None) -> int:
         max_batch=args.max_batch,
         workers=args.workers,
         apply_niceness=args.apply_niceness,
+        keys=args.keys if args.keys is not None else cluster_config.curve_keys(),
     )
     server = ServingServer(config)
     stop = threading.Event()

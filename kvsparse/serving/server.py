@@ -70,6 +70,8 @@ class ServingConfig:
     workers: ZeroMQ worker threads.
     apply_niceness: how much the follower's thread lowers its CPU priority
         (`kvsparse.serving.follow`; 0: not at all).
+    keys: a ``kvsparse keys`` directory: ZeroMQ lookups then need CurveZMQ
+        and a client key the directory holds, as the training servers do.
     """
 
     path: str
@@ -82,6 +84,7 @@ class ServingConfig:
     max_batch: int = DEFAULT_MAX_BATCH
     workers: int = DEFAULT_WORKERS
     apply_niceness: int = DEFAULT_APPLY_NICENESS
+    keys: Optional[str] = None
 
 
 class ServingServer:
@@ -105,6 +108,7 @@ class ServingServer:
         self._control: Optional[zmq.Socket] = None
         self._http = None
         self._backend_address = f"inproc://kvsparse-serve-{id(self):x}"
+        self._authenticator = None  # CurveZMQ's, with config.keys
 
     # -- starting and stopping --------------------------------------------------------------
 
@@ -144,6 +148,12 @@ class ServingServer:
     def _start_zmq(self) -> None:
         frontend = self._context.socket(zmq.ROUTER)
         frontend.setsockopt(zmq.LINGER, 0)
+        if self.config.keys is not None:
+            from kvsparse.wire import security
+
+            self._authenticator = security.secure_server_socket(
+                frontend, self._context, self.config.keys
+            )
         frontend.bind(self.config.bind)
         self.address = _resolved(frontend.getsockopt_string(zmq.LAST_ENDPOINT))
         backend = self._context.socket(zmq.DEALER)
@@ -180,6 +190,9 @@ class ServingServer:
         if self._control is not None:
             self._control.send(b"TERMINATE")
             self._control.close(0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
         self._context.term()  # the workers' recv raise ETERM and they leave
         for thread in self._threads:
             thread.join(5.0)

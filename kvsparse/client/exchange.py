@@ -1,0 +1,117 @@
+"""One request out, one reply back: the send and the wait every ZeroMQ client of kvsparse shares.
+
+`send_request` puts a request on a server's socket without blocking and
+names why when it cannot (no connection to queue on: a server that closed
+the connection during its CurveZMQ handshake, say). `collect_replies` waits
+for the replies to requests sent that way, matches each by its request id
+(a late reply to an abandoned request is dropped), watches each socket's
+monitor so that a refused handshake or an unreachable address is named at
+once instead of waited out, and names the servers that stayed silent past
+the deadline. `kvsparse.client.session.Session` (training) sends through
+`send_request`, and waits with recovery of its own (resends, restarted
+servers); `kvsparse.serving.client.Client` (lookups) uses both.
+
+Threads: not thread-safe; the caller serializes calls on one `ServerSockets`.
+
+Example:
+    >>> links = ServerSockets(["tcp://127.0.0.1:7100"], keys=None)     # doctest: +SKIP
+    >>> request_id = send_request(links, 0, header, frames)             # doctest: +SKIP
+    >>> answers = collect_replies(links, {0: request_id}, timeout=10)     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from kvsparse import errors
+from kvsparse.client.sockets import ServerSockets
+from kvsparse.wire import protocol
+from kvsparse.wire.protocol import Header
+
+
+def send_request(links: ServerSockets, server: int, header: Header, frames: list) -> int:
+    """Sends header + frames to server without blocking; returns the header's request id.
+
+    Raises:
+        ServerUnavailable: nothing can be queued for server (its socket has no
+            connection): the refused handshake that closed it when the monitor
+            saw one, else "send queue full". The socket is replaced either way.
+    """
+    try:
+        links.socket(server).send_multipart([header.pack(), *frames], copy=False, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        # The send queue is unbounded: no connection to queue on. A peer that closed
+        # one during its handshake says why (a server that wants CurveZMQ keys).
+        why = links.handshake_error(server) or links.closed_in_handshake(server)
+        links.reset(server)
+        if why is not None:
+            raise why from None
+        raise errors.ServerUnavailable(
+            f"server {links.servers[server]} does not take requests (send queue full)",
+            address=links.servers[server],
+        ) from None
+    return header.request_id
+
+
+def collect_replies(links: ServerSockets, sent: dict, timeout: float, what: str = "server") -> dict:
+    """Waits up to timeout seconds for one reply per request in sent ({server: request id}).
+
+    Returns:
+        {server: (header, payload)}, every server of sent; replies with an
+        error status are raised as their kvsparse.errors class.
+
+    Raises:
+        ServerUnavailable: a server refused the security handshake or cannot
+            be reached (named at once), or did not answer by the deadline
+            (naming every silent one, as `what` ADDRESS); its socket is
+            replaced, so that its late reply cannot be taken for the next one.
+    """
+    deadline = time.monotonic() + timeout
+    poller, owners = zmq.Poller(), {}
+    for server in sent:
+        for sock in (links.socket(server), links.monitor(server)):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
+                owners[sock] = server
+    answers: dict = {}
+    while len(answers) < len(sent):
+        remaining = deadline - time.monotonic()
+        # zmq_poll waits without the GIL; no busy loop.
+        events = poller.poll(max(0.0, remaining) * 1000) if remaining > 0 else []
+        if not events and time.monotonic() >= deadline:
+            missing = [server for server in sent if server not in answers]
+            for server in missing:
+                links.reset(server)
+            shown = ", ".join(links.servers[server] for server in missing)
+            raise errors.ServerUnavailable(
+                f"{what} {shown} did not answer within {timeout:g} s",
+                address=links.servers[missing[0]],
+            )
+        for sock, _ in events:
+            server = owners[sock]
+            if server in answers:
+                continue
+            if sock is links.monitor(server):
+                refused = links.handshake_error(server) or links.connection_failure(server)
+                if refused is not None:
+                    links.reset(server)
+                    raise refused
+                continue
+            while server not in answers:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                header, payload = protocol.parse_message(frames, reply=True)
+                if header.request_id == sent[server]:
+                    answers[server] = (header, payload)
+                # else: the reply to a request abandoned earlier
+    for server, (header, payload) in answers.items():
+        if header.status:
+            protocol.raise_remote_error(header, payload, links.servers[server])
+    return answers
+
+
+__all__ = ["collect_replies", "send_request"]
