@@ -9,7 +9,8 @@ monitor so that a refused handshake or an unreachable address is named at
 once instead of waited out, and names the servers that stayed silent past
 the deadline. `kvsparse.client.session.Session` (training) sends through
 `send_request`, and waits with recovery of its own (resends, restarted
-servers); `kvsparse.serving.client.Client` (lookups) uses both.
+servers) on top of `await_reply`, as `kvsparse.client.recovery.Recovery`
+does; `kvsparse.serving.client.Client` (lookups) uses `collect_replies`.
 
 Threads: not thread-safe; the caller serializes calls on one `ServerSockets`.
 
@@ -22,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import zmq
 
@@ -55,6 +57,53 @@ def send_request(links: ServerSockets, server: int, header: Header, frames: list
     return header.request_id
 
 
+def await_reply(
+    links: ServerSockets, server: int, accepted, until: float, *, unreachable: bool = True
+) -> Optional[tuple]:
+    """The first reply on server's socket to a request id in `accepted`, or None at `until`.
+
+    Replies to other ids (requests abandoned earlier) are dropped. An error
+    reply is returned like any other: the caller knows which of its requests
+    may fail.
+
+    Args:
+        unreachable: also raise when the monitor reports the address cannot be
+            reached; False while a server may be restarting (the recovery's
+            retry window names that at its end).
+
+    Raises:
+        ServerUnavailable: the server refused the security handshake (or,
+            with unreachable, cannot be reached); its socket is replaced.
+    """
+    sock, monitor = links.socket(server), links.monitor(server)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    if monitor is not None:  # a shard in this process has none
+        poller.register(monitor, zmq.POLLIN)
+    while True:
+        remaining = until - time.monotonic()
+        # zmq_poll waits without the GIL; no busy loop. One poll even when due: a reply
+        # already queued is taken.
+        events = dict(poller.poll(max(0.0, remaining) * 1000 + (1 if remaining > 0 else 0)))
+        if monitor is not None and monitor in events:
+            refused = links.handshake_error(server)
+            if refused is None and unreachable:
+                refused = links.connection_failure(server)
+            if refused is not None:
+                links.reset(server)
+                raise refused
+        while sock in events:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            header, payload = protocol.parse_message(frames, reply=True)
+            if header.request_id in accepted:
+                return header, payload
+        if remaining <= 0:
+            return None
+
+
 def collect_replies(links: ServerSockets, sent: dict, timeout: float, what: str = "server") -> dict:
     """Waits up to timeout seconds for one reply per request in sent ({server: request id}).
 
@@ -69,49 +118,28 @@ def collect_replies(links: ServerSockets, sent: dict, timeout: float, what: str 
             replaced, so that its late reply cannot be taken for the next one.
     """
     deadline = time.monotonic() + timeout
-    poller, owners = zmq.Poller(), {}
-    for server in sent:
-        for sock in (links.socket(server), links.monitor(server)):
-            if sock is not None:
-                poller.register(sock, zmq.POLLIN)
-                owners[sock] = server
     answers: dict = {}
-    while len(answers) < len(sent):
-        remaining = deadline - time.monotonic()
-        # zmq_poll waits without the GIL; no busy loop.
-        events = poller.poll(max(0.0, remaining) * 1000) if remaining > 0 else []
-        if not events and time.monotonic() >= deadline:
-            missing = [server for server in sent if server not in answers]
-            for server in missing:
-                links.reset(server)
-            shown = ", ".join(links.servers[server] for server in missing)
-            raise errors.ServerUnavailable(
-                f"{what} {shown} did not answer within {timeout:g} s",
-                address=links.servers[missing[0]],
-            )
-        for sock, _ in events:
-            server = owners[sock]
-            if server in answers:
-                continue
-            if sock is links.monitor(server):
-                refused = links.handshake_error(server) or links.connection_failure(server)
-                if refused is not None:
-                    links.reset(server)
-                    raise refused
-                continue
-            while server not in answers:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                header, payload = protocol.parse_message(frames, reply=True)
-                if header.request_id == sent[server]:
-                    answers[server] = (header, payload)
-                # else: the reply to a request abandoned earlier
+    missing = []
+    for server, request_id in sent.items():
+        # Every request is out already: waiting for them in turn takes no longer than
+        # waiting for all at once, and a late server's reply queues meanwhile.
+        answer = await_reply(links, server, (request_id,), deadline)
+        if answer is None:
+            missing.append(server)
+        else:
+            answers[server] = answer
+    if missing:
+        for server in missing:
+            links.reset(server)
+        shown = ", ".join(links.servers[server] for server in missing)
+        raise errors.ServerUnavailable(
+            f"{what} {shown} did not answer within {timeout:g} s",
+            address=links.servers[missing[0]],
+        )
     for server, (header, payload) in answers.items():
         if header.status:
             protocol.raise_remote_error(header, payload, links.servers[server])
     return answers
 
 
-__all__ = ["collect_replies", "send_request"]
+__all__ = ["await_reply", "collect_replies", "send_request"]

@@ -18,9 +18,8 @@ from __future__ import annotations
 import time
 from typing import Callable, NamedTuple, Optional
 
-import zmq
-
 from kvsparse import errors
+from kvsparse.client.exchange import await_reply
 from kvsparse.client.sockets import ServerSockets
 from kvsparse.wire import ops, protocol
 from kvsparse.wire.protocol import Header
@@ -200,34 +199,15 @@ class Recovery:
             the error of an error reply to request_id; ServerUnavailable for a
             refused handshake.
         """
-        sock, monitor = self._links.socket(server), self._links.monitor(server)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        while True:
-            remaining = until - time.monotonic()
-            if remaining <= 0:
-                return None
-            events = dict(poller.poll(remaining * 1000 + 1))
-            if monitor in events:
-                refused = self._links.handshake_error(server)
-                if refused is not None:
-                    raise refused
-            if sock not in events:
-                continue
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                header, payload = protocol.parse_message(frames, reply=True)
-                if in_flight is not None and header.request_id == in_flight:
-                    return Answer(header, payload)
-                if header.request_id != request_id:
-                    continue
-                if header.status:
-                    protocol.raise_remote_error(header, payload, self.servers[server])
-                return Answer(header, payload)
+        accepted = (request_id,) if in_flight is None else (request_id, in_flight)
+        # A restarting server may refuse connections for a while: not an error here.
+        answer = await_reply(self._links, server, accepted, until, unreachable=False)
+        if answer is None:
+            return None
+        header, payload = answer
+        if header.request_id == request_id and header.request_id != in_flight and header.status:
+            protocol.raise_remote_error(header, payload, self.servers[server])
+        return Answer(header, payload)
 
 
 __all__ = ["Answer", "Recovery"]
