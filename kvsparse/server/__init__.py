@@ -10,7 +10,7 @@ Modules, one concern each (`server.Server` composes them):
 - ``main``: the command line (``kvsparse server``).
 - ``server``: `Server`, the composition.
 - ``loop``: the ROUTER socket, the poll loop, the wake-up socket.
-- ``dispatch``: a request's way from parsing to its reply (`Pending`).
+- ``dispatch``: a request's way from parsing to its reply (`InFlightRequest`).
 - ``resend``: duplicate-request detection (`ResendCache`).
 - ``handlers``: one handler per op, each op's payload decoded there.
 - ``coordination``: BSP rounds, SSP gate, barrier, optimizer epochs, dense-init waiters.

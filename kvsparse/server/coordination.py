@@ -15,7 +15,7 @@ does the same for a request held later, so nothing waits for a worker that
 is gone. A rank that says anything again is back (`Coordination.rank_back`).
 
 A held request is any object with ``finish(frames)`` and ``fail(exc)``
-(`kvsparse.server.dispatch.Pending`); these classes call one of them exactly
+(`kvsparse.server.dispatch.InFlightRequest`); these classes call one of them exactly
 once, when the request's turn comes. None of them touches a socket.
 
 Threads: none of these classes is thread-safe; the server's event loop

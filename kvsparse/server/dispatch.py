@@ -5,9 +5,9 @@ the header (a malformed message gets an error reply), answers the requests
 that belong to no client session (PING, a monitor's STATS), asks the
 `ResendCache` whether the request is new, and runs a new one through the
 op handlers (`kvsparse.server.handlers`). A handler answers at once or
-returns `DEFERRED` and keeps the `Pending` request, which it (or a
-coordination object holding it) answers later with `Pending.finish` or
-`Pending.fail`. Every reply goes out stamped with the server's incarnation,
+returns `DEFERRED` and keeps the `InFlightRequest` request, which it (or a
+coordination object holding it) answers later with `InFlightRequest.finish` or
+`InFlightRequest.fail`. Every reply goes out stamped with the server's incarnation,
 and its time from receipt is observed in the metrics.
 """
 
@@ -23,13 +23,13 @@ from kvsparse.server.resend import Verdict
 from kvsparse.wire import protocol
 from kvsparse.wire.protocol import MUTATING_OPS, Op
 
-# A handler's answer when it replies later (through the Pending it was given).
+# A handler's answer when it replies later (through the InFlightRequest it was given).
 DEFERRED = object()
 _PUSH_OPS = (Op.PUSH_SPARSE, Op.PUSH_DENSE)
 _OP_NAMES = {int(op): op.name.lower() for op in Op}  # metric labels, looked up per request
 
 
-class Pending:
+class InFlightRequest:
     """A request whose reply is not sent yet; answered once, by finish() or fail().
 
     The routing id may change before then: a resent copy's sender gets the reply.
@@ -122,7 +122,7 @@ class Dispatcher:
             )
             self._send(routing, protocol.error_reply(header, stale))
             return
-        pending = Pending(self, routing, header, payload)
+        pending = InFlightRequest(self, routing, header, payload)
         self._resend.track(header.client_id, header.request_id, pending)
         self._counters.requests += 1
         self.run(pending)
@@ -130,7 +130,7 @@ class Dispatcher:
         for released in self._handlers.released():
             self.run(released)
 
-    def run(self, pending: Pending) -> None:
+    def run(self, pending: InFlightRequest) -> None:
         """Runs pending's op handler; its reply (or error reply) is sent now or later."""
         try:
             result = self._handlers.run(pending.header, pending.payload, pending)
@@ -145,20 +145,20 @@ class Dispatcher:
         elif self._liveness is not None:
             self._liveness.check()  # held: but not for a worker that left
 
-    def finish(self, pending: Pending, result) -> None:
+    def finish(self, pending: InFlightRequest, result) -> None:
         """Sends pending's reply: a list of payload frames, or (frames, num_items)."""
         frames, num_items = result if isinstance(result, tuple) else (result, 0)
         head = protocol.pack_reply(pending.header, len(frames), num_items, self._incarnation)
         self._complete(pending, [head, *frames], stamped=True)
 
-    def fail(self, pending: Pending, exc: BaseException) -> None:
+    def fail(self, pending: InFlightRequest, exc: BaseException) -> None:
         """Sends pending's error reply; an unexpected exception's traceback goes to stderr."""
         self._metrics.count_error(type(exc).__name__)
         if not isinstance(exc, errors.KVSparseError):
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         self._complete(pending, protocol.error_reply(pending.header, exc))
 
-    def _complete(self, pending: Pending, frames: list, stamped: bool = False) -> None:
+    def _complete(self, pending: InFlightRequest, frames: list, stamped: bool = False) -> None:
         """Sends frames (stamped: their header carries the incarnation already), records them."""
         if stamped:
             self._send_frames(pending.routing, frames)
