@@ -107,7 +107,11 @@ def main(argv: Optional[list] = None) -> int:
         workers=args.workers,
         apply_niceness=args.apply_niceness,
     )
-    server = ServingServer(config)
+    try:
+        server = ServingServer(config)
+    except errors.MissingDependency as exc:
+        print(f"kvsparse serve: error: {exc}", file=sys.stderr)
+        return 1
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
