@@ -449,6 +449,60 @@ class Embedding(keras.layers.Layer):
         return cls(getattr(_scope, "kv", None), **config)
 
 
+# -- learning rate ---------------------------------------------------------------------------
+
+
+class FollowLearningRate(keras.callbacks.Callback):
+    """A Keras callback: the servers' learning rate follows the Keras optimizer's.
+
+    Before each training batch it reads ``model.optimizer.learning_rate`` (a
+    ``keras.optimizers.schedules`` schedule's value at the current step, or a
+    rate set with ``optimizer.learning_rate = ...``) and, when it changed,
+    calls ``kv.set_learning_rate`` (every slot on the servers stays).
+
+    Args:
+        kv: the store of the model's kvsparse layers.
+        key: the tables to change (a key or a list); None: every table and the
+            store-wide optimizer.
+        learning_rate: None: the servers run the Keras rate itself. A number:
+            the servers' rate at the start of training, scaled as the Keras rate
+            is scaled from its value then (sparse and dense rates often differ).
+
+    Not safe to share between models trained at once. On a synchronous store
+    every worker must use the same schedule.
+
+    Example:
+        >>> schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 100, 0.5)
+        >>> model.compile(optimizer=keras.optimizers.Adam(schedule), loss='mse')
+        >>> model.fit(x, y, callbacks=[FollowLearningRate(kv, learning_rate=0.05)])
+    """
+
+    def __init__(self, kv, key=None, learning_rate=None):
+        super().__init__()
+        self.kv = kv
+        self.key = key
+        self.server_learning_rate = None if learning_rate is None else float(learning_rate)
+        self._start = None
+        self._sent = None
+
+    def _keras_rate(self) -> float:
+        return float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
+    def on_train_begin(self, logs=None):
+        if self._start is None:
+            self._start = self._keras_rate()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        rate = self._keras_rate()
+        if self.server_learning_rate is not None:
+            scale = rate / self._start if self._start else 1.0
+            rate = self.server_learning_rate * scale
+        if rate != self._sent:
+            with store_lock(self.kv):
+                self.kv.set_learning_rate(rate, key=self.key)
+            self._sent = rate
+
+
 # -- dense gradients over workers ------------------------------------------------------------
 
 
@@ -609,6 +663,7 @@ def DistributedOptimizer(optimizer, kv, key: str = "kvsparse_tf_dense_gradients"
 __all__ = [
     "DistributedOptimizer",
     "Embedding",
+    "FollowLearningRate",
     "aligned_empty",
     "average_gradients",
     "bind",

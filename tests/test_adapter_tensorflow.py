@@ -596,3 +596,42 @@ def test_get_config_names_the_table_and_from_config_binds_in_a_scope(kv):
             kvtf.Embedding.from_config({**config, "embedding_dim": 5}).bind(other)
     finally:
         other.close()
+
+
+def test_a_keras_schedule_drives_the_servers_rate_and_keeps_the_accumulator(kv):
+    from reference import ReferenceOptimizer
+
+    layer = kvtf.Embedding(kv, "scheduled", 3, optimizer=optimizers.Adagrad(learning_rate=0.5))
+    inputs = keras.Input((2,), dtype="int64")
+    flat = keras.layers.Flatten()(layer(inputs))
+    model = keras.Model(inputs, keras.layers.Add()([flat, keras.layers.Dense(6)(flat)]))
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([2], [0.1, 0.01])
+    # d loss / d output = 1 / batch for every element: each row's gradient is 1 + the dense
+    # weights' column sums, so the dense layer is frozen to keep it a known constant.
+    model.layers[-2].trainable = False
+    model.compile(
+        optimizer=keras.optimizers.SGD(schedule), loss=lambda y, p: keras.ops.sum(p, axis=-1)
+    )
+    ids = np.tile(np.array([[1, 2], [3, 4]], np.int64), (4, 1))
+    keys = np.array([1, 2, 3, 4])
+    rows = kv.row_sparse_pull("scheduled", row_ids=keys).copy()
+    kernel = model.layers[-2].get_weights()[0]
+    gradient = (1.0 + kernel.sum(axis=1)).reshape(2, 3) / 2  # per row of a sample, per batch
+    model.fit(
+        ids,
+        np.zeros((8, 1), np.float32),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kvtf.FollowLearningRate(kv, learning_rate=0.5)],
+    )
+    slots = [None] * 4
+    # The schedule gives 0.1 up to iteration 2 (Keras' step 3), then 0.01: the servers get
+    # 0.5 times that over 0.1, for the step Keras' own update uses it in.
+    for step, rate in enumerate([0.5, 0.5, 0.5, 0.05], start=1):
+        reference = ReferenceOptimizer(optimizers.Adagrad(learning_rate=rate).to_dict())
+        for i in range(4):
+            if slots[i] is None:
+                slots[i] = reference.initial_slots(3)
+            reference.update(rows[i], slots[i], gradient[i % 2], step)
+    np.testing.assert_allclose(kv.row_sparse_pull("scheduled", row_ids=keys), rows, rtol=2e-5)
