@@ -213,3 +213,71 @@ def test_the_core_table_changes_only_its_rate():
     assert table.table_step == step
     with pytest.raises(errors.InvalidArgument, match="learning_rate"):
         table.set_learning_rate(-1.0)
+
+
+def _two_workers(servers: list, work) -> list:
+    """Runs work(kv, rank) for ranks 0 and 1 of a dist_sparse job, one thread each;
+    returns what each returned or raised."""
+    import threading
+
+    results: list = [None, None]
+
+    def run(rank: int) -> None:
+        try:
+            kv = kvsparse.create(
+                "dist_sparse", servers=servers, rank=rank, num_workers=2, timeout=60
+            )
+            try:
+                results[rank] = work(kv, rank)
+            finally:
+                kv.close()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads), "a worker did not finish"
+    return results
+
+
+def test_every_worker_s_call_agrees_with_rank_0_s_and_the_bsp_sum_follows_the_rate(
+    server_factory,
+):
+    key = fresh("bsp")
+    grads = [[gradients(60 + 2 * step + rank) for rank in range(2)] for step in range(2)]
+
+    def work(kv, rank):
+        kv.init(key, kvsparse.SparseTable(dim=DIM, initializer=initializers.Uniform(-1, 1)))
+        kv.set_optimizer(optimizers.Adagrad(learning_rate=FIRST_RATE, eps=1e-10))
+        initial = kv.row_sparse_pull(key, row_ids=IDS).copy()
+        kv.push(key, (IDS, grads[0][rank]))
+        kv.set_learning_rate(SECOND_RATE)
+        kv.push(key, (IDS, grads[1][rank]))
+        kv.barrier()
+        return initial, kv.row_sparse_pull(key, row_ids=IDS)
+
+    results = _two_workers(server_factory(2), work)
+    for result in results:
+        assert not isinstance(result, BaseException), result
+    initial = results[0][0]
+    summed = [(FIRST_RATE, grads[0][0] + grads[0][1]), (SECOND_RATE, grads[1][0] + grads[1][1])]
+    for _, rows in results:
+        np.testing.assert_allclose(rows, expected_rows(initial, summed), rtol=2e-5, atol=1e-6)
+
+
+def test_a_worker_whose_rate_differs_from_rank_0_s_is_refused(server_factory):
+    key = fresh("disagree")
+
+    def work(kv, rank):
+        kv.init(key, kvsparse.SparseTable(dim=DIM))
+        kv.set_optimizer(optimizers.Adagrad(learning_rate=FIRST_RATE))
+        kv.set_learning_rate(SECOND_RATE if rank == 0 else 0.3)
+        return "done"
+
+    results = _two_workers(server_factory(1), work)
+    assert results[0] == "done"
+    assert isinstance(results[1], errors.InvalidArgument), results[1]
+    assert "rank 0" in str(results[1])
