@@ -223,7 +223,8 @@ def load_model(path, kv, **kwargs):
     """``keras.models.load_model(path, **kwargs)`` with its kvsparse layers bound to kv.
 
     The table's rows are the store's: restore them first (``kv.load``), or
-    connect to the servers that hold them.
+    connect to the servers that hold them. Safe to call from several threads at
+    once (`store_scope` is per thread).
 
     Example:
         >>> kv = kvsparse.create('local'); kv.load('ckpt')

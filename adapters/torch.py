@@ -436,7 +436,9 @@ def follow_learning_rate(kv, optimizer, key=None, *, learning_rate=None, param_g
     servers. With this, the modules of kv send that ``lr`` to the servers
     (``kv.set_learning_rate``, which keeps every slot and step) before their
     first push after it changed, so one scheduler drives both. On a
-    synchronous store every worker must follow the same schedule.
+    synchronous store every worker must follow the same schedule. Safe to
+    call from several threads at once; the follower it returns follows one
+    training loop (`LearningRateFollower`).
 
     Args:
         kv: the store of the modules.
