@@ -16,10 +16,16 @@ What works where:
 - Eager (``jax.grad`` without jit): pull and push run when called.
 - ``jax.jit``: works. The pull is a ``jax.pure_callback`` and the push an
   ``io_callback`` (an effect jit keeps), run each time the compiled function
-  runs. Only ids passed through JAX are traced: with jax_enable_x64 off (JAX's
-  default) JAX holds them as int32, so for 64-bit hashed ids either enable
-  x64 or pass the ids as a NumPy array from outside the jitted function
-  (NumPy ids are never converted by JAX: they stay int64 on the host).
+  runs. Only ids passed through JAX are traced.
+- 64-bit ids: with jax_enable_x64 off (JAX's default) JAX holds integers as
+  int32 and wraps larger ones silently (``jnp.asarray``, a jit argument:
+  ``2**40 + 3`` becomes ``3``), before kvsparse sees them. NumPy ids given to
+  `embedding_lookup` never pass through JAX: they stay int64 on the host, in
+  eager code, under jax.grad and closed over by a jitted function. To hand
+  ids to JAX, convert them with `jax_ids`: it refuses ids that int32 cannot
+  hold while x64 is off, naming ``jax.config.update("jax_enable_x64", True)``.
+  JAX integer ids reaching `embedding_lookup` with x64 off get an
+  `Int32IdsWarning` once per process (they may have been wrapped already).
 - ``jax.vmap`` works, of the lookup and of its gradient (the pushes of the
   batch are applied one after another).
 - The push runs as a host callback, possibly after jax.grad has returned
@@ -47,6 +53,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +62,79 @@ from jax.experimental import io_callback
 from kvsparse.adapters._common import TableOptions, check_trainable, ensure_table, store_lock
 
 from kvsparse import errors
+
+
+class Int32IdsWarning(UserWarning):
+    """JAX ids reached embedding_lookup as 32-bit integers while jax_enable_x64 is off:
+    JAX wraps larger ids silently before kvsparse sees them (see `jax_ids`)."""
+
+
+_X64_HINT = (
+    'enable 64-bit integers in JAX (jax.config.update("jax_enable_x64", True), before any '
+    "array is made) or pass the ids to embedding_lookup as a NumPy int64 array (it stays "
+    "on the host, never narrowed)"
+)
+_warned_int32 = False
+
+
+def x64_enabled() -> bool:
+    """Whether JAX holds int64 values as int64 (jax_enable_x64 on). Thread-safe."""
+    return jax.dtypes.canonicalize_dtype(np.int64) == np.dtype(np.int64)
+
+
+def jax_ids(ids):
+    """ids (any integer array-like) as a JAX array, never silently narrowed.
+
+    With jax_enable_x64 on: an int64 JAX array. With it off (JAX's default),
+    JAX would hold them as int32 and wrap every id outside int32's range
+    (``2**40 + 3`` -> ``3``): this refuses such ids instead, and converts the
+    others. Use it where ids must be JAX values (a jitted function's argument,
+    vmap); NumPy ids given straight to `embedding_lookup` need no conversion.
+
+    Safe to call from several threads at once.
+
+    Raises:
+        kvsparse.errors.DTypeError: non-integer ids.
+        kvsparse.errors.InvalidArgument: an id outside int32 while x64 is off
+            (the message says how to enable x64, or to keep the ids in NumPy).
+
+    Example:
+        >>> ids = jax_ids(np.array([3, 2**40]))  # doctest: +SKIP
+        InvalidArgument: ... jax.config.update("jax_enable_x64", True) ...
+    """
+    if isinstance(ids, jax.Array):
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise errors.DTypeError(f"ids must be integers, got {ids.dtype}")
+        return ids
+    host = np.asarray(ids)
+    if host.dtype.kind not in "iu":
+        raise errors.DTypeError(f"ids must be integers, got {host.dtype}")
+    if x64_enabled():
+        return jnp.asarray(host.astype(np.int64, copy=False))
+    info = np.iinfo(np.int32)
+    if host.size and (host.min() < info.min or host.max() > info.max):
+        outside = host[(host < info.min) | (host > info.max)].reshape(-1)[0]
+        raise errors.InvalidArgument(
+            f"id {int(outside)} does not fit in int32, and JAX (jax_enable_x64 off) would "
+            f"wrap it to {int(np.asarray(outside).astype(np.int32))}: {_X64_HINT}"
+        )
+    return jnp.asarray(host.astype(np.int32))
+
+
+def _warn_if_narrowed(ids) -> None:
+    """Warns once per process of JAX ids that JAX holds as int32 (x64 off)."""
+    global _warned_int32
+    if _warned_int32 or jnp.dtype(ids.dtype).itemsize >= 8 or x64_enabled():
+        return
+    _warned_int32 = True
+    warnings.warn(
+        f"embedding_lookup got JAX {ids.dtype} ids while jax_enable_x64 is off: JAX wraps "
+        "ids outside int32 silently (2**40 + 3 becomes 3) before kvsparse sees them. For "
+        f"64-bit ids, {_X64_HINT}; kvsparse.adapters.jax.jax_ids converts ids and refuses "
+        "the ones int32 cannot hold",
+        Int32IdsWarning,
+        stacklevel=3,
+    )
 
 
 def make_anchor():
@@ -159,7 +239,9 @@ def embedding_lookup(
         kv: a kvsparse.KVStore.
         key: the table's key; created if missing and embedding_dim is given.
         ids: integer ids of any shape: a NumPy array (stays int64 on the
-            host) or a JAX array (traced under jit; int32 unless x64 is on).
+            host) or a JAX array (traced under jit; int32 unless x64 is on:
+            make it with `jax_ids`, which refuses ids int32 cannot hold, and
+            see `Int32IdsWarning`).
         embedding_dim: row width (needed to create the table; checked otherwise).
         anchor: a float32 array you differentiate with respect to (see
             `make_anchor`); without it no gradient is pushed.
@@ -195,6 +277,7 @@ def embedding_lookup(
     if isinstance(ids, jax.Array):
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise errors.DTypeError(f"ids of table {key!r} must be integers, got {ids.dtype}")
+        _warn_if_narrowed(ids)
         return _lookup(table, anchor, ids)
     # A copy: the push runs at backward, and must see the ids the forward saw.
     host = np.array(ids)
@@ -203,4 +286,11 @@ def embedding_lookup(
     return _lookup_host(table, _HostIds(host), anchor)
 
 
-__all__ = ["embedding_lookup", "ensure_table", "make_anchor"]
+__all__ = [
+    "Int32IdsWarning",
+    "embedding_lookup",
+    "ensure_table",
+    "jax_ids",
+    "make_anchor",
+    "x64_enabled",
+]

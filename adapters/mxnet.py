@@ -326,11 +326,12 @@ def optimizer_from_mxnet(optimizer, *, lr: float | None = None, wd: float | None
     formula (`UNSUPPORTED_MXNET_OPTIMIZERS`: AdaDelta, Adamax, DCASGD, FTML,
     GroupAdaGrad, LAMB, LARS, LBSGD, Nadam, SGLD, Signum), NAG with wd != 0 (MXNet's
     in-place kernel takes the momentum's decay term from the weight it has just
-    updated, a rule no kvsparse formula follows), learning-rate schedulers (the
-    servers keep a fixed rate), ``clip_weights``, Adam's ``begin_num_update``. As on
-    MXNet's dist stores, the servers keep the settings they were sent: later changes
-    to the MXNet optimizer (a new learning rate, another rescale_grad) are not seen,
-    and the store warns when it notices one.
+    updated, a rule no kvsparse formula follows), ``clip_weights``, Adam's
+    ``begin_num_update``. A learning-rate scheduler's rate is the one the optimizer
+    has now; the store then follows it, and any later learning rate, before each push
+    (``kv.set_learning_rate``: slots kept). Other settings changed later (another
+    rescale_grad, wd, clipping) are not seen by the servers, as on MXNet's dist
+    stores, and the store warns when it notices one.
 
     Laziness: kvsparse updates only the rows a push touches, always. MXNet does the
     same (its ``lazy_update=True``) for SGD, Adam, AdaGrad and, on row_sparse weights,
@@ -372,11 +373,6 @@ def _map_optimizer(optimizer, *, warn: bool, lr=None, wd=None) -> optimizers.Opt
             f"{', '.join(SUPPORTED_MXNET_OPTIMIZERS)} (not "
             f"{', '.join(UNSUPPORTED_MXNET_OPTIMIZERS)})"
         )
-    if optimizer.lr_scheduler is not None:
-        raise errors.InvalidArgument(
-            f"{name}: learning-rate schedulers cannot run on kvsparse servers; "
-            "give the optimizer a fixed learning_rate"
-        )
     if kind == "test":
         # MXNet's Test: weight += rescale_grad * grad. The servers' SGD computes
         # w -= 1 * (grad * -rescale_grad): the same float32 result (negation is exact).
@@ -392,7 +388,8 @@ def _map_optimizer(optimizer, *, warn: bool, lr=None, wd=None) -> optimizers.Opt
     if getattr(optimizer, "multi_precision", False):
         # A float32 master copy of float16 / bfloat16 dense keys on the servers (issue 12).
         common["multi_precision"] = True
-    lr = float(optimizer.lr if lr is None else lr)
+    # learning_rate: the lr_scheduler's rate at the optimizer's num_update, if it has one.
+    lr = float(optimizer.learning_rate if lr is None else lr)
     wd = float(optimizer.wd if wd is None else wd)
     if warn and getattr(optimizer, "lazy_update", True) is False:
         warnings.warn(
@@ -466,8 +463,9 @@ def _map_optimizer(optimizer, *, warn: bool, lr=None, wd=None) -> optimizers.Opt
 
 
 def _settings_of(optimizer) -> tuple:
-    """What the servers were told, to notice later changes on the worker."""
-    return (optimizer.lr, optimizer.wd, optimizer.rescale_grad, optimizer.clip_gradient)
+    """What the servers were told besides the learning rate, to notice later changes on the
+    worker (a learning rate is followed: `_ServerOptimizer.follow_learning_rate`)."""
+    return (optimizer.wd, optimizer.rescale_grad, optimizer.clip_gradient)
 
 
 def _from_store(name: str, doc: str) -> property:
@@ -492,7 +490,11 @@ class _ServerOptimizer:
     learning rate or weight decay differs from the optimizer's (Gluon's
     ``lr_mult`` / ``wd_mult``, MXNet's ``wd_mult`` 0 for biases) gets its own
     optimizer on the servers, with its own lr and wd (issue 12); a key
-    initialized later gets its own when it is initialized. Not safe to call
+    initialized later gets its own when it is initialized. A change of the
+    learning rate (``Trainer.set_learning_rate``, ``optimizer.set_learning_rate``,
+    an ``lr_scheduler``, which counts the pushes of each key as MXNet's updater
+    counts its updates) reaches the servers before the next push as
+    ``kv.set_learning_rate``: every optimizer state stays. Not safe to call
     from several threads at once (its store is not).
 
     Args:
@@ -507,6 +509,7 @@ class _ServerOptimizer:
         self._warned_change = False
         self._started = False  # a push happened: the store's optimizer is in force
         self._own: dict = {}  # key -> (lr, wd) of the optimizer the servers run for it
+        self._sent_lr = None  # the store-wide learning rate the servers run
 
     def set(self, optimizer, keys) -> None:
         """Takes `optimizer` (checked already) for every key; sent now if pushes happened."""
@@ -560,6 +563,10 @@ class _ServerOptimizer:
         # Mapped now, not in set_optimizer: Gluon's Trainer sets rescale_grad = 1/batch_size
         # after handing the optimizer over and before the first push.
         self._store.set_optimizer(_map_optimizer(self._pending, warn=False))
+        mx_optimizer = self._mx_optimizer
+        # The MXNet optimizer's rate the servers run (MXNet's Test optimizer has none).
+        follows = mx_optimizer is not None and type(mx_optimizer).__name__.lower() != "test"
+        self._sent_lr = float(mx_optimizer.learning_rate) if follows else None
         previous = list(self._own)
         self._own.clear()  # a new optimizer: every key's own is sent again
         if self._mx_optimizer is not None:
@@ -572,13 +579,39 @@ class _ServerOptimizer:
         if self._store.num_workers > 1:
             self._store.barrier()  # no worker pushes a gradient before all have set it
 
-    def before_push(self, keys) -> None:
-        """Called before every push: sends what is pending, warns of changed settings."""
+    def follow_learning_rate(self, keys) -> None:
+        """Sends the MXNet optimizer's learning rate (and each key's, with its lr_mult) to
+        the servers if it changed since it was sent; slots stay (kv.set_learning_rate)."""
+        optimizer = self._mx_optimizer
+        if optimizer is None or self._pending is not None or self._sent_lr is None:
+            return
+        lr = float(optimizer.learning_rate)
+        if lr == self._sent_lr:
+            return
+        # Every table's rate, then the keys whose lr_mult gives them another one.
+        self._store.set_learning_rate(lr)
+        self._sent_lr = lr
+        groups: dict = {}
+        for k in list(self._own):
+            own_lr = float(optimizer._get_lr(k))
+            if own_lr != lr:
+                groups.setdefault(own_lr, []).append(k)
+            self._own[k] = (own_lr, self._own[k][1])
+        for own_lr, group in groups.items():
+            self._store.set_learning_rate(own_lr, key=group)
+
+    def before_push(self, keys, pushed=()) -> None:
+        """Called before every push of the keys pushed (keys: every key of the store): sends
+        what is pending and a changed learning rate, warns of other changed settings."""
+        if self._mx_optimizer is not None and self._mx_optimizer.lr_scheduler is not None:
+            # MXNet's updater counts an update of each key before asking the scheduler.
+            self._mx_optimizer._update_count(list(pushed))
         if not self._started:
             self.send(keys)
             self._started = True
         elif self._pending is not None:
             self.send(keys)
+        self.follow_learning_rate(keys)
         if (
             self._sent_settings is not None
             and not self._warned_change
@@ -586,7 +619,7 @@ class _ServerOptimizer:
         ):
             self._warned_change = True
             warnings.warn(
-                "the MXNet optimizer changed (learning rate, wd, rescale_grad or clipping) "
+                "the MXNet optimizer changed (wd, rescale_grad or clipping) "
                 "after it was sent to the kvsparse servers; they keep the settings they got "
                 "(call kv.set_optimizer again to send new ones; slots restart)",
                 stacklevel=3,
@@ -872,7 +905,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
         del priority
         pairs = self._pairs(key, value, "push")
         keys, values = self._prepare_push(pairs)  # all checks before anything is sent
-        self._server_optimizer.before_push(self._keys)
+        self._server_optimizer.before_push(self._keys, [k for k, _ in pairs])
         self._store.push(keys, values)
 
     # -- pull ----------------------------------------------------------------------------
@@ -908,7 +941,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
         pairs = self._pairs(key, value, "pushpull")
         keys, values = self._prepare_push(pairs)
         targets = pairs if out is None else self._pairs(key, out, "pushpull")
-        self._server_optimizer.before_push(self._keys)
+        self._server_optimizer.before_push(self._keys, [k for k, _ in pairs])
         self._store.push(keys, values)
 
         touched = {}  # index of a sparse key -> the ids this push touched

@@ -55,7 +55,14 @@ Rules worth knowing:
   the table; use the table optimizer's ``clip_gradient``.
 - ``jit_compile`` (XLA) cannot run py_function: the layer sets
   ``supports_jit = False``, so ``model.compile(jit_compile='auto')`` stays off XLA.
-- Saving a Keras model does not save the table: save the store.
+- Saving a Keras model does not save the table: save the store. The layer is
+  registered with Keras (``kvsparse>Embedding``) and its config names the table
+  and the settings it creates it with, so a model saved with ``model.save``
+  loads in a fresh process (after ``import kvsparse.adapters.tensorflow``):
+  ``load_model(path, kv)`` here, or ``keras.models.load_model`` inside
+  ``with store_scope(kv):``, or with no store and `bind` afterwards (an
+  unbound layer refuses to look rows up). Binding creates a missing table
+  from the config, or checks an existing one's dim and dtype.
 
 Matching a Keras optimizer on the table (tests/test_adapter_tensorflow.py checks
 these against tf.keras.layers.Embedding, which is Keras 3 in TF >= 2.16):
@@ -88,6 +95,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import threading
 import weakref
 
 import keras
@@ -96,6 +106,8 @@ import tensorflow as tf
 from kvsparse.adapters._common import TableOptions, check_trainable, ensure_table, store_lock
 
 from kvsparse import _core, errors
+from kvsparse.arrays import table_dtype as table_dtype_name
+from kvsparse.table import SparseTable
 
 # TensorFlow's CPU kernels check that tensor data is aligned to
 # EIGEN_MAX_ALIGN_BYTES (64 with AVX-512) and abort otherwise; NumPy only
@@ -159,11 +171,76 @@ def _dense(gradient) -> tf.Tensor:
 # -- the embedding layer --------------------------------------------------------------------
 
 
+# The store `store_scope` gives the layers Keras makes from a config (load_model), per thread.
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def store_scope(kv):
+    """Within the block, `Embedding` layers made from a config (``keras.models.load_model``,
+    ``from_config``, ``clone_model``) are bound to kv.
+
+    Per thread (a load in another thread does not see it); blocks nest.
+
+    Example:
+        >>> with store_scope(kv):
+        ...     model = keras.models.load_model('m.keras')
+    """
+    previous = getattr(_scope, "kv", None)
+    _scope.kv = kv
+    try:
+        yield kv
+    finally:
+        _scope.kv = previous
+
+
+def bind(model, kv):
+    """Binds every kvsparse `Embedding` in model (a layer or a model, nested ones
+    included) to kv: a missing table is created from the layer's config, an
+    existing one is checked. Returns model.
+
+    Use it for a model loaded without a store (``keras.models.load_model`` outside
+    `store_scope`), or to move a model to another store. Not safe to call while the
+    model runs.
+
+    Raises:
+        kvsparse.errors.ShapeError / InvalidArgument: a table of kv with another dim
+            or dtype than a layer's.
+
+    Example:
+        >>> model = bind(keras.models.load_model('m.keras'), kv)
+    """
+    layers = [model] if isinstance(model, Embedding) else []
+    if hasattr(model, "_flatten_layers"):
+        layers += [layer for layer in model._flatten_layers(include_self=False, recursive=True)]
+    for layer in layers:
+        if isinstance(layer, Embedding):
+            layer.bind(kv)
+    return model
+
+
+def load_model(path, kv, **kwargs):
+    """``keras.models.load_model(path, **kwargs)`` with its kvsparse layers bound to kv.
+
+    The table's rows are the store's: restore them first (``kv.load``), or
+    connect to the servers that hold them. Safe to call from several threads at
+    once (`store_scope` is per thread).
+
+    Example:
+        >>> kv = kvsparse.create('local'); kv.load('ckpt')
+        >>> model = load_model('m.keras', kv)
+    """
+    with store_scope(kv):
+        return bind(keras.models.load_model(path, **kwargs), kv)
+
+
+@keras.saving.register_keras_serializable(package="kvsparse")
 class Embedding(keras.layers.Layer):
     """A Keras embedding layer backed by a kvsparse table: output ids.shape + (dim,).
 
     Args:
-        kv: a kvsparse.KVStore ('local' or 'dist_sparse' ...).
+        kv: a kvsparse.KVStore ('local' or 'dist_sparse' ...), or None: an
+            unbound layer (it needs embedding_dim; `bind` it before use).
         key: the table's key on the store (str or int).
         embedding_dim: row width; the table is created with it if `key` does
             not exist yet (checked against the table otherwise).
@@ -182,9 +259,14 @@ class Embedding(keras.layers.Layer):
         integer dtypes are cast). Floating-point ids are refused: a float
         cannot hold 64-bit hashed ids (use ``keras.Input(..., dtype='int64')``).
 
+    Saving: registered with Keras; ``get_config`` names the table (``key``,
+    ``embedding_dim``, ``table_dtype``) and the SparseTable settings (``table``)
+    that `bind` creates a missing table with. See `load_model`.
+
     Raises:
         kvsparse.errors.ShapeError: an existing table with another dim.
         kvsparse.errors.DTypeError: non-integer ids.
+        kvsparse.errors.InvalidArgument: called while unbound (no store).
 
     Threads: layers of one store may run in different threads (every store
     call, eager or in a py_function, takes `store_lock(kv)`); one layer's
@@ -211,14 +293,29 @@ class Embedding(keras.layers.Layer):
         table_dtype=None,
         **kwargs,
     ):
+        table = kwargs.pop("table", None)  # a config's table settings (get_config)
         super().__init__(**kwargs)
-        self.kv = kv
+        if table is not None:
+            spec = SparseTable.from_dict(table)
+            initializer, optimizer, seed = spec.initializer, spec.optimizer, spec.seed
+            partitioner, nonfinite = spec.partitioner, spec.nonfinite
+            table_dtype = table_dtype if table_dtype is not None else spec.dtype
         self.key = key
-        options = TableOptions(initializer, optimizer, seed, partitioner, nonfinite, table_dtype)
-        self.embedding_dim = options.ensure(kv, key, embedding_dim)
-        # The table's storage dtype (issue 12); rows come out in it (bfloat16 is pulled as
-        # float32 and cast, exactly: NumPy has no bfloat16 TF could adopt through DLPack).
-        self.table_dtype = tf.as_dtype(kv.key_info(key).dtype)
+        self._options = TableOptions(
+            initializer, optimizer, seed, partitioner, nonfinite, table_dtype
+        )
+        self.kv = None
+        if kv is None:
+            if embedding_dim is None:
+                raise errors.InvalidArgument(
+                    f"Embedding {key!r} without a store needs embedding_dim"
+                )
+            self.embedding_dim = int(embedding_dim)
+            # The table's storage dtype (issue 12); rows come out in it.
+            self.table_dtype = tf.as_dtype(table_dtype_name(table_dtype or "float32"))
+        else:
+            self.embedding_dim = int(embedding_dim) if embedding_dim is not None else None
+            self.bind(kv)
         # py_function cannot be compiled by XLA.
         self.supports_jit = False
         self.push_trigger = self.add_weight(
@@ -232,25 +329,54 @@ class Embedding(keras.layers.Layer):
         self.built = True
         self.pushes = 0  # counted in Python, so graph-mode pushes count too
 
+    def bind(self, kv) -> None:
+        """Uses kv's table `key` from now on: created with the layer's settings if
+        missing, else checked (its dim and dtype must be the layer's). Not safe to call
+        while the layer runs.
+
+        Raises:
+            kvsparse.errors.ShapeError / InvalidArgument: another dim or dtype.
+        """
+        options = self._options
+        if getattr(self, "table_dtype", None) is not None and options.dtype is None:
+            options = dataclasses.replace(options, dtype=self.table_dtype.name)
+        dim = options.ensure(kv, self.key, self.embedding_dim)
+        self.embedding_dim = dim
+        # The table's storage dtype (issue 12); rows come out in it (bfloat16 is pulled as
+        # float32 and cast, exactly: NumPy has no bfloat16 TF could adopt through DLPack).
+        self.table_dtype = tf.as_dtype(kv.key_info(self.key).dtype)
+        self.kv = kv
+
+    def _store(self):
+        if self.kv is None:
+            raise errors.InvalidArgument(
+                f"{self.name}: the layer is not bound to a kvsparse store (a model loaded "
+                "without one); call kvsparse.adapters.tensorflow.bind(model, kv), or load "
+                "it with kvsparse.adapters.tensorflow.load_model(path, kv)"
+            )
+        return self.kv
+
     # The store-facing halves; they take and return eager tensors.
 
     def _pull_eager(self, ids: tf.Tensor) -> tf.Tensor:
+        kv = self._store()
         host_ids = tensor_to_numpy(ids)
         half = self.table_dtype == tf.float16
         out = aligned_empty(
             host_ids.shape + (self.embedding_dim,), np.float16 if half else np.float32
         )
-        with store_lock(self.kv):
-            self.kv.row_sparse_pull(self.key, out=out, row_ids=host_ids)
+        with store_lock(kv):
+            kv.row_sparse_pull(self.key, out=out, row_ids=host_ids)
         rows = numpy_to_tensor(out)
         return tf.cast(rows, tf.bfloat16) if self.table_dtype == tf.bfloat16 else rows
 
     def _push_eager(self, ids: tf.Tensor, gradient: tf.Tensor) -> tf.Tensor:
+        kv = self._store()
         host_ids = tensor_to_numpy(ids)
         rows = tensor_to_numpy(gradient)
-        with store_lock(self.kv):
-            check_trainable(self.kv, self.key)
-            self.kv.push(self.key, (host_ids, rows))
+        with store_lock(kv):
+            check_trainable(kv, self.key)
+            kv.push(self.key, (host_ids, rows))
         self.pushes += 1
         return tf.zeros((), tf.float32)
 
@@ -297,9 +423,85 @@ class Embedding(keras.layers.Layer):
         return tuple(input_shape) + (self.embedding_dim,)
 
     def get_config(self):
+        """Keras' config: the layer's, the table's key, dim, dtype and the SparseTable
+        settings that `bind` creates a missing table with (no store: see `load_model`)."""
         config = super().get_config()
-        config.update({"key": self.key, "embedding_dim": self.embedding_dim})
+        options = self._options
+        settings = {"dim": self.embedding_dim, "optimizer": options.optimizer}
+        settings["seed"] = options.seed
+        if options.initializer is not None:
+            settings["initializer"] = options.initializer
+        table = SparseTable(
+            partitioner=options.partitioner, nonfinite=options.nonfinite, **settings
+        )
+        config.update(
+            {
+                "key": self.key,
+                "embedding_dim": self.embedding_dim,
+                "table_dtype": self.table_dtype.name,
+                "table": table.to_dict(),
+            }
+        )
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        """A layer from `get_config`'s config, bound to the `store_scope` store if any."""
+        return cls(getattr(_scope, "kv", None), **config)
+
+
+# -- learning rate ---------------------------------------------------------------------------
+
+
+class FollowLearningRate(keras.callbacks.Callback):
+    """A Keras callback: the servers' learning rate follows the Keras optimizer's.
+
+    Before each training batch it reads ``model.optimizer.learning_rate`` (a
+    ``keras.optimizers.schedules`` schedule's value at the current step, or a
+    rate set with ``optimizer.learning_rate = ...``) and, when it changed,
+    calls ``kv.set_learning_rate`` (every slot on the servers stays).
+
+    Args:
+        kv: the store of the model's kvsparse layers.
+        key: the tables to change (a key or a list); None: every table and the
+            store-wide optimizer.
+        learning_rate: None: the servers run the Keras rate itself. A number:
+            the servers' rate at the start of training, scaled as the Keras rate
+            is scaled from its value then (sparse and dense rates often differ).
+
+    Not safe to share between models trained at once. On a synchronous store
+    every worker must use the same schedule.
+
+    Example:
+        >>> schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 100, 0.5)
+        >>> model.compile(optimizer=keras.optimizers.Adam(schedule), loss='mse')
+        >>> model.fit(x, y, callbacks=[FollowLearningRate(kv, learning_rate=0.05)])
+    """
+
+    def __init__(self, kv, key=None, learning_rate=None):
+        super().__init__()
+        self.kv = kv
+        self.key = key
+        self.server_learning_rate = None if learning_rate is None else float(learning_rate)
+        self._start = None
+        self._sent = None
+
+    def _keras_rate(self) -> float:
+        return float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
+    def on_train_begin(self, logs=None):
+        if self._start is None:
+            self._start = self._keras_rate()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        rate = self._keras_rate()
+        if self.server_learning_rate is not None:
+            scale = rate / self._start if self._start else 1.0
+            rate = self.server_learning_rate * scale
+        if rate != self._sent:
+            with store_lock(self.kv):
+                self.kv.set_learning_rate(rate, key=self.key)
+            self._sent = rate
 
 
 # -- dense gradients over workers ------------------------------------------------------------
@@ -462,10 +664,14 @@ def DistributedOptimizer(optimizer, kv, key: str = "kvsparse_tf_dense_gradients"
 __all__ = [
     "DistributedOptimizer",
     "Embedding",
+    "FollowLearningRate",
     "aligned_empty",
     "average_gradients",
+    "bind",
     "ensure_table",
+    "load_model",
     "numpy_to_tensor",
     "store_lock",
+    "store_scope",
     "tensor_to_numpy",
 ]

@@ -359,9 +359,120 @@ class _Lookup:
         if batch is not None:
             batch.add(self.key, ids, grad)
             return
+        _sync_learning_rates(self.kv)
         with store_lock(self.kv):
             check_trainable(self.kv, self.key)
             self.kv.push(self.key, (ids, grad))
+
+
+class LearningRateFollower:
+    """Drives the servers' learning rate from a torch optimizer's param group.
+
+    Made by `follow_learning_rate`. Before each push of the store's modules
+    (backward, `push_together`) it reads the group's ``lr`` (which a
+    ``torch.optim.lr_scheduler`` sets) and, when it changed, calls
+    ``kv.set_learning_rate`` (every slot on the servers stays). Call `sync`
+    to send it at once. Not safe to use from several threads at once (it
+    follows one training loop).
+    """
+
+    def __init__(self, kv, optimizer, key=None, learning_rate=None, param_group: int = 0):
+        self.kv = kv
+        self.optimizer = optimizer
+        self.key = key
+        self.param_group = int(param_group)
+        group = self._group()
+        # The schedule's start: torch's schedulers record it as initial_lr.
+        self._start = float(group.get("initial_lr", group["lr"]))
+        self._server_start = None if learning_rate is None else float(learning_rate)
+        self._sent = None
+
+    def _group(self) -> dict:
+        groups = self.optimizer.param_groups
+        if not 0 <= self.param_group < len(groups):
+            raise errors.InvalidArgument(
+                f"param_group {self.param_group}: the optimizer has {len(groups)} groups"
+            )
+        return groups[self.param_group]
+
+    def learning_rate(self) -> float:
+        """The rate the servers should run now: the group's lr, or learning_rate scaled
+        by the group's lr over its initial lr."""
+        lr = float(self._group()["lr"])
+        if self._server_start is None:
+            return lr
+        if self._start == 0.0:
+            return self._server_start
+        return self._server_start * lr / self._start
+
+    def sync(self) -> bool:
+        """Sends the rate if it changed since the last one sent; True if it sent one."""
+        lr = self.learning_rate()
+        if lr == self._sent:
+            return False
+        with store_lock(self.kv):
+            self.kv.set_learning_rate(lr, key=self.key)
+        self._sent = lr
+        return True
+
+    def remove(self) -> None:
+        """Stops following (the servers keep the last rate sent)."""
+        with _followers_guard:
+            followers = _followers.get(self.kv, [])
+            if self in followers:
+                followers.remove(self)
+
+
+# kv -> its LearningRateFollowers; weak, so a closed store's entries go with it.
+_followers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_followers_guard = threading.Lock()
+
+
+def follow_learning_rate(kv, optimizer, key=None, *, learning_rate=None, param_group: int = 0):
+    """Makes a torch optimizer's learning rate (and its scheduler) drive the servers' rate.
+
+    Schedulers (``torch.optim.lr_scheduler.StepLR`` ...) set the ``lr`` of
+    the torch optimizer's param groups; the tables' optimizers run on the
+    servers. With this, the modules of kv send that ``lr`` to the servers
+    (``kv.set_learning_rate``, which keeps every slot and step) before their
+    first push after it changed, so one scheduler drives both. On a
+    synchronous store every worker must follow the same schedule. Safe to
+    call from several threads at once; the follower it returns follows one
+    training loop (`LearningRateFollower`).
+
+    Args:
+        kv: the store of the modules.
+        optimizer: a torch.optim.Optimizer (the dense one, typically).
+        key: the tables to change (a key or a list); None: every table and
+            the store-wide optimizer (`kvsparse.KVStore.set_learning_rate`).
+        learning_rate: None: the servers run the group's lr itself. A number:
+            the servers' rate at the schedule's start, scaled as the group's lr
+            is scaled from its initial lr (sparse and dense rates often differ).
+        param_group: which param group's lr to follow.
+
+    Returns:
+        the `LearningRateFollower` (``remove()`` stops it; ``sync()`` sends now).
+
+    Raises:
+        kvsparse.errors.InvalidArgument: no such param group.
+
+    Example:
+        >>> dense = torch.optim.SGD(model.dense_parameters(), lr=0.1)
+        >>> scheduler = torch.optim.lr_scheduler.StepLR(dense, step_size=10, gamma=0.5)
+        >>> follow_learning_rate(kv, dense, learning_rate=0.05)  # tables: 0.05, 0.025, ...
+    """
+    follower = LearningRateFollower(kv, optimizer, key, learning_rate, param_group)
+    with _followers_guard:
+        _followers.setdefault(kv, []).append(follower)
+    return follower
+
+
+def _sync_learning_rates(kv) -> None:
+    """Sends each follower's changed learning rate before a push to kv."""
+    with _followers_guard:
+        followers = list(_followers.get(kv, ()))
+    for follower in followers:
+        follower.sync()
 
 
 def _prefetch_together(lookups: list, ids: list) -> None:
@@ -419,6 +530,7 @@ class _PushBatch:
             return
         keys = list(self.pushes)
         values = [parts[0] if len(parts) == 1 else parts for parts in self.pushes.values()]
+        _sync_learning_rates(self.kv)
         with store_lock(self.kv):
             self.kv.push(keys, values, wait=self.wait)
 
@@ -506,6 +618,43 @@ class _TableModule(nn.Module):
         self.padding_idx = padding_idx
         # Not a submodule or buffer: the store travels with the module, no table does.
         self._lookup = _Lookup(kv, key, dim, padding_idx, torch_dtype(kv, key))
+        # The table is not an nn.Parameter, so nn.Module.requires_grad_ cannot reach it:
+        # the module keeps the flag itself (see `requires_grad`).
+        self._requires_grad = True
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether backward pushes the table's gradients (False: a frozen table).
+
+        A frozen module (``requires_grad = False``, ``requires_grad_(False)``)
+        and a module in eval mode (``eval()``) only look rows up: their output
+        does not require grad, and backward pushes nothing to the store, so the
+        table's rows, slots and steps stay as they are while the layers around
+        it train. Freeze a table on every worker alike (a synchronous push waits
+        for the workers that push the table).
+        """
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self._requires_grad = bool(value)
+
+    def requires_grad_(self, requires_grad: bool = True):
+        """As nn.Module.requires_grad_, and sets `requires_grad` for the table: False
+        freezes it (backward pushes nothing). Returns self.
+
+        Example:
+            >>> model.embedding.requires_grad_(False)  # fine-tune the rest only
+        """
+        super().requires_grad_(requires_grad)
+        self._requires_grad = bool(requires_grad)
+        return self
+
+    @property
+    def trains_table(self) -> bool:
+        """Whether a forward now records the pull for a push on backward: in training
+        mode, not frozen, with grad enabled."""
+        return self.training and self._requires_grad and torch.is_grad_enabled()
 
     @property
     def kv(self):
@@ -526,7 +675,7 @@ class _TableModule(nn.Module):
     # from Python, with NumPy views dynamo cannot trace; the layers around it compile.
     @torch.compiler.disable
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
+        if self.trains_table:
             anchor = torch.empty(0, requires_grad=True)
             return _SparseRows.apply(anchor, self._lookup, ids)
         return self._lookup.rows_for(ids)
@@ -577,6 +726,12 @@ class Embedding(_TableModule):
 
     forward(ids): ids is an integer tensor of any shape (int64 values of any
     size); returns the table's dtype, shape ids.shape + (embedding_dim,).
+
+    Freezing: ``emb.requires_grad_(False)`` (or ``emb.requires_grad = False``)
+    and ``emb.eval()`` make the module look rows up only; backward then pushes
+    nothing and the table stays as it is (`requires_grad`). The table is no
+    nn.Parameter: freeze the module itself, a parent's ``requires_grad_`` does
+    not reach it (``eval()`` does).
 
     Threads: one module is not meant to run forward from several threads at
     once (its prefetch slot is its own); modules of one store may run in
@@ -809,7 +964,9 @@ __all__ = [
     "DenseGradientSync",
     "Embedding",
     "EmbeddingBag",
+    "LearningRateFollower",
     "ensure_table",
+    "follow_learning_rate",
     "prefetch_together",
     "push_together",
     "store_lock",

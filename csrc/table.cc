@@ -420,6 +420,16 @@ Status EmbeddingTable::SetOptimizer(const OptimizerConfig& optimizer) {
   return Status::Ok();
 }
 
+Status EmbeddingTable::SetLearningRate(double learning_rate) {
+  OptimizerConfig next = config_.optimizer;
+  next.learning_rate = learning_rate;
+  Status s = ValidateOptimizer(next);
+  if (!s.ok()) return s;
+  config_.optimizer = next;
+  optimizer_ = Optimizer(next);
+  return Status::Ok();
+}
+
 void EmbeddingTable::InitialValues(const int64_t* keys, int64_t n, float* out) const {
   const int64_t dim = config_.dim;
   ParallelFor(n, std::max<int64_t>(1, kMinInitFloatsPerThread / dim),

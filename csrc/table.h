@@ -318,6 +318,11 @@ class EmbeddingTable {
   // optimizer's initial values and row step counters to 0. A master copy is
   // made (from the stored values) or dropped as multi_precision says.
   Status SetOptimizer(const OptimizerConfig& optimizer);
+  // Changes only the optimizer's learning rate (a learning-rate schedule):
+  // every row's slots and step counters, the master copies and the table step
+  // stay. InvalidArgument for a rate the optimizer refuses (ValidateOptimizer);
+  // the table is then unchanged.
+  Status SetLearningRate(double learning_rate);
 
   // out[i] = row of keys[i]; a missing key gets its initial value and is not
   // inserted. Duplicates allowed.

@@ -322,6 +322,16 @@ cdef class Table:
         cdef OptimizerConfig c_config = _optimizer_config(optimizer)
         _check(c_table.SetOptimizer(c_config))
 
+    def set_learning_rate(self, double learning_rate):
+        """Changes only the optimizer's learning rate: slots, steps and rows stay.
+
+        Raises:
+            kvsparse.errors.InvalidArgument: a rate the optimizer refuses (not
+                finite, negative; FTRL: not positive); the table is unchanged.
+        """
+        cdef EmbeddingTable* c_table = self._table()
+        _check(c_table.SetLearningRate(learning_rate))
+
     cdef _check_rows(self, const float[:, ::1] rows, int64_t n, str what):
         if rows.shape[0] != n or rows.shape[1] != self.c_dim:
             raise errors.ShapeError(

@@ -62,6 +62,7 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         int64_t table_step()
         void set_table_step(int64_t step)
         Status SetOptimizer(const OptimizerConfig& optimizer) except +
+        Status SetLearningRate(double learning_rate)
         Status Lookup(const int64_t* keys, int64_t n, float* out) except +
         Status LookupOrInsert(const int64_t* keys, int64_t n, float* out) except +
         void InitialValues(const int64_t* keys, int64_t n, float* out) except +

@@ -85,6 +85,14 @@ class SharedMemoryMissing(ProtocolError):
     """
 
 
+class MissingDependency(KVSparseError, ImportError):
+    """A feature needs an optional package that is not installed.
+
+    The message names the feature and says in one line what to install
+    (``pip install 'kvsparse[serve]'``; `kvsparse.extras`).
+    """
+
+
 class ServerError(KVSparseError, RuntimeError):
     """A server answered a request with an error it could not classify."""
 

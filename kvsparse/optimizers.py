@@ -132,6 +132,23 @@ class Optimizer:
     def copy(self):
         return copy.deepcopy(self)
 
+    def with_learning_rate(self, learning_rate: float) -> Optimizer:
+        """A copy whose learning rate is learning_rate (this one stays: immutable).
+
+        Raises:
+            InvalidArgument: a learning rate the optimizer refuses (not a finite
+                number >= 0; FTRL: > 0).
+
+        Example:
+            >>> Adagrad(learning_rate=0.1).with_learning_rate(0.01).learning_rate
+            0.01
+        """
+        settings = {**self.settings, "learning_rate": learning_rate}
+        changed = copy.copy(self)
+        changed.settings = settings
+        changed._check()
+        return changed
+
 
 # Python-facing names that differ from the core's field names.
 _WIRE_NAMES = {"eps": "epsilon"}

@@ -6,13 +6,23 @@ of the gradients of the row's occurrences), never read back from the adapter.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import warnings
+
 import numpy as np
 import pytest
+from conftest import REPO_ROOT, subprocess_env
 
 jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
-from kvsparse.adapters.jax import embedding_lookup, make_anchor  # noqa: E402
+from kvsparse.adapters.jax import (  # noqa: E402
+    embedding_lookup,
+    jax_ids,
+    make_anchor,
+    x64_enabled,
+)
 
 import kvsparse  # noqa: E402
 from kvsparse import errors, initializers, optimizers  # noqa: E402
@@ -85,6 +95,94 @@ def test_numpy_ids_keep_all_64_bits(kv):
     rows = np.asarray(embedding_lookup(kv, "user", ids))
     np.testing.assert_array_equal(rows, kv.row_sparse_pull("user", row_ids=ids))
     assert not np.array_equal(rows[0], rows[1])
+
+
+# -- 64-bit ids with jax_enable_x64 off (JAX's default, and this process's) ---------------
+
+
+def test_jax_ids_refuses_ids_int32_cannot_hold_while_x64_is_off():
+    assert not x64_enabled()
+    for ids in ([2**40 + 3, 3], np.array([-(2**31) - 1]), np.array([[1, 2**32]], np.uint64)):
+        with pytest.raises(errors.InvalidArgument, match=r'jax\.config\.update\("jax_enable_x64"'):
+            jax_ids(ids)
+    small = jax_ids(np.array([3, -7, 2**31 - 1]))
+    assert small.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(small), [3, -7, 2**31 - 1])
+    with pytest.raises(errors.DTypeError):
+        jax_ids(np.array([1.5]))
+
+
+def test_jax_int32_ids_warn_once_that_jax_may_have_wrapped_them(kv, monkeypatch):
+    import kvsparse.adapters.jax as adapter
+
+    sgd_table(kv)
+    monkeypatch.setattr(adapter, "_warned_int32", False)
+    with pytest.warns(adapter.Int32IdsWarning, match="jax_enable_x64"):
+        embedding_lookup(kv, "user", jnp.array([1, 2], dtype=jnp.int32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        embedding_lookup(kv, "user", jnp.array([1, 2], dtype=jnp.int32))  # once only
+
+
+@pytest.mark.parametrize("how", ["grad", "jit_closure", "value_and_grad"])
+def test_numpy_ids_beyond_int32_train_their_own_rows_while_x64_is_off(kv, how):
+    assert not x64_enabled()
+    sgd_table(kv)
+    ids = np.array([2**40 + 1, 2**33 + 2, 2**40 + 1])
+    aliases = np.array([1, 2])  # what JAX would wrap them to
+    wide = np.unique(ids)
+    before = kv.row_sparse_pull("user", row_ids=wide).copy()
+    aliases_before = kv.row_sparse_pull("user", row_ids=aliases).copy()
+
+    def loss(params, ids):
+        return embedding_lookup(kv, "user", ids, anchor=params).sum()
+
+    if how == "grad":
+        jax.grad(loss)(make_anchor(), ids)
+    elif how == "jit_closure":
+        jax.jit(jax.grad(lambda p: loss(p, ids)))(make_anchor())
+    else:
+        jax.value_and_grad(loss)(make_anchor(), ids)
+    jax.effects_barrier()
+    counts = np.array([1, 2])  # 2**33 + 2 once, 2**40 + 1 twice (np.unique's order)
+    np.testing.assert_allclose(
+        kv.row_sparse_pull("user", row_ids=wide), before - LR * counts[:, None], rtol=1e-6
+    )
+    np.testing.assert_array_equal(kv.row_sparse_pull("user", row_ids=aliases), aliases_before)
+
+
+X64_ON = """
+import jax
+jax.config.update("jax_enable_x64", True)
+import numpy as np, kvsparse
+from kvsparse import optimizers
+from kvsparse.adapters.jax import embedding_lookup, jax_ids, make_anchor, x64_enabled
+assert x64_enabled()
+kv = kvsparse.create("local")
+kv.init("t", kvsparse.SparseTable(dim=2, optimizer=optimizers.SGD(learning_rate=1.0)))
+ids = jax_ids(np.array([2**40 + 1]))
+assert ids.dtype == np.int64, ids.dtype
+step = jax.jit(jax.grad(lambda p, i: embedding_lookup(kv, "t", i, anchor=p).sum()))
+before = kv.row_sparse_pull("t", row_ids=np.array([2**40 + 1, 1])).copy()
+step(make_anchor(), ids)
+jax.effects_barrier()
+after = kv.row_sparse_pull("t", row_ids=np.array([2**40 + 1, 1]))
+np.testing.assert_allclose(after[0], before[0] - 1.0, rtol=1e-6)
+np.testing.assert_array_equal(after[1], before[1])
+print("ok")
+"""
+
+
+def test_jax_ids_with_x64_on_keep_64_bits_under_jit():
+    result = subprocess.run(
+        [sys.executable, "-c", X64_ON],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=str(REPO_ROOT),
+        timeout=240,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
 def test_table_is_created_with_the_given_settings(kv):

@@ -464,7 +464,6 @@ def test_optimizers_kvsparse_cannot_run_are_refused(kv):
     for optimizer in (
         mx.optimizer.Signum(),
         mx.optimizer.AdaDelta(),
-        mx.optimizer.SGD(lr_scheduler=mx.lr_scheduler.FactorScheduler(step=10)),
         mx.optimizer.RMSProp(clip_weights=1.0),
         mx.optimizer.Adam(begin_num_update=5),
     ):
@@ -477,11 +476,12 @@ def test_optimizers_kvsparse_cannot_run_are_refused(kv):
 
 
 def test_a_changed_mxnet_optimizer_is_not_seen_by_the_servers_and_a_warning_says_so(kv):
+    # (A changed learning rate is followed: tests/test_mxnet_semantics.py.)
     kv.init(0, nd.zeros((1, 2)))
     optimizer = mx.optimizer.SGD(learning_rate=1.0)
     kv.set_optimizer(optimizer)
     kv.push(0, nd.ones((1, 2)))
-    optimizer.set_learning_rate(100.0)
+    optimizer.rescale_grad = 100.0
     with pytest.warns(UserWarning, match="keep the settings"):
         kv.push(0, nd.ones((1, 2)))
     out = nd.zeros((1, 2))

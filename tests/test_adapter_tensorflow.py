@@ -486,3 +486,152 @@ def test_average_gradients_with_one_worker_is_the_identity(kv):
     gradients = [tf.ones((2, 3)), None, tf.IndexedSlices(tf.ones((1, 3)), tf.constant([0]))]
     result = kvtf.average_gradients(kv, gradients)
     assert result[0] is gradients[0] and result[1] is None and result[2] is gradients[2]
+
+
+# -- saving and loading a Keras model ------------------------------------------------------
+
+LOAD_IN_A_FRESH_PROCESS = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import keras
+    import kvsparse
+    import kvsparse.adapters.tensorflow as kvtf  # registers the layer with Keras
+
+    directory = sys.argv[1]
+    data = np.load(directory + "/data.npz")
+    ids, labels = data["ids"], data["labels"]
+
+    # Without a store: loads, refuses to look up, then runs once bound.
+    unbound = keras.models.load_model(directory + "/m.keras")
+    layer = [l for l in unbound.layers if isinstance(l, kvtf.Embedding)][0]
+    assert layer.kv is None and layer.key == "saved_emb" and layer.embedding_dim == 3
+    try:
+        unbound.predict(ids, verbose=0)
+    except Exception as exc:
+        assert "bind(model, kv)" in str(exc), exc
+    else:
+        raise AssertionError("an unbound layer looked rows up")
+
+    kv = kvsparse.create("local")
+    kv.load(directory + "/store")
+    np.testing.assert_array_equal(kvtf.bind(unbound, kv).predict(ids, verbose=0), data["before"])
+
+    # load_model(path, kv), and keras.models.load_model in store_scope: the same rows.
+    model = kvtf.load_model(directory + "/m.keras", kv)
+    with kvtf.store_scope(kv):
+        scoped = keras.models.load_model(directory + "/m.keras")
+    for loaded in (model, scoped):
+        np.testing.assert_array_equal(loaded.predict(ids, verbose=0), data["before"])
+
+    # A fresh store gets the table from the layer's config (its initializer and seed).
+    fresh = kvsparse.create("local")
+    kvtf.load_model(directory + "/m.keras", fresh)
+    np.testing.assert_array_equal(
+        fresh.row_sparse_pull("saved_emb", row_ids=ids[:1]), data["initial_rows"]
+    )
+
+    # Training goes on: the table's optimizer (from the store) and the dense weights move.
+    rows_before = kv.row_sparse_pull("saved_emb", row_ids=ids.reshape(-1)).copy()
+    dense_before = model.layers[-1].get_weights()[0].copy()
+    model.fit(ids, labels, batch_size=4, epochs=1, verbose=0)
+    assert not np.allclose(kv.row_sparse_pull("saved_emb", row_ids=ids.reshape(-1)), rows_before)
+    assert not np.allclose(model.layers[-1].get_weights()[0], dense_before)
+    print("ok")
+    """
+)
+
+
+def test_a_saved_model_loads_in_a_fresh_process_and_binds_to_a_store(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT, subprocess_env
+
+    kv = kvsparse.create("local")
+    ids = np.array([[1, 2], [2, 3], [5, 1], [7, 9]], np.int64)
+    labels = np.array([[1.0], [0.0], [1.0], [0.5]], np.float32)
+    table = dict(initializer=initializers.Uniform(-0.5, 0.5), seed=4)
+    inputs = keras.Input((2,), dtype="int64")
+    layer = kvtf.Embedding(kv, "saved_emb", 3, optimizer=optimizers.SGD(learning_rate=0.2), **table)
+    initial_rows = kv.row_sparse_pull("saved_emb", row_ids=ids[:1])
+    outputs = keras.layers.Dense(1)(keras.layers.Flatten()(layer(inputs)))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(ids, labels, batch_size=4, epochs=1, verbose=0)
+    model.save(tmp_path / "m.keras")
+    kv.save(tmp_path / "store")
+    np.savez(
+        tmp_path / "data.npz",
+        ids=ids,
+        labels=labels,
+        before=model.predict(ids, verbose=0),
+        initial_rows=initial_rows,
+    )
+    kv.close()
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env({"TF_CPP_MIN_LOG_LEVEL": "2"}),
+        cwd=str(REPO_ROOT),
+        timeout=280,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_get_config_names_the_table_and_from_config_binds_in_a_scope(kv):
+    layer = kvtf.Embedding(kv, "cfg", 4, optimizer=optimizers.Adagrad(learning_rate=0.1), seed=3)
+    config = layer.get_config()
+    assert config["key"] == "cfg" and config["embedding_dim"] == 4
+    assert config["table"]["optimizer"]["kind"] == "adagrad" and config["table"]["seed"] == 3
+    assert kvtf.Embedding.from_config(config).kv is None
+    with kvtf.store_scope(kv):
+        assert kvtf.Embedding.from_config(config).kv is kv
+    other = kvsparse.create("local")
+    try:
+        kvtf.Embedding.from_config(config).bind(other)
+        assert other.key_info("cfg").dim == 4 and other.key_info("cfg").own_optimizer
+        with pytest.raises(errors.ShapeError):
+            kvtf.Embedding.from_config({**config, "embedding_dim": 5}).bind(other)
+    finally:
+        other.close()
+
+
+def test_a_keras_schedule_drives_the_servers_rate_and_keeps_the_accumulator(kv):
+    from reference import ReferenceOptimizer
+
+    layer = kvtf.Embedding(kv, "scheduled", 3, optimizer=optimizers.Adagrad(learning_rate=0.5))
+    inputs = keras.Input((2,), dtype="int64")
+    flat = keras.layers.Flatten()(layer(inputs))
+    model = keras.Model(inputs, keras.layers.Add()([flat, keras.layers.Dense(6)(flat)]))
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([2], [0.1, 0.01])
+    # d loss / d output = 1 / batch for every element: each row's gradient is 1 + the dense
+    # weights' column sums, so the dense layer is frozen to keep it a known constant.
+    model.layers[-2].trainable = False
+    model.compile(
+        optimizer=keras.optimizers.SGD(schedule), loss=lambda y, p: keras.ops.sum(p, axis=-1)
+    )
+    ids = np.tile(np.array([[1, 2], [3, 4]], np.int64), (4, 1))
+    keys = np.array([1, 2, 3, 4])
+    rows = kv.row_sparse_pull("scheduled", row_ids=keys).copy()
+    kernel = model.layers[-2].get_weights()[0]
+    gradient = (1.0 + kernel.sum(axis=1)).reshape(2, 3) / 2  # per row of a sample, per batch
+    model.fit(
+        ids,
+        np.zeros((8, 1), np.float32),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kvtf.FollowLearningRate(kv, learning_rate=0.5)],
+    )
+    slots = [None] * 4
+    # The schedule gives 0.1 up to iteration 2 (Keras' step 3), then 0.01: the servers get
+    # 0.5 times that over 0.1, for the step Keras' own update uses it in.
+    for step, rate in enumerate([0.5, 0.5, 0.5, 0.05], start=1):
+        reference = ReferenceOptimizer(optimizers.Adagrad(learning_rate=rate).to_dict())
+        for i in range(4):
+            if slots[i] is None:
+                slots[i] = reference.initial_slots(3)
+            reference.update(rows[i], slots[i], gradient[i % 2], step)
+    np.testing.assert_allclose(kv.row_sparse_pull("scheduled", row_ids=keys), rows, rtol=2e-5)

@@ -25,6 +25,7 @@ from kvsparse.adapters.torch import (  # noqa: E402
     DenseGradientSync,
     Embedding,
     EmbeddingBag,
+    follow_learning_rate,
     prefetch_together,
     push_together,
 )
@@ -385,6 +386,101 @@ def test_no_grad_forward_pushes_nothing(kv):
         out = emb(torch.tensor([1, 2]))
     assert not out.requires_grad
     assert kv.stats()["tables"]["user"]["rows"] == 0
+
+
+# -- freezing ---------------------------------------------------------------------------------
+
+
+def _freeze_requires_grad(module):
+    module.requires_grad_(False)
+
+
+def _freeze_flag(module):
+    module.requires_grad = False
+
+
+def _freeze_eval(module):
+    module.eval()
+
+
+@pytest.mark.parametrize("freeze", [_freeze_requires_grad, _freeze_flag, _freeze_eval])
+@pytest.mark.parametrize("bag", [False, True], ids=["embedding", "bag"])
+def test_a_frozen_table_stays_while_the_other_layers_train(any_store, freeze, bag):
+    kv = any_store
+    ids = torch.tensor([[1, 5], [5, 9]])
+    sgd = optimizers.SGD(learning_rate=0.5)
+    if bag:
+        frozen = EmbeddingBag(kv, fresh_key("frozen"), embedding_dim=3, mode="sum", optimizer=sgd)
+        trained = EmbeddingBag(kv, fresh_key("trained"), embedding_dim=3, mode="sum", optimizer=sgd)
+    else:
+        frozen = Embedding(kv, fresh_key("frozen"), embedding_dim=3, optimizer=sgd)
+        trained = Embedding(kv, fresh_key("trained"), embedding_dim=3, optimizer=sgd)
+    dense = torch.nn.Linear(3, 1)
+    dense_before = dense.weight.detach().clone()
+    keys = np.array([1, 5, 9])
+    frozen_before = kv.row_sparse_pull(frozen.key, row_ids=keys).copy()
+    trained_before = kv.row_sparse_pull(trained.key, row_ids=keys).copy()
+    freeze(frozen)
+    assert not frozen.requires_grad or not frozen.training
+    dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.5)
+    for _ in range(2):
+        out = frozen(ids)
+        assert not out.requires_grad
+        loss = dense(out + trained(ids)).pow(2).sum()
+        dense_optimizer.zero_grad()
+        loss.backward()
+        dense_optimizer.step()
+    np.testing.assert_array_equal(kv.row_sparse_pull(frozen.key, row_ids=keys), frozen_before)
+    assert not np.allclose(kv.row_sparse_pull(trained.key, row_ids=keys), trained_before)
+    assert not torch.equal(dense.weight.detach(), dense_before)
+    # Unfrozen again, it trains.
+    frozen.requires_grad_(True)
+    frozen.train()
+    frozen(ids).pow(2).sum().backward()
+    assert not np.allclose(kv.row_sparse_pull(frozen.key, row_ids=keys), frozen_before)
+
+
+# -- learning-rate schedules -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["backward", "push_together"])
+def test_a_torch_scheduler_drives_the_servers_rate_and_keeps_the_accumulator(any_store, together):
+    from reference import ReferenceOptimizer
+
+    kv = any_store
+    emb = Embedding(
+        kv, fresh_key("scheduled"), embedding_dim=3, optimizer=optimizers.Adagrad(learning_rate=0.5)
+    )
+    dense = torch.nn.Linear(2, 1)
+    dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(dense_optimizer, step_size=2, gamma=0.1)
+    follower = follow_learning_rate(kv, dense_optimizer, learning_rate=0.5)
+    ids = torch.tensor([3, 8])
+    scale = torch.tensor([[1.0, -2.0, 0.5], [0.25, 1.5, -1.0]])
+    keys = ids.numpy()
+    rows = kv.row_sparse_pull(emb.key, row_ids=keys).copy()
+    try:
+        for _ in range(4):
+            dense_optimizer.zero_grad()
+            loss = (emb(ids) * scale).sum() + dense(torch.ones(1, 2)).sum()
+            if together:
+                with push_together(kv):
+                    loss.backward()
+            else:
+                loss.backward()
+            dense_optimizer.step()
+            scheduler.step()
+    finally:
+        follower.remove()
+    # Server rates: 0.5 for two steps, then 0.5 * 0.1, as the dense group's lr.
+    slots = [None, None]
+    for step, rate in enumerate([0.5, 0.5, 0.05, 0.05], start=1):
+        reference = ReferenceOptimizer(optimizers.Adagrad(learning_rate=rate).to_dict())
+        for i in range(2):
+            if slots[i] is None:
+                slots[i] = reference.initial_slots(3)
+            reference.update(rows[i], slots[i], scale[i].numpy(), step)
+    np.testing.assert_allclose(kv.row_sparse_pull(emb.key, row_ids=keys), rows, rtol=2e-5)
 
 
 # -- zero copy -------------------------------------------------------------------------------

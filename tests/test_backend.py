@@ -44,6 +44,7 @@ def test_the_protocol_holds_every_operation_of_the_store():
             "push_dense",
             "push_sparse",
             "rows_buffer",
+            "set_learning_rate",
             "set_optimizer",
             "stats",
         ]

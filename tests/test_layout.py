@@ -233,6 +233,7 @@ BASE = {
     "kvsparse.errors",
     "kvsparse.config",
     "kvsparse.arrays",
+    "kvsparse.extras",
     "kvsparse.placement",
     "kvsparse.table",
     "kvsparse.optimizers",

@@ -536,3 +536,63 @@ def test_assign_sparse_and_per_table_set_optimizer_on_the_wire():
     bad = protocol.encode_json({"spec": None, "epoch": 1, "table_ids": []})
     with pytest.raises(errors.ProtocolError, match="table_ids"):
         ops.SetOptimizer.decode_request(Header(op=int(Op.SET_OPTIMIZER)), [bad])
+
+
+# -- learning-rate changes ------------------------------------------------------------------
+
+
+def _adagrad(case):
+    if case == "lr_scheduler":
+        scheduler = mx.lr_scheduler.FactorScheduler(step=2, factor=0.1)
+        return mx.optimizer.AdaGrad(learning_rate=0.5, lr_scheduler=scheduler)
+    return mx.optimizer.AdaGrad(learning_rate=0.5)
+
+
+@pytest.mark.parametrize("case", ["set_learning_rate", "lr_scheduler"])
+def test_a_changed_learning_rate_reaches_the_servers_and_keeps_the_history(kv, case):
+    """MXNet's updater and the store, fed the same pushes: the rate drops after two of
+    them (optimizer.set_learning_rate, or the scheduler), AdaGrad's history stays."""
+    rng = np.random.default_rng(1)
+    w0 = rng.normal(size=(4, 3)).astype(np.float32)
+    grads = [rng.normal(size=(4, 3)).astype(np.float32) for _ in range(5)]
+    reference, optimizer = _adagrad(case), _adagrad(case)
+    updater = mx.optimizer.get_updater(reference)
+    expected = nd.array(w0)
+    kv.init(0, nd.array(w0))
+    kv.set_optimizer(optimizer)
+    for step, g in enumerate(grads):
+        if case == "set_learning_rate" and step == 2:
+            reference.set_learning_rate(0.05)
+            optimizer.set_learning_rate(0.05)
+        updater(0, nd.array(g), expected)
+        kv.push(0, nd.array(g))
+    got = nd.zeros((4, 3))
+    kv.pull(0, out=got)
+    np.testing.assert_allclose(got.asnumpy(), expected.asnumpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_set_learning_rate_reaches_the_servers(kv):
+    """Gluon's Trainer.set_learning_rate mid-training: the same weights as MXNet's own
+    local update, with a parameter whose lr_mult gives it its own rate."""
+
+    def run(kvstore):
+        mx.random.seed(3)
+        net = gluon.nn.Dense(2, in_units=3)
+        net.initialize()
+        net.bias.lr_mult = 0.5
+        trainer = gluon.Trainer(
+            net.collect_params(), "adagrad", {"learning_rate": 0.5}, kvstore=kvstore
+        )
+        rng = np.random.default_rng(0)
+        for step in range(4):
+            if step == 2:
+                trainer.set_learning_rate(0.05)
+            x = nd.array(rng.normal(size=(4, 3)))
+            with autograd.record():
+                loss = net(x).sum()
+            loss.backward()
+            trainer.step(4)
+        return net.weight.data().asnumpy(), net.bias.data().asnumpy()
+
+    for got, expected in zip(run(kv), run(None)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -41,7 +41,7 @@ from typing import Optional, TextIO
 
 import zmq
 
-from kvsparse import config, errors
+from kvsparse import config, errors, extras
 from kvsparse.client.session import NoAnswer, Session
 from kvsparse.wire import ops
 
@@ -389,13 +389,9 @@ def main(argv: Optional[list] = None, stdout: Optional[TextIO] = None) -> int:
         return 1 if any("error" in s for s in shards) else 0
 
     try:
-        from rich.console import Console
-    except ImportError:
-        print(
-            "kvsparse stats: the table needs the rich library (pip install rich); "
-            "--json works without it",
-            file=sys.stderr,
-        )
+        Console = extras.require("rich.console", "kvsparse stats' table").Console  # noqa: N806
+    except errors.MissingDependency as exc:
+        print(f"kvsparse stats: {exc} (--json works without it)", file=sys.stderr)
         return 2
     console = Console(file=out, width=None if out.isatty() else 160)
     rates = _Rates()

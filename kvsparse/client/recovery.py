@@ -63,13 +63,18 @@ class Recovery:
         for server, answer in answers.items():
             self._incarnations[server] = answer.header.incarnation
 
-    def remember(self, key, request: ops.Request, server: Optional[int] = None) -> None:
+    def remember(
+        self, key, request: ops.Request, server: Optional[int] = None, last: bool = False
+    ) -> None:
         """Replays request (after the greeting) to every server that restarts (or to server).
 
         key: a later request under the same key replaces this one (e.g. a
         table id: the table's INIT_SPARSE). server: only that server gets
-        it (a dense key's INIT_DENSE carries its slice).
+        it (a dense key's INIT_DENSE carries its slice). last: replayed after
+        every request remembered so far (else in the place of the one replaced).
         """
+        if last:
+            self._replays.pop(key, None)
         self._replays[key] = (server, request)
 
     def restarted(self, server: int, incarnation: int) -> bool:

@@ -296,22 +296,33 @@ class RemoteBackend:
         call and check they agree."""
         self._send_set_optimizer(spec, table_ids, replay=False)
 
-    def _send_set_optimizer(self, spec, table_ids, replay: bool) -> None:
+    def set_learning_rate(self, learning_rate, table_ids=None):
+        """Rank 0 changes the optimizers' learning rate (every table's, or table_ids'),
+        keeping their slots; other ranks wait for rank 0's call and check they agree."""
+        self._send_set_optimizer(None, table_ids, replay=False, learning_rate=learning_rate)
+
+    def _send_set_optimizer(self, spec, table_ids, replay: bool, learning_rate=None) -> None:
         """Sends the next SET_OPTIMIZER call everywhere; replay: as a replay of a call the
         servers may know (they keep the slots they hold for it: a restarted colocated
-        worker's calls, `kvsparse.store.colocated`)."""
+        worker's calls, `kvsparse.store.colocated`). learning_rate: a set_learning_rate
+        call (spec None)."""
         self._optimizer_calls += 1
         calls = self._optimizer_calls
         self._everywhere(
-            ops.SetOptimizer, ops.SetOptimizer.encode_request(spec, calls, replay, table_ids)
+            ops.SetOptimizer,
+            ops.SetOptimizer.encode_request(spec, calls, replay, table_ids, learning_rate),
         )
         if self.rank == 0:
             # A restarted server gets rank 0's last call again, so that the other ranks'
             # calls, which wait for rank 0's, can complete there (issue 11, defect 10);
             # the last store-wide call, and the last one of each set of tables.
-            replay = ops.SetOptimizer.encode_request(spec, calls, True, table_ids)
+            replay = ops.SetOptimizer.encode_request(spec, calls, True, table_ids, learning_rate)
             what = "set_optimizer" if table_ids is None else ("set_optimizer", tuple(table_ids))
-            self.session.remember(what, replay)
+            if learning_rate is not None:
+                what = ("set_learning_rate", what)
+            # Replayed after the calls before it (a newer call under a known name moves to
+            # the end): a rate then applies to the optimizer it was set on.
+            self.session.remember(what, replay, last=True)
 
     def assign_sparse(self, items):
         """items: [(table_id, keys, offsets, float32 rows)]; each server gets its keys' rows."""

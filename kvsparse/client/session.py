@@ -322,15 +322,18 @@ class Session:
             self._recovery.greeted(greetings, answers)
             return answers
 
-    def remember(self, key, request: ops.Request, server: Optional[int] = None) -> None:
+    def remember(
+        self, key, request: ops.Request, server: Optional[int] = None, last: bool = False
+    ) -> None:
         """Replays request (after the greeting) to every server that restarts (or to server).
 
         key: a later request under the same key replaces this one (e.g. a
         table id: the table's INIT_SPARSE). server: only that server gets
-        it (a dense key's INIT_DENSE carries its slice).
+        it (a dense key's INIT_DENSE carries its slice). last: replayed after
+        every request remembered so far (else in the place of the one replaced).
         """
         with self._lock:
-            self._recovery.remember(key, request, server)
+            self._recovery.remember(key, request, server, last)
 
     def exchange(
         self,

@@ -13,8 +13,8 @@ Ops (`kvsparse.wire.protocol.Op`) and their coordination
 
 - HELLO: the job's configuration (the first client's; later ones must agree).
 - INIT_SPARSE, INIT_DENSE: create a table (a FLAG_DECLARE INIT_DENSE waits for rank 0's).
-- SET_OPTIMIZER: rank 0 sets it (store-wide, or some tables' own); the others' calls wait
-  for rank 0's and must agree.
+- SET_OPTIMIZER: rank 0 sets it (store-wide, or some tables' own), or only its learning
+  rate (slots kept); the others' calls wait for rank 0's and must agree.
 - ASSIGN_SPARSE: rows written verbatim, at once (no optimizer, no BSP round).
 - PULL_SPARSE, PULL_DENSE: rows / the dense slice (held by the SSP gate when too far ahead).
 - PUSH_SPARSE, PUSH_DENSE: applied now (ASP, SSP) or once the BSP round is full.
@@ -205,18 +205,25 @@ class Handlers:
         return DEFERRED
 
     def _set_optimizer(self, header, payload, pending):
-        spec, epoch, replay, table_ids = ops.SetOptimizer.decode_request(header, payload)
+        request = ops.SetOptimizer.decode_request(header, payload)
+        spec, epoch, replay, table_ids, learning_rate = request
         epochs = self._coordination.optimizer
         # What followers must agree on: the spec, and the tables it is for (issue 12).
         agreed = spec if table_ids is None else {"spec": spec, "table_ids": table_ids}
+        if learning_rate is not None:
+            agreed = {"learning_rate": learning_rate, "table_ids": table_ids}
         if header.rank == 0:
             restored = table_ids is None and self._state.default_optimizer == spec
+            restored = restored and learning_rate is None
             if replay and (epochs.recorded(epoch) or restored):
                 # Sent again to a restarted server: what it restored stays (its slots).
                 epochs.lead(agreed, epoch, replay=True)
                 return ops.SetOptimizer.encode_reply()
             try:
-                if table_ids is None:
+                if learning_rate is not None:
+                    # A learning-rate change keeps every slot; sent again, it changes nothing.
+                    self._state.set_learning_rate(learning_rate, table_ids)
+                elif table_ids is None:
                     self._state.set_optimizer(spec)
                 else:
                     self._state.set_table_optimizers(table_ids, spec)

@@ -42,6 +42,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from kvsparse import extras
+
 # Seconds; a request on a warm server takes tens of microseconds, a BSP push
 # waits for the slowest worker.
 LATENCY_BUCKETS = (
@@ -307,18 +309,17 @@ def start_http_server(channel: SnapshotChannel, port: int = 0, host: str = "127.
         (httpd, thread, port): stop with ``httpd.shutdown(); httpd.server_close()``.
 
     Raises:
-        ImportError: prometheus-client is not installed.
+        MissingDependency: prometheus-client is not installed (an ImportError whose
+            message says ``pip install 'kvsparse[serve]'``).
         OSError: the port cannot be bound.
 
     Example:
         >>> httpd, thread, port = start_http_server(channel, 0)  # doctest: +SKIP
     """
-    from prometheus_client import CollectorRegistry
-    from prometheus_client import start_http_server as prometheus_start
-
-    registry = CollectorRegistry(auto_describe=False)
+    prometheus = extras.require("prometheus_client", "kvsparse server --metrics-port")
+    registry = prometheus.CollectorRegistry(auto_describe=False)
     registry.register(ServerCollector(channel))
-    httpd, thread = prometheus_start(port, addr=host, registry=registry)
+    httpd, thread = prometheus.start_http_server(port, addr=host, registry=registry)
     return httpd, thread, httpd.server_port
 
 

@@ -117,7 +117,11 @@ def main(argv: Optional[list] = None) -> int:
         apply_niceness=args.apply_niceness,
         keys=args.keys if args.keys is not None else cluster_config.curve_keys(),
     )
-    server = ServingServer(config)
+    try:
+        server = ServingServer(config)
+    except errors.MissingDependency as exc:
+        print(f"kvsparse serve: error: {exc}", file=sys.stderr)
+        return 1
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())

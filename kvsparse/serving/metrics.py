@@ -17,6 +17,8 @@ Families (``transport`` is ``zmq`` or ``http``):
 - ``kvsparse_serving_rows{table}``: rows held per table.
 
 Thread-safe: prometheus_client's metrics are; `freshness` reads the state.
+prometheus-client is optional (``pip install 'kvsparse[serve]'``): without it a
+replica without HTTP uses `NoMetrics`.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from __future__ import annotations
 import math
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
-
+from kvsparse import extras
 from kvsparse.serving.state import ServingState
+
+# prometheus-client is optional (the serve extra): imported by ServingMetrics, so that
+# `kvsparse serve` over ZeroMQ runs without it (NoMetrics then counts nothing).
+FEATURE = "kvsparse serve's /metrics"
 
 LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 UPDATE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -53,6 +57,8 @@ class _StateCollector:
         self._state = state
 
     def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
         described = self._state.describe()
         version = described["version"]
         fresh = GaugeMetricFamily(
@@ -79,6 +85,14 @@ class ServingMetrics:
     """The counters and histograms of one serving replica, in their own registry."""
 
     def __init__(self, state: ServingState):
+        """Raises MissingDependency without prometheus-client (`pip install 'kvsparse[serve]'`)."""
+        prometheus = extras.require("prometheus_client", FEATURE)
+        CollectorRegistry, Counter, Gauge, Histogram = (  # noqa: N806 - prometheus' names
+            prometheus.CollectorRegistry,
+            prometheus.Counter,
+            prometheus.Gauge,
+            prometheus.Histogram,
+        )
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(state))
         r = self.registry
@@ -138,7 +152,23 @@ class ServingMetrics:
 
     def exposition(self) -> bytes:
         """The Prometheus text exposition of every family."""
+        from prometheus_client import generate_latest
+
         return generate_latest(self.registry)
 
 
-__all__ = ["CONTENT_TYPE", "ServingMetrics", "freshness"]
+class NoMetrics:
+    """ServingMetrics' calls, counting nothing: a replica without HTTP and without
+    prometheus-client (nothing could read the counts)."""
+
+    def looked_up(self, transport: str, ids: int, seconds: float) -> None:
+        """Counts nothing."""
+
+    def refused(self, transport: str, exc: BaseException) -> None:
+        """Counts nothing."""
+
+    def on_update(self, update, seconds_or_error) -> None:
+        """Counts nothing."""
+
+
+__all__ = ["CONTENT_TYPE", "FEATURE", "NoMetrics", "ServingMetrics", "freshness"]

@@ -33,9 +33,9 @@ from typing import Optional
 import numpy as np
 import zmq
 
-from kvsparse import errors
+from kvsparse import errors, extras
 from kvsparse.serving.follow import Follower
-from kvsparse.serving.metrics import ServingMetrics, freshness
+from kvsparse.serving.metrics import NoMetrics, ServingMetrics, freshness
 from kvsparse.serving.state import (
     Selection,
     ServingState,
@@ -99,7 +99,14 @@ class ServingServer:
     def __init__(self, config: ServingConfig):
         self.config = config
         self.state = ServingState()
-        self.metrics = ServingMetrics(self.state)
+        if config.http_port is not None:
+            # Both before anything loads or binds: the error is one line naming the extra.
+            extras.require("aiohttp.web", "kvsparse serve --http-port")
+            self.metrics = ServingMetrics(self.state)
+        elif extras.available("prometheus_client"):
+            self.metrics = ServingMetrics(self.state)
+        else:
+            self.metrics = NoMetrics()  # ZeroMQ lookups need no optional package
         self.follower: Optional[Follower] = None
         self.address: Optional[str] = None
         self.http_url: Optional[str] = None

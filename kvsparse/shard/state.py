@@ -165,6 +165,11 @@ class DenseEntry:
         elif self.master is None:
             self.master = _core.widen(self.values, self.dtype)
 
+    def set_learning_rate(self, learning_rate: float) -> None:
+        """Changes only the learning rate of the optimizer it runs: slots and step stay."""
+        self.optimizer_spec = {**self.optimizer_spec, "learning_rate": learning_rate}
+        self.optimizer = _core.Optimizer(self.optimizer_spec)
+
     def push(self, grad: np.ndarray) -> None:
         """One update with the flat float32 gradient (checked already by the caller).
 
@@ -410,6 +415,60 @@ class ShardState:
                 entry.table.set_optimizer(effective)
             else:
                 entry.set_optimizer(effective)
+
+    def set_learning_rate(self, learning_rate: float, table_ids: list | None = None) -> None:
+        """Changes the learning rate of the optimizers tables run; every slot, row step and
+        table step stays (a learning-rate schedule, where set_optimizer restarts them).
+
+        table_ids None: the store-wide optimizer and every table's optimizer (their own
+        ones included). Else those tables' optimizer: a table that ran the store-wide
+        one then has its own, at the new rate (as ``set_optimizer(key=...)`` gives it).
+        The specs record the rate, so that checkpoints keep it. Everything is checked
+        before anything changes.
+
+        Raises:
+            InvalidArgument: a rate the optimizer refuses; a table of table_ids that
+                runs no optimizer; table_ids None and no optimizer anywhere.
+            UnknownKey: a table this shard does not hold.
+        """
+        if table_ids is None:
+            entries = [*self.sparse.values(), *self.dense.values()]
+        else:
+            entries = [
+                self.sparse[table_id] if table_id in self.sparse else self.dense_entry(table_id)
+                for table_id in table_ids
+            ]
+        default = self.default_optimizer
+        if table_ids is None and _runs(default):
+            default = _with_rate(default, learning_rate)
+        changes = []
+        for entry in entries:
+            if isinstance(entry, SparseEntry):
+                spec = entry.spec.get("optimizer") if entry.own_optimizer else default
+            else:
+                spec = entry.optimizer_spec
+            if _runs(spec):
+                changes.append((entry, _with_rate(spec, learning_rate)))
+            elif table_ids is not None:
+                raise errors.InvalidArgument(
+                    f"set_learning_rate: key {entry.name!r} runs no optimizer "
+                    "(kv.set_optimizer first)"
+                )
+        if table_ids is None and not _runs(default) and not changes:
+            raise errors.InvalidArgument(
+                "set_learning_rate: no optimizer is set (kv.set_optimizer first)"
+            )
+        self.default_optimizer = default
+        for entry, spec in changes:
+            if table_ids is not None:
+                entry.own_optimizer = True
+            if isinstance(entry, SparseEntry):
+                if entry.own_optimizer:
+                    # The spec records it, so that checkpoints bring the table back with it.
+                    entry.spec = {**entry.spec, "optimizer": spec}
+                entry.table.set_learning_rate(learning_rate)
+            else:
+                entry.set_learning_rate(learning_rate)
 
     # -- sparse ------------------------------------------------------------------------------
 
@@ -688,6 +747,18 @@ class ShardState:
             "keys": self.counters.keys,
             "keys_per_second": self.counters.keys / elapsed,
         }
+
+
+def _runs(spec: dict | None) -> bool:
+    """Whether an optimizer spec updates rows (None and kind 'none': a push replaces them)."""
+    return spec is not None and spec.get("kind") not in (None, "none")
+
+
+def _with_rate(spec: dict, learning_rate: float) -> dict:
+    """spec at another learning rate, checked by the core's rules (InvalidArgument)."""
+    changed = {**spec, "learning_rate": learning_rate}
+    _core.Optimizer(changed)
+    return changed
 
 
 def _entry_of(table_id: int, entries: dict, other_kind: dict, wrong_kind: str):

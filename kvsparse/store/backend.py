@@ -59,6 +59,10 @@ class Backend(Protocol):
         """Sets (`Optimizer.to_dict()`) or removes (None) the store-wide optimizer; with
         table_ids, those tables' own optimizer instead (None: back to the store-wide one)."""
 
+    def set_learning_rate(self, learning_rate: float, table_ids: list | None = None) -> None:
+        """Changes the learning rate of the optimizers of every table and the store-wide
+        one (table_ids None), or of table_ids' (then their own); slots and steps stay."""
+
     def assign_sparse(self, items: list) -> None:
         """items: [(table_id, unique keys, offsets, float32 rows)]: rows written verbatim
         (no optimizer, no admission counting); all checked before any is written."""

@@ -130,6 +130,13 @@ class ColocatedBackend(RemoteBackend):
         """
         self._send_set_optimizer(spec, table_ids, replay=self.restarted)
 
+    def set_learning_rate(self, learning_rate, table_ids=None):
+        """As `RemoteBackend.set_learning_rate`; a restarted worker's calls are replays
+        (a rate set again changes nothing)."""
+        self._send_set_optimizer(
+            None, table_ids, replay=self.restarted, learning_rate=learning_rate
+        )
+
     def _count(self, items) -> None:
         for item in items:
             offsets = item[2]

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import numbers
 import threading
 
 import numpy as np
@@ -581,6 +583,55 @@ class KVStore(StoreFront):
                 self._backend.set_optimizer(spec, [info.table_id for info in infos])
             for info in infos:
                 self._keys.add(dataclasses.replace(info, own_optimizer=optimizer is not None))
+
+    def set_learning_rate(self, learning_rate: float, key=None) -> None:
+        """Changes the learning rate of the optimizers on the servers, keeping their state.
+
+        Unlike ``set_optimizer``, nothing restarts: every slot (Adagrad's
+        accumulator, Adam's moments...), every row's step count and the table
+        steps stay, so a learning-rate schedule continues the same training.
+        Checkpoints record the new rate. On a distributed store every worker
+        makes the same calls, as for set_optimizer (rank 0's applies; the
+        others wait for it and must agree).
+
+        Args:
+            learning_rate: the new rate (a finite number >= 0; FTRL: > 0).
+            key: None: the store-wide optimizer and every table's, their own
+                ones included. A key or a list of keys (sparse or dense): their
+                optimizer only; a key that ran the store-wide optimizer then has
+                its own (as after ``set_optimizer(..., key=...)``), at the new rate.
+
+        Raises:
+            InvalidArgument: a rate the optimizer refuses; a key without an
+                optimizer; key None and no optimizer anywhere. Nothing changes then.
+            UnknownKey: key not initialized.
+
+        Example:
+            >>> kv.set_optimizer(kvsparse.optimizers.Adagrad(learning_rate=0.1))
+            >>> kv.set_learning_rate(0.01)  # the accumulators stay
+        """
+        if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real):
+            raise errors.InvalidArgument(
+                f"set_learning_rate takes a number, got {type(learning_rate).__name__}"
+            )
+        learning_rate = float(learning_rate)
+        if not math.isfinite(learning_rate) or learning_rate < 0:
+            raise errors.InvalidArgument(
+                f"learning_rate must be a finite number >= 0, got {learning_rate!r}"
+            )
+        with self._lock:
+            if key is None:
+                store_wide = self._optimizer
+                if store_wide is not None and store_wide.kind not in (None, "none"):
+                    store_wide = store_wide.with_learning_rate(learning_rate)
+                self._backend.set_learning_rate(learning_rate)
+                self._optimizer = store_wide
+                return
+            infos = [self._keys.info(k) for k in as_list(key)]
+            if infos:
+                self._backend.set_learning_rate(learning_rate, [info.table_id for info in infos])
+            for info in infos:
+                self._keys.add(dataclasses.replace(info, own_optimizer=True))
 
     @property
     def optimizer(self):

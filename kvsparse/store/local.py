@@ -65,6 +65,11 @@ class LocalBackend:
             self.state.set_table_optimizers(table_ids, spec)
 
     @_serialized
+    def set_learning_rate(self, learning_rate, table_ids=None):
+        """Changes the optimizers' learning rate (every table's, or table_ids'); slots stay."""
+        self.state.set_learning_rate(learning_rate, table_ids)
+
+    @_serialized
     def assign_sparse(self, items):
         """items: [(table_id, keys, offsets, rows)]; all checked before any is written."""
         self.state.counters.requests += 1

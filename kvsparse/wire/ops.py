@@ -536,6 +536,9 @@ class SetOptimizerRequest(NamedTuple):
     replay: bool = False
     # The tables it is for (None: the store-wide optimizer; else those tables' own, issue 12).
     table_ids: Optional[list] = None
+    # Not None: a learning-rate change (spec None): the optimizers' rate becomes this, and
+    # every slot and step stays (`ShardState.set_learning_rate`).
+    learning_rate: Optional[float] = None
 
 
 class SetOptimizer(_Codec):
@@ -550,15 +553,22 @@ class SetOptimizer(_Codec):
         epoch: int,
         replay: bool = False,
         table_ids: Optional[Sequence] = None,
+        learning_rate: Optional[float] = None,
     ) -> Request:
         """The request of this worker's epoch-th set_optimizer call (replay: sent again).
 
         table_ids: the tables whose own optimizer spec becomes (spec None: they
         go back to the store-wide one); None: the store-wide optimizer.
+        learning_rate: a set_learning_rate call instead (spec None): the rate of
+        the tables' optimizers (table_ids None: every table's and the store-wide
+        one) becomes learning_rate, keeping their slots. It counts as a
+        set_optimizer call (the same epochs).
         """
         body = {"spec": spec, "epoch": epoch, **({"replay": True} if replay else {})}
         if table_ids is not None:
             body["table_ids"] = [int(table_id) for table_id in table_ids]
+        if learning_rate is not None:
+            body["learning_rate"] = float(learning_rate)
         return Request(cls.op, [protocol.encode_json(body)])
 
     @classmethod
@@ -577,7 +587,14 @@ class SetOptimizer(_Codec):
             if not isinstance(table_ids, list) or not table_ids:
                 raise errors.ProtocolError("SET_OPTIMIZER table_ids must be a non-empty list")
             table_ids = [check_int(t, "table_id", 0, _MAX_TABLE_ID) for t in table_ids]
-        return SetOptimizerRequest(spec, epoch, replay, table_ids)
+        learning_rate = body.get("learning_rate")
+        if learning_rate is not None:
+            if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)):
+                raise errors.ProtocolError("SET_OPTIMIZER learning_rate must be a number")
+            if spec is not None:
+                raise errors.ProtocolError("SET_OPTIMIZER has a spec or a learning_rate, not both")
+            learning_rate = float(learning_rate)
+        return SetOptimizerRequest(spec, epoch, replay, table_ids, learning_rate)
 
 
 class PullSparseRequest(NamedTuple):

@@ -67,7 +67,9 @@ both ends call:
                            (f32; none with FLAG_DECLARE)
     SET_OPTIMIZER (5)      JSON {spec, epoch[, table_ids]}: with   none
                            table_ids, those tables' own optimizer
-                           (spec null: back to the store-wide one)
+                           (spec null: back to the store-wide one);
+                           with learning_rate (spec null), only
+                           the optimizers' rate (slots kept)
     PULL_SPARSE (6)        items, keys (i64) per item              items (dim set), rows
                                                                    (count x dim, of the
                                                                    item's row dtype)
