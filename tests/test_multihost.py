@@ -1,0 +1,297 @@
+"""Jobs over several hosts: ``kvsparse launch --nnodes N``, hosts as network namespaces.
+
+Every host is a network namespace on a private bridge (tests/netns.py), with
+an address of 198.18.0.0/24 that exists nowhere else; each runs its own
+``kvsparse launch --nnodes N --node-rank R --rendezvous tcp://198.18.0.1:PORT``.
+The workers train marker rows: at step s, worker r pushes a gradient of -1
+(SGD, lr 1, zeros) to its own marker id ``s * n + r``, so a marker ends
+holding how many times its push was applied: 1 exactly, or the test fails
+(0 = lost, 2 = applied twice). Each worker also reports the server
+addresses it was given and the servers it shares memory with.
+
+Skipped, saying why, where namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from conftest import subprocess_env
+from netns import SUBNET, Network, unavailable
+
+JOB_TIMEOUT = 90.0
+# Inside the test's own namespaces nothing else listens: a fixed port cannot collide.
+RENDEZVOUS_PORT = 29400
+RENDEZVOUS = f"tcp://{SUBNET}.1:{RENDEZVOUS_PORT}"
+
+MARKER_WORKER = r"""
+import json, os, sys, time
+import numpy as np
+import kvsparse
+from kvsparse.initializers import Zeros
+from kvsparse.optimizers import SGD
+
+kind, steps, pace = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+kv = kvsparse.create(kind)
+rank, n = kv.rank, kv.num_workers
+sgd = SGD(learning_rate=1.0)
+kv.init("marker", kvsparse.SparseTable(dim=1, initializer=Zeros(), optimizer=sgd))
+for step in range(steps):
+    kv.push("marker", (np.array([step * n + rank]), np.full((1, 1), -1.0, np.float32)))
+    print(f"step {step}", flush=True)
+    time.sleep(pace)
+kv.barrier()
+report = {
+    "rank": rank,
+    "num_workers": n,
+    "servers": os.environ.get("KVSPARSE_SERVERS", "").split(","),
+    "peers": [p for p in os.environ.get("KVSPARSE_PEERS", "").split(",") if p],
+    "shared": sorted(getattr(getattr(kv, "_backend", None), "shared_servers", ())),
+}
+if rank == 0:
+    rows = kv.row_sparse_pull("marker", row_ids=np.arange(steps * n))
+    report["markers"] = rows.ravel().tolist()
+    report["rows_per_shard"] = [s["tables"]["marker"]["rows"] for s in kv.stats()["shards"]]
+kv.barrier()
+print("REPORT " + json.dumps(report), flush=True)
+kv.close()
+"""
+
+
+@pytest.fixture
+def hosts(request):
+    """`hosts(n, rate=None)` makes a Network of n hosts, torn down after the test."""
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(f"hosts as network namespaces: {reason}")
+    made = []
+
+    def make(count, rate=None):
+        network = Network(count, rate=rate)
+        made.append(network)
+        return network
+
+    yield make
+    for network in made:
+        network.close()
+
+
+def host_env(extra=None):
+    env = subprocess_env(extra)
+    for name in list(env):
+        if name.startswith("SLURM_"):
+            del env[name]
+    return env
+
+
+class Node:
+    """One host's ``kvsparse launch`` in a namespace, its output in files."""
+
+    def __init__(self, network, index, args, command, tmp_path, env=None):
+        self.index = index
+        self.out_path = tmp_path / f"node{index}.out"
+        self.err_path = tmp_path / f"node{index}.err"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.process = network.popen(
+                index,
+                [sys.executable, "-m", "kvsparse", "launch", *args, "--", *command],
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                env=host_env(env),
+                cwd=str(tmp_path),
+            )
+
+    def wait(self, timeout=JOB_TIMEOUT):
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node {self.index} did not end within {timeout} s:\n{self.output()}")
+
+    @property
+    def stdout(self):
+        return self.out_path.read_text()
+
+    @property
+    def stderr(self):
+        return self.err_path.read_text()
+
+    def output(self):
+        return f"--- node {self.index} stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+    def reports(self):
+        return [
+            json.loads(line.split("REPORT ", 1)[1])
+            for line in self.stdout.splitlines()
+            if "REPORT " in line
+        ]
+
+
+def start_job(network, tmp_path, nodes, options, kind="dist_sparse", steps=6, pace=0.0, env=None,
+              worker=MARKER_WORKER):  # fmt: skip
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(worker))
+    command = [sys.executable, str(script), kind, str(steps), str(pace)]
+    return [
+        Node(
+            network,
+            rank,
+            ["--nnodes", str(len(network.hosts)), "--node-rank", str(rank),
+             "--rendezvous", RENDEZVOUS, *options],
+            command,
+            tmp_path,
+            env,
+        )
+        for rank in nodes
+    ]  # fmt: skip
+
+
+def finish(nodes):
+    codes = [node.wait() for node in nodes]
+    return codes, "\n".join(node.output() for node in nodes)
+
+
+def check_markers(nodes, num_workers, steps, output):
+    reports = [r for node in nodes for r in node.reports()]
+    assert sorted(r["rank"] for r in reports) == list(range(num_workers)), output
+    markers = next(r["markers"] for r in reports if r["rank"] == 0)
+    assert markers == [1.0] * (steps * num_workers), output
+    return reports
+
+
+def host_of(address):
+    return address.partition("://")[2].rpartition(":")[0]
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["dist", "colocated"])
+def test_two_hosts_train_exact_markers_over_tcp_only(hosts, tmp_path, colocated):
+    network = hosts(2)
+    options = ["--colocated", "-n", "2"] if colocated else ["-s", "2", "-n", "2"]
+    nodes = start_job(network, tmp_path, [0, 1], options, steps=6)
+    codes, output = finish(nodes)
+    assert codes == [0, 0], output
+    reports = check_markers(nodes, 4, 6, output)
+    # Node-major: node 0's workers are ranks 0, 1, on host 198.18.0.1; node 1's are 2, 3.
+    for node in nodes:
+        assert sorted(r["rank"] for r in node.reports()) == [2 * node.index, 2 * node.index + 1]
+    shards = reports[0]["peers"] if colocated else reports[0]["servers"]
+    assert [host_of(a) for a in shards] == [f"{SUBNET}.1"] * 2 + [f"{SUBNET}.2"] * 2, output
+    rank0 = next(r for r in reports if r["rank"] == 0)
+    assert all(rows > 0 for rows in rank0["rows_per_shard"]), output
+    for report in reports:
+        assert report["servers"] == reports[0]["servers"], output
+        # No ipc:// path nor loopback address for a peer on another host, and so no shared
+        # memory: every shard is reached at its host's bridge address.
+        for address in report["servers"] + report["peers"]:
+            assert address.startswith(f"tcp://{SUBNET}."), (address, output)
+        assert report["shared"] == [], output
+
+
+def test_launcher_that_never_joins_is_named_within_the_wait(hosts, tmp_path):
+    network = hosts(3)
+    started = time.monotonic()
+    nodes = start_job(network, tmp_path, [0, 1], ["-s", "1", "-n", "1", "--rendezvous-wait", "4"])
+    codes, output = finish(nodes)
+    elapsed = time.monotonic() - started
+    assert codes == [1, 1], output
+    for node in nodes:
+        assert "node rank 2 did not join the rendezvous" in node.stderr, output
+        assert "within 4 s" in node.stderr, output
+    assert "REPORT" not in output  # no worker ran
+    assert elapsed < JOB_TIMEOUT
+
+
+def test_curve_keys_across_hosts(hosts, tmp_path):
+    network = hosts(2)
+    keys = tmp_path / "keys"
+    made = subprocess.run(
+        [sys.executable, "-m", "kvsparse", "keys", str(keys)],
+        capture_output=True, text=True, env=host_env(), timeout=60,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    nodes = start_job(network, tmp_path, [0, 1], ["-s", "1", "-n", "1", "--keys", str(keys)])
+    codes, output = finish(nodes)
+    assert codes == [0, 0], output
+    check_markers(nodes, 2, 6, output)
+    # A worker on host 1 without the keys is refused by host 0's server (no data either way).
+    servers = nodes[0].reports()[0]["servers"]
+    probe = (
+        "import kvsparse, numpy as np\n"
+        "from kvsparse import errors\n"
+        "try:\n"
+        f"    kvsparse.create('dist_sparse', servers={servers!r}, timeout=3.0)\n"
+        "    print('ANSWERED')\n"
+        "except errors.ServerUnavailable as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    result = subprocess.run(
+        network.command(1, [sys.executable, "-c", probe]),
+        capture_output=True, text=True, env=host_env(), timeout=60,
+    )  # fmt: skip
+    assert "REFUSED" in result.stdout, result.stdout + result.stderr
+
+
+def test_nodes_with_different_keys_are_refused(hosts, tmp_path):
+    network = hosts(2)
+    for name in ("keys0", "keys1"):
+        subprocess.run(
+            [sys.executable, "-m", "kvsparse", "keys", str(tmp_path / name)],
+            check=True, capture_output=True, env=host_env(), timeout=60,
+        )  # fmt: skip
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(MARKER_WORKER))
+    nodes = [
+        Node(
+            network,
+            rank,
+            ["--nnodes", "2", "--node-rank", str(rank), "--rendezvous", RENDEZVOUS,
+             "--rendezvous-wait", "5", "--keys", str(tmp_path / f"keys{rank}")],
+            [sys.executable, str(script), "dist_sparse", "2", "0"],
+            tmp_path,
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    codes, output = finish(nodes)
+    assert codes == [1, 1], output
+    assert "differs from node 0 in --keys" in nodes[1].stderr, output
+    assert "node rank 1 did not join" in nodes[0].stderr, output
+
+
+def wait_for_line(node, text, timeout=JOB_TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while text not in node.stdout:
+        if node.process.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"never saw {text!r}:\n{node.output()}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("window", [True, False], ids=["retry-window", "no-window"])
+def test_link_cut_for_5_s(hosts, tmp_path, window):
+    network = hosts(2)
+    options = ["-s", "1", "-n", "1", "--timeout", "2"]
+    if window:
+        options += ["--retry-window", "30"]
+    steps = 80
+    nodes = start_job(network, tmp_path, [0, 1], options, kind="dist_async", steps=steps, pace=0.05)
+    wait_for_line(nodes[0], "step 10")
+    network.cut(1)
+    try:
+        time.sleep(5.0)
+    finally:
+        network.restore(1)
+    codes, output = finish(nodes)
+    server_1 = f"tcp://{SUBNET}.2:"
+    if window:
+        assert codes == [0, 0], output
+        # Nothing lost, nothing applied twice: every marker holds exactly 1.
+        check_markers(nodes, 2, steps, output)
+    else:
+        assert codes[0] != 0 and codes[1] != 0, output
+        # Node 0's worker names the server it lost, on the cut host; node 1 hears it stopped.
+        assert server_1 in nodes[0].stderr, output
+        assert "stopping the job" in nodes[1].stderr, output
