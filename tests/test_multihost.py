@@ -24,6 +24,9 @@ import pytest
 from conftest import subprocess_env
 from netns import SUBNET, Network, unavailable
 
+from kvsparse import config, errors
+from kvsparse.cluster.launch import launch
+
 JOB_TIMEOUT = 90.0
 # Inside the test's own namespaces nothing else listens: a fixed port cannot collide.
 RENDEZVOUS_PORT = 29400
@@ -82,10 +85,12 @@ def hosts(request):
 
 
 def host_env(extra=None):
-    env = subprocess_env(extra)
+    """subprocess_env without this machine's own SLURM placement, then extra."""
+    env = subprocess_env()
     for name in list(env):
         if name.startswith("SLURM_"):
             del env[name]
+    env.update({k: str(v) for k, v in (extra or {}).items()})
     return env
 
 
@@ -132,23 +137,38 @@ class Node:
         ]
 
 
-def start_job(network, tmp_path, nodes, options, kind="dist_sparse", steps=6, pace=0.0, env=None,
-              worker=MARKER_WORKER):  # fmt: skip
+def start_job(
+    network,
+    tmp_path,
+    nodes,
+    options,
+    kind="dist_sparse",
+    steps=6,
+    pace=0.0,
+    env=None,
+    placement=None,
+):
+    """Starts node ranks `nodes`' launchers; placement(rank) gives the placement flags."""
+    if placement is None:
+
+        def placement(rank):
+            nnodes = str(len(network.hosts))
+            return ["--nnodes", nnodes, "--node-rank", str(rank), "--rendezvous", RENDEZVOUS]
+
     script = tmp_path / "worker.py"
-    script.write_text(textwrap.dedent(worker))
+    script.write_text(textwrap.dedent(MARKER_WORKER))
     command = [sys.executable, str(script), kind, str(steps), str(pace)]
     return [
         Node(
             network,
             rank,
-            ["--nnodes", str(len(network.hosts)), "--node-rank", str(rank),
-             "--rendezvous", RENDEZVOUS, *options],
+            [*placement(rank), *options],
             command,
             tmp_path,
-            env,
+            env(rank) if callable(env) else env,
         )
         for rank in nodes
-    ]  # fmt: skip
+    ]
 
 
 def finish(nodes):
@@ -295,3 +315,98 @@ def test_link_cut_for_5_s(hosts, tmp_path, window):
         # Node 0's worker names the server it lost, on the cut host; node 1 hears it stopped.
         assert server_1 in nodes[0].stderr, output
         assert "stopping the job" in nodes[1].stderr, output
+
+
+def test_launcher_that_dies_is_named_and_the_job_ends_everywhere(hosts, tmp_path):
+    network = hosts(2)
+    nodes = start_job(network, tmp_path, [0, 1], ["-s", "1", "-n", "1"], steps=400, pace=0.02)
+    wait_for_line(nodes[1], "step 5")
+    nodes[1].process.kill()  # SIGKILL: no goodbye; its children get SIGTERM (die_with_parent)
+    codes, output = finish(nodes)
+    assert codes[0] == 1, output
+    assert f"node 1's launcher ({SUBNET}.2) is gone" in nodes[0].stderr, output
+
+
+def test_placement_from_slurm_variables(hosts, tmp_path):
+    network = hosts(2)
+
+    def slurm(rank):
+        # The node list's first host is the rendezvous host (here an address, not a name).
+        return {
+            "SLURM_JOB_ID": "7",
+            "SLURM_NNODES": "2",
+            "SLURM_NODEID": str(rank),
+            "SLURM_JOB_NODELIST": f"{SUBNET}.[1-2]",
+        }
+
+    nodes = start_job(
+        network,
+        tmp_path,
+        [0, 1],
+        ["-s", "1", "-n", "1"],
+        env=slurm,
+        placement=lambda rank: ["--rendezvous", f":{RENDEZVOUS_PORT}"],
+    )
+    codes, output = finish(nodes)
+    assert codes == [0, 0], output
+    reports = check_markers(nodes, 2, 6, output)
+    assert [host_of(a) for a in reports[0]["servers"]] == [f"{SUBNET}.1", f"{SUBNET}.2"]
+
+
+def test_dmlc_scheduler_address_is_the_rendezvous_servers_on_every_host(hosts, tmp_path):
+    network = hosts(2)
+    dmlc = {
+        "DMLC_PS_ROOT_URI": f"{SUBNET}.1",
+        "DMLC_PS_ROOT_PORT": str(RENDEZVOUS_PORT),
+        "DMLC_NUM_SERVER": "2",
+        "DMLC_NUM_WORKER": "2",
+    }
+    nodes = start_job(
+        network,
+        tmp_path,
+        [0, 1],
+        ["-s", "1", "-n", "1"],
+        env=dmlc,
+        placement=lambda rank: ["--nnodes", "2", "--node-rank", str(rank)],
+    )
+    codes, output = finish(nodes)
+    assert codes == [0, 0], output
+    reports = check_markers(nodes, 2, 6, output)
+    # ps-lite's own mapping would put both servers on the root host; these are on both.
+    assert [host_of(a) for a in reports[0]["servers"]] == [f"{SUBNET}.1", f"{SUBNET}.2"]
+
+
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [("node[01-04,07]", "node01"), ("gpu3,gpu4", "gpu3"), ("a[7]", "a7"), ("solo", "solo")],
+)
+def test_first_host_of_a_slurm_node_list(nodelist, first):
+    assert config.first_slurm_host(nodelist) == first
+
+
+def test_node_placement_sources_and_errors():
+    slurm = {"SLURM_NNODES": "4", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "n[10-13]"}
+    placement = config.node_placement(rendezvous="29400", environ=slurm)
+    assert (placement.nnodes, placement.node_rank) == (4, 3)
+    assert placement.rendezvous == "tcp://n10:29400"
+    # Flags win over the variables.
+    placement = config.node_placement(2, 0, "tcp://h:1", environ=slurm)
+    assert (placement.nnodes, placement.node_rank, placement.rendezvous) == (2, 0, "tcp://h:1")
+    assert config.node_placement(environ={}) is None
+    assert config.node_placement(1, environ={}) is None
+    with pytest.raises(errors.InvalidArgument, match="--node-rank"):
+        config.node_placement(2, rendezvous="tcp://h:1", environ={})
+    with pytest.raises(errors.InvalidArgument, match="--rendezvous"):
+        config.node_placement(2, 1, environ={})
+    with pytest.raises(errors.InvalidArgument, match=r"not in \[0, 2\)"):
+        config.node_placement(2, 2, "tcp://h:1", environ={})
+    with pytest.raises(errors.InvalidArgument, match="no host"):
+        config.node_placement(2, 1, ":29400", environ={})
+    with pytest.raises(errors.InvalidArgument, match="SLURM_NODEID"):
+        config.node_placement(rendezvous=":1", environ=dict(slurm, SLURM_NODEID="x"))
+
+
+def test_launch_over_hosts_refuses_ipc(tmp_path):
+    with pytest.raises(errors.InvalidArgument, match="ipc"):
+        launch([sys.executable, "-c", "pass"], nnodes=2, node_rank=0,
+               rendezvous="tcp://127.0.0.1:1", transport="ipc")  # fmt: skip
