@@ -95,11 +95,13 @@ class Network:
     Args:
         hosts: how many hosts.
         rate: a link rate for every host (``tc`` syntax, "100mbit"), or None.
+        queue: the longest a packet may wait in a link's token bucket (``tc tbf
+            latency``); a longer queue drops fewer packets of bursts that meet.
 
     Not thread-safe.
     """
 
-    def __init__(self, hosts: int, rate: Optional[str] = None):
+    def __init__(self, hosts: int, rate: Optional[str] = None, queue: str = "50ms"):
         reason = unavailable()
         if reason is not None:
             raise RuntimeError(reason)
@@ -109,6 +111,7 @@ class Network:
         self.hosts = [f"{self.prefix}h{i}" for i in range(hosts)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(hosts)]
         self.processes: list[subprocess.Popen] = []
+        self.queue = queue
         self._made: list[str] = []
         try:
             self._make(rate)
@@ -140,7 +143,7 @@ class Network:
         for namespace, device in ((self.hosts[host], "eth0"), (self.switch, f"p{host}")):
             subprocess.run(
                 ["ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device,
-                 "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"],
+                 "root", "tbf", "rate", rate, "burst", "256kb", "latency", self.queue],
                 check=True, capture_output=True, text=True, timeout=30,
             )  # fmt: skip
 
