@@ -15,6 +15,9 @@ Skipped, saying why, where namespaces cannot be made (not root, no iproute2).
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -410,3 +413,69 @@ def test_launch_over_hosts_refuses_ipc(tmp_path):
     with pytest.raises(errors.InvalidArgument, match="ipc"):
         launch([sys.executable, "-c", "pass"], nnodes=2, node_rank=0,
                rendezvous="tcp://127.0.0.1:1", transport="ipc")  # fmt: skip
+
+
+RESTART_WORKER = r"""
+import json, os, sys, time
+import numpy as np
+import kvsparse
+from kvsparse.initializers import Zeros
+from kvsparse.optimizers import SGD
+
+steps, markers = int(sys.argv[1]), sys.argv[2]
+kv = kvsparse.create("dist_sparse")
+rank, n = kv.rank, kv.num_workers
+sgd = SGD(learning_rate=1.0)
+kv.init("marker", kvsparse.SparseTable(dim=1, initializer=Zeros(), optimizer=sgd))
+for step in range(steps):
+    kv.push("marker", (np.array([step * n + rank]), np.full((1, 1), -1.0, np.float32)))
+kv.barrier()
+if rank == 0:
+    kv.save()  # into KVSPARSE_CHECKPOINT_DIR: every push is in it
+    print("SAVED", flush=True)
+while not os.path.exists(os.path.join(markers, "go")):
+    time.sleep(0.05)
+rows = kv.row_sparse_pull("marker", row_ids=np.arange(steps * n))
+print("REPORT " + json.dumps({"rank": rank, "markers": rows.ravel().tolist()}), flush=True)
+kv.barrier()
+kv.close()
+"""
+
+
+def test_server_restarted_on_another_host_restores_its_own_shard(hosts, tmp_path):
+    network = hosts(2)
+    script = tmp_path / "restart_worker.py"
+    script.write_text(RESTART_WORKER)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    checkpoints = tmp_path / "checkpoints"  # one directory both hosts see, as on NFS
+    options = ["-s", "1", "-n", "1", "--restart-servers", "--retry-window", "60",
+               "--checkpoint-dir", str(checkpoints)]  # fmt: skip
+    nodes = [
+        Node(
+            network,
+            rank,
+            ["--nnodes", "2", "--node-rank", str(rank), "--rendezvous", RENDEZVOUS, *options],
+            [sys.executable, str(script), "8", str(markers)],
+            tmp_path,
+        )
+        for rank in (0, 1)
+    ]
+    wait_for_line(nodes[0], "SAVED")
+    listening = re.search(r"server 0 \(pid (\d+)\) listening", nodes[1].stderr)
+    assert listening, nodes[1].output()
+    os.kill(int(listening.group(1)), signal.SIGKILL)
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while (restarted := re.search(r"server 0 \(pid (\d+)\) restarted", nodes[1].stderr)) is None:
+        assert time.monotonic() < deadline and nodes[1].process.poll() is None, nodes[1].output()
+        time.sleep(0.05)
+    with open(f"/proc/{restarted.group(1)}/cmdline", "rb") as f:
+        argv = f.read().decode().split("\0")
+    (markers / "go").touch()
+    codes, output = finish(nodes)
+    # Node 1's server is shard 1 of 2, not shard 0 of its host's 1.
+    assert argv[argv.index("--shard-index") + 1] == "1", argv
+    assert argv[argv.index("--num-shards") + 1] == "2", argv
+    assert codes == [0, 0], output
+    for report in (r for node in nodes for r in node.reports()):
+        assert report["markers"] == [1.0] * 16, output

@@ -188,6 +188,10 @@ class _Cluster:
         # Colocated over tcp: rank -> the listening socket its shard inherits and serves.
         self.shard_listeners: dict[int, socket.socket] = {}
         self.restarts: dict[int, int] = {}
+        # Over several hosts, this host's servers are shards shard_offset.. of num_shards
+        # (what a restarted one restores); on one host, 0.. of len(servers).
+        self.shard_offset = 0
+        self.num_shards: Optional[int] = None
         self.restart_workers = False
         self.worker_restarts: dict[int, int] = {}
         self._worker_starts: dict[int, tuple] = {}  # rank -> (command, environment, cwd)
@@ -337,7 +341,11 @@ class _Cluster:
             ServerUnavailable: it did not listen on that address in time.
         """
         self.restarts[index] = self.restarts.get(index, 0) + 1
-        restore = process.restore_arguments(self.checkpoint_dir, index, len(self.servers))
+        restore = process.restore_arguments(
+            self.checkpoint_dir,
+            self.shard_offset + index,
+            self.num_shards or len(self.servers),
+        )
         root = process.checkpoint_root_arguments(dead.address, self.keys, self.checkpoint_dir)
         argv = process.server_command(
             dead.address, keys=self.keys, restarted=True, extra_args=restore + root
@@ -968,6 +976,9 @@ def _launch_on_hosts(
             plan = membership.plan
             membership.watch(cluster.on_rendezvous)
             servers = plan.peers if colocated else plan.servers
+            if not colocated:
+                cluster.shard_offset = plan.servers.index(local[0])
+                cluster.num_shards = len(plan.servers)
             if colocated:
                 extra[config.PEERS] = ",".join(plan.peers)
             last = plan.first_rank + num_workers - 1
