@@ -23,6 +23,7 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 from conftest import subprocess_env
 from netns import SUBNET, Network, unavailable
@@ -34,6 +35,7 @@ JOB_TIMEOUT = 90.0
 # Inside the test's own namespaces nothing else listens: a fixed port cannot collide.
 RENDEZVOUS_PORT = 29400
 RENDEZVOUS = f"tcp://{SUBNET}.1:{RENDEZVOUS_PORT}"
+PID_LINE = re.compile(r"kvsparse launch: (server|worker) (\d+) \(pid (\d+)\)")
 
 MARKER_WORKER = r"""
 import json, os, sys, time
@@ -175,8 +177,17 @@ def start_job(
 
 
 def finish(nodes):
+    """Waits for every launcher; checks that none left a server or worker running."""
     codes = [node.wait() for node in nodes]
-    return codes, "\n".join(node.output() for node in nodes)
+    output = "\n".join(node.output() for node in nodes)
+    for node in nodes:
+        for role, index, pid in PID_LINE.findall(node.stderr):
+            try:
+                alive = psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            assert not alive, f"node {node.index}'s {role} {index} (pid {pid}) still runs\n{output}"
+    return codes, output
 
 
 def check_markers(nodes, num_workers, steps, output):

@@ -1,4 +1,4 @@
-"""Start servers and workers on this host: ``kvsparse launch`` and its Python API.
+"""Start servers and workers on this host (or over several): ``kvsparse launch`` and its API.
 
 ``kvsparse launch -s 2 -n 2 -- python train.py`` starts two servers
 (``python -m kvsparse.server`` on free ports), waits until both answer, then
@@ -66,9 +66,20 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   ``KVSPARSE_CHECKPOINT_DIR``; ``keys`` (``--keys``, a ``kvsparse keys``
   directory) makes the servers CurveZMQ-only and reaches the workers as
   ``KVSPARSE_KEYS``.
+- ``nnodes``, ``node_rank``, ``rendezvous`` (``--nnodes N --node-rank R
+  --rendezvous tcp://HOST:PORT``): this host's part of a job over N hosts,
+  one launcher on each (`kvsparse.cluster.rendezvous`). Node 0's launcher
+  serves the rendezvous; every launcher starts its servers (or binds its
+  colocated shards) on ``host`` over tcp, offers their addresses, and starts
+  its workers with the whole job's server list, ranks node-major, once all
+  N have joined. A launcher that has not joined within ``rendezvous_wait``
+  is named to the others; one whose job fails, or that goes away, ends the
+  job on every host. ipc and shared memory are not used: they reach only
+  this host's processes.
 - Exit code: 0 if every worker succeeded; else the code of the first worker
   to fail, in time order (a worker killed by signal N counts as 128 + N);
-  1 if a server died first; 128 + N if the launcher got signal N.
+  1 if a server died first, or (several hosts) another host's job failed or
+  its launcher went away; 128 + N if the launcher got signal N.
 - A worker that exits with code 0 while others still run is logged (``worker
   1 exited with code 0 while worker 0 still run: ...``): in a BSP job
   the others then fail at their next round or barrier with
@@ -761,9 +772,11 @@ def launch(
             the others (`kvsparse.errors.NodeUnavailable`) and the job ends.
 
     Returns:
-        The exit code: 0 if all workers succeeded, else the first failing
-        worker's (in time order; 128 + N for a worker killed by signal N), 1
-        if a server died, 128 + N if the launcher got signal N (SIGINT: 130).
+        The exit code: 0 if all workers succeeded (on every host), else the
+        first failing worker's (in time order; 128 + N for a worker killed by
+        signal N), 1 if a server died or (several hosts) another host's job
+        failed or its launcher went away, 128 + N if the launcher got signal N
+        (SIGINT: 130).
 
     Raises:
         InvalidArgument: a bad count, command or option.
