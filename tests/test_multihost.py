@@ -18,9 +18,11 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -490,3 +492,110 @@ def test_server_restarted_on_another_host_restores_its_own_shard(hosts, tmp_path
     assert codes == [0, 0], output
     for report in (r for node in nodes for r in node.reports()):
         assert report["markers"] == [1.0] * 16, output
+
+
+# -- the rendezvous alone, on 127.0.0.1 (no namespaces needed) ---------------------------------
+
+
+def test_rendezvous_refuses_bad_input_and_goes_on(tmp_path):
+    from kvsparse.cluster import rendezvous
+    from kvsparse.cluster.launch import free_port
+
+    address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    lines = []
+    server = rendezvous.RendezvousServer(address, 2, 30.0, lines.append)
+    try:
+        host, port = config.split_tcp_address(address, "test")
+        for garbage in (b"not json\n", b"[1, 2]\n", b'{"protocol": 1, "offer": {"x": 1}}\n'):
+            with socket.create_connection((host, port), timeout=10) as bad:
+                bad.sendall(garbage)
+                reply = json.loads(bad.makefile("rb").readline())
+                assert "error" in reply, reply
+        offers = [
+            rendezvous.NodeOffer(r, 2, "127.0.0.1", servers=[f"tcp://127.0.0.1:{7000 + r}"])
+            for r in (0, 1)
+        ]
+        with pytest.raises(errors.NodeUnavailable, match="expects --nnodes 3"):
+            rendezvous.join(address, rendezvous.NodeOffer(1, 3, "127.0.0.1"), 10.0)
+        result = {}
+        thread = threading.Thread(
+            target=lambda: result.update(m0=rendezvous.join(address, offers[0], 30))
+        )
+        thread.start()
+        member1 = rendezvous.join(address, offers[1], 30.0)
+        thread.join(30)
+        member0 = result["m0"]
+        assert (
+            member0.plan.servers
+            == member1.plan.servers
+            == [
+                "tcp://127.0.0.1:7000",
+                "tcp://127.0.0.1:7001",
+            ]
+        )
+        assert (member0.plan.first_rank, member1.plan.first_rank) == (0, 1)
+        assert member1.plan.num_workers == 2
+        # A launcher that comes after the plan is refused, saying so.
+        with pytest.raises(errors.NodeUnavailable, match="after the job was planned"):
+            rendezvous.join(address, offers[1], 10.0)
+        heard = []
+        member0.watch(heard.append)
+        member1.finished(3, "worker 1 exited with code 3")
+        deadline = time.monotonic() + 10
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert heard and "node 1's job ended with code 3" in heard[0]["stop"], heard
+        member0.close()
+        member1.close()
+    finally:
+        server.close(1.0)
+
+
+def test_two_launchers_on_loopback(tmp_path):
+    """Where namespaces cannot be made: two launchers of one job on 127.0.0.1 (ports differ)."""
+    from kvsparse.cluster.launch import free_port
+
+    rendezvous = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(MARKER_WORKER))
+    launchers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvsparse",
+                "launch",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(r),
+                "--rendezvous",
+                rendezvous,
+                "-s",
+                "1",
+                "-n",
+                "1",
+                "--",
+                sys.executable,
+                str(script),
+                "dist_sparse",
+                "4",
+                "0",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=host_env(),
+            cwd=str(tmp_path),
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=JOB_TIMEOUT) for p in launchers]
+    text = "\n".join(out + err for out, err in outputs)
+    assert [p.returncode for p in launchers] == [0, 0], text
+    reports = [
+        json.loads(line.split("REPORT ", 1)[1]) for line in text.splitlines() if "REPORT " in line
+    ]
+    rank0 = next(r for r in reports if r["rank"] == 0)
+    assert rank0["markers"] == [1.0] * 8, text
+    assert all(a.startswith("tcp://127.0.0.1:") for a in rank0["servers"]), text
