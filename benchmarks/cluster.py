@@ -13,7 +13,10 @@ The rows:
     4 worker hosts against 1, 2 and 4 server hosts     (server scaling)
     1, 2 and 4 worker hosts against 4 server hosts     (worker scaling)
 
-each with float32 and float16 rows on the wire (``wire_dtype``). A worker's step is W1's:
+each with float32 and float16 rows on the wire (``wire_dtype``), and each with two loops:
+``sequential`` (a step pulls, then pushes) and ``prefetch`` (the torch adapter's loop: a
+step's push is not waited for, and the next step's pull goes right behind it, so a link's
+two directions work at once). A worker's step is W1's:
 ``row_sparse_pull`` + ``push`` (Adagrad) of a batch of 65,536 ids drawn Zipf(1.1) over
 10^8, dim 64, each worker on its own batches, ASP; the workers meet at a barrier before
 and after the timed steps. Reported per row:
@@ -22,10 +25,10 @@ and after the timed steps. Reported per row:
     step_s          the timed seconds / steps
     bound_s         the link bound of a step: the busiest link's bytes during the timed
                     steps (read from the interfaces' counters, so headers and requests
-                    count) / the link rate / steps. A worker host's link counts both
-                    directions added (a step's pull, then its push: one direction idles
-                    while the other works); a server host's the busier direction (it
-                    serves several workers at once, pulls and pushes overlapping)
+                    count) / the link rate / steps. In the sequential loop a worker
+                    host's link counts both directions added (a step's pull, then its
+                    push: one direction idles while the other works); otherwise (server
+                    hosts, and the prefetch loop) the busier direction
     duplex_bound_s  the busiest direction of any link / rate / steps: the bound if every
                     step's pull and push overlapped
     step_vs_bound   step_s / bound_s (1.0: the busiest link never idles; target <= 1.3)
@@ -44,6 +47,7 @@ Writes benchmarks/results/cluster.json (every row, raw per-worker seconds).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -69,7 +73,7 @@ from kvsparse.optimizers import Adagrad
 
 servers, wire, steps, warmup, batch, seed = (sys.argv[2].split(","), sys.argv[3], int(sys.argv[4]),
                                              int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))
-rank, n = int(sys.argv[8]), int(sys.argv[9])
+rank, n, prefetch = int(sys.argv[8]), int(sys.argv[9]), sys.argv[10] == "prefetch"
 kv = kvsparse.create("dist_async", servers=servers, rank=rank, num_workers=n, wire_dtype=wire)
 kv.init("emb", kvsparse.SparseTable(dim=wl.DIM, initializer=Zeros(),
                                     optimizer=Adagrad(learning_rate=wl.LEARNING_RATE)))
@@ -84,12 +88,25 @@ kv.barrier()
 print("TIMING", flush=True)
 sys.stdin.readline()  # the benchmark reads the links' counters, then lets every worker go
 seconds = []
-for ids in batches[warmup:]:
-    start = time.perf_counter()
-    kv.row_sparse_pull("emb", row_ids=ids, out=out)
-    kv.push("emb", (ids, grads))
-    seconds.append(time.perf_counter() - start)
-total = sum(seconds)
+timed = batches[warmup:]
+start = time.perf_counter()
+if prefetch:
+    # The torch adapter's loop: a step's push is not waited for, the next step's pull is
+    # sent right behind it; the last push waits.
+    pending = kv.row_sparse_pull("emb", row_ids=timed[0], out=out, wait=False)
+    for i, ids in enumerate(timed):
+        pending.wait()
+        last = i == len(timed) - 1
+        kv.push("emb", (ids, grads), wait=last)
+        if not last:
+            pending = kv.row_sparse_pull("emb", row_ids=timed[i + 1], out=out, wait=False)
+        seconds.append(time.perf_counter() - start - sum(seconds))
+else:
+    for ids in timed:
+        kv.row_sparse_pull("emb", row_ids=ids, out=out)
+        kv.push("emb", (ids, grads))
+        seconds.append(time.perf_counter() - start - sum(seconds))
+total = time.perf_counter() - start
 kv.barrier()
 unique = int(sum(np.unique(ids).size for ids in batches[warmup:]))
 print("RESULT " + json.dumps({"rank": rank, "seconds": seconds, "total": total,
@@ -133,7 +150,7 @@ def start_server(network: netns.Network, host: int, log) -> tuple:
     return child, address
 
 
-def run_row(server_hosts: int, worker_hosts: int, wire: str, args, log) -> dict:
+def run_row(server_hosts: int, worker_hosts: int, wire: str, loop: str, args, log) -> dict:
     """One row: a fresh network of server_hosts + worker_hosts namespaces."""
     with netns.Network(server_hosts + worker_hosts, rate=args.rate, queue=args.queue) as network:
         servers = [start_server(network, h, log)[1] for h in range(server_hosts)]
@@ -145,7 +162,7 @@ def run_row(server_hosts: int, worker_hosts: int, wire: str, args, log) -> dict:
             argv = [
                 sys.executable, script, os.path.join(REPO, "benchmarks", "peers"),
                 ",".join(servers), wire, str(args.steps), str(args.warmup), str(args.batch),
-                str(args.seed), str(w), str(worker_hosts),
+                str(args.seed), str(w), str(worker_hosts), loop,
             ]  # fmt: skip
             workers.append(
                 network.popen(
@@ -177,7 +194,8 @@ def run_row(server_hosts: int, worker_hosts: int, wire: str, args, log) -> dict:
         after = [counters(network, h) for h in range(len(network.hosts))]
     traffic = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
     busiest = [
-        max(rx, tx) if host < server_hosts else rx + tx for host, (rx, tx) in enumerate(traffic)
+        max(rx, tx) if host < server_hosts or loop == "prefetch" else rx + tx
+        for host, (rx, tx) in enumerate(traffic)
     ]
     duplex = max(max(rx, tx) for rx, tx in traffic)
     seconds = max(r["total"] for r in results)
@@ -188,6 +206,7 @@ def run_row(server_hosts: int, worker_hosts: int, wire: str, args, log) -> dict:
         "server_hosts": server_hosts,
         "worker_hosts": worker_hosts,
         "wire_dtype": wire,
+        "loop": loop,
         "rows_per_s": rows / seconds,
         "step_s": step,
         "bound_s": bound,
@@ -200,14 +219,19 @@ def run_row(server_hosts: int, worker_hosts: int, wire: str, args, log) -> dict:
     }
 
 
-def efficiencies(rows: list, vary: str, fixed: str, fixed_value: int, wire: str) -> list:
+def efficiencies(rows: list, vary: str, fixed: str, fixed_value: int, wire: str, loop: str) -> list:
     series = sorted(
-        (r for r in rows if r[fixed] == fixed_value and r["wire_dtype"] == wire),
+        (
+            r
+            for r in rows
+            if r[fixed] == fixed_value and r["wire_dtype"] == wire and r["loop"] == loop
+        ),
         key=lambda r: r[vary],
     )
     return [
         {
             "wire_dtype": wire,
+            "loop": loop,
             vary: f"{a[vary]}->{b[vary]}",
             "speedup": b["rows_per_s"] / a["rows_per_s"],
             "efficiency": b["rows_per_s"] / (a["rows_per_s"] * b[vary] / a[vary]),
@@ -227,6 +251,11 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=65536, help="ids per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--wire", default="float32,float16")
+    parser.add_argument(
+        "--loops",
+        default="sequential,prefetch",
+        help="sequential: pull, then push; prefetch: push not waited for, next pull behind it",
+    )
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--quick", action="store_true", help="2 steps, 8,192 ids, 1 Gbit/s")
     parser.add_argument("--output", default=RESULTS)
@@ -242,12 +271,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as workdir, open(os.path.join(workdir, "log"), "w+") as log:
         args.workdir = workdir
         try:
-            for wire in args.wire.split(","):
+            for loop, wire in itertools.product(args.loops.split(","), args.wire.split(",")):
                 for server_hosts, worker_hosts in configs:
-                    row = run_row(server_hosts, worker_hosts, wire, args, log)
+                    row = run_row(server_hosts, worker_hosts, wire, loop, args, log)
                     rows.append(row)
                     print(
-                        f"{wire:8} servers {server_hosts} workers {worker_hosts}: "
+                        f"{loop:10} {wire:8} servers {server_hosts} workers {worker_hosts}: "
                         f"{row['rows_per_s']:>12,.0f} rows/s  step {row['step_s']:.3f} s  "
                         f"bound {row['bound_s']:.3f} s  ({row['step_vs_bound']:.2f}x)",
                         flush=True,
@@ -257,19 +286,13 @@ def main() -> int:
             sys.stderr.write(log.read()[-4000:])
             raise
     scaling = []
-    for wire in args.wire.split(","):
-        scaling += [
-            dict(e, vary="server_hosts")
-            for e in efficiencies(rows, "server_hosts", "worker_hosts", 4, wire)
-        ]  # noqa: E501
-        scaling += [
-            dict(e, vary="worker_hosts")
-            for e in efficiencies(rows, "worker_hosts", "server_hosts", 4, wire)
-        ]  # noqa: E501
+    for loop, wire in itertools.product(args.loops.split(","), args.wire.split(",")):
+        for vary, fixed in (("server_hosts", "worker_hosts"), ("worker_hosts", "server_hosts")):
+            scaling += [dict(e, vary=vary) for e in efficiencies(rows, vary, fixed, 4, wire, loop)]
     print()
-    print(f"{'wire':8} {'doubling':14} {'speedup':>8} {'efficiency':>10}")
+    print(f"{'loop':10} {'wire':8} {'doubling':14} {'speedup':>8} {'efficiency':>10}")
     for e in scaling:
-        print(f"{e['wire_dtype']:8} {e['vary'][:6] + ' ' + e[e['vary']]:14} "
+        print(f"{e['loop']:10} {e['wire_dtype']:8} {e['vary'][:6] + ' ' + e[e['vary']]:14} "
               f"{e['speedup']:>8.2f} {e['efficiency']:>10.2f}")  # fmt: skip
     report = {
         "benchmark": "cluster (W1 over network-namespace hosts, tbf-capped links)",
