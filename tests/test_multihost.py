@@ -333,14 +333,19 @@ def test_link_cut_for_5_s(hosts, tmp_path, window):
         assert "stopping the job" in nodes[1].stderr, output
 
 
-def test_launcher_that_dies_is_named_and_the_job_ends_everywhere(hosts, tmp_path):
+@pytest.mark.parametrize("dying", [1, 0], ids=["node-1", "node-0-the-rendezvous"])
+def test_launcher_that_dies_is_named_and_the_job_ends_everywhere(hosts, tmp_path, dying):
     network = hosts(2)
     nodes = start_job(network, tmp_path, [0, 1], ["-s", "1", "-n", "1"], steps=400, pace=0.02)
-    wait_for_line(nodes[1], "step 5")
-    nodes[1].process.kill()  # SIGKILL: no goodbye; its children get SIGTERM (die_with_parent)
+    wait_for_line(nodes[dying], "step 5")
+    nodes[dying].process.kill()  # SIGKILL: no goodbye; its children get SIGTERM (die_with_parent)
+    other = nodes[1 - dying]
     codes, output = finish(nodes)
-    assert codes[0] == 1, output
-    assert f"node 1's launcher ({SUBNET}.2) is gone" in nodes[0].stderr, output
+    assert codes[1 - dying] == 1, output
+    if dying == 1:
+        assert f"node 1's launcher ({SUBNET}.2) is gone" in other.stderr, output
+    else:
+        assert f"the rendezvous at {RENDEZVOUS} (node 0's launcher) closed" in other.stderr, output
 
 
 def test_placement_from_slurm_variables(hosts, tmp_path):
