@@ -230,16 +230,13 @@ def test_two_hosts_train_exact_markers_over_tcp_only(hosts, tmp_path, colocated)
 
 def test_launcher_that_never_joins_is_named_within_the_wait(hosts, tmp_path):
     network = hosts(3)
-    started = time.monotonic()
     nodes = start_job(network, tmp_path, [0, 1], ["-s", "1", "-n", "1", "--rendezvous-wait", "4"])
     codes, output = finish(nodes)
-    elapsed = time.monotonic() - started
     assert codes == [1, 1], output
     for node in nodes:
         assert "node rank 2 did not join the rendezvous" in node.stderr, output
         assert "within 4 s" in node.stderr, output
     assert "REPORT" not in output  # no worker ran
-    assert elapsed < JOB_TIMEOUT
 
 
 def test_curve_keys_across_hosts(hosts, tmp_path):
