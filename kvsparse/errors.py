@@ -122,3 +122,19 @@ class WorkerLeft(ServerUnavailable):
     def __init__(self, message, address=None, ranks=None):
         super().__init__(message, address)
         self.ranks = ranks
+
+
+class NodeUnavailable(KVSparseError, ConnectionError):
+    """A host of a multi-host job is missing: its launcher never joined, or left.
+
+    Raised by ``kvsparse launch --nnodes N`` (`kvsparse.cluster.rendezvous`)
+    when a launcher did not reach the rendezvous within the wait, or when
+    the rendezvous itself cannot be reached. The message names the node ranks.
+
+    Attributes:
+        node_ranks: the node ranks that are missing, where known (else None).
+    """
+
+    def __init__(self, message, node_ranks=None):
+        super().__init__(message)
+        self.node_ranks = node_ranks

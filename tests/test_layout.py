@@ -154,6 +154,7 @@ READERS = {
     "fast_path",
     "server_limits",
     "mxnet_role",
+    "node_placement",
     "read",
 }
 # The entry points: they resolve the settings once and pass them down. A module below

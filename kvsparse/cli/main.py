@@ -4,6 +4,8 @@ Usage::
 
     kvsparse launch -s 2 -n 2 -- python train.py   # servers + workers on this host
     kvsparse launch --transport ipc -s 2 -n 2 -- python train.py   # over Unix sockets
+    kvsparse launch --nnodes 2 --node-rank 0 --rendezvous tcp://node0:29400 \
+        -s 2 -n 4 -- python train.py                # this host's part of a 2-host job
     kvsparse server --bind tcp://0.0.0.0:7000       # one server (shard)
     kvsparse server                                 # bind address from the environment
     kvsparse stats --once                           # every shard's tables and traffic
@@ -106,7 +108,10 @@ def _launch_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--host",
         default=None,
-        help="interface tcp servers listen on (default: 127.0.0.1; not with --transport ipc)",
+        metavar="ADDRESS",
+        help="interface tcp servers listen on (default: 127.0.0.1; not with --transport ipc); "
+        "with --nnodes: the address this host is reached at (default: the source address of "
+        "its route to the rendezvous host)",
     )
     parser.add_argument(
         "--transport",
@@ -218,6 +223,44 @@ def _launch_parser() -> argparse.ArgumentParser:
         "restored from the last checkpoint in --checkpoint-dir, KVSPARSE_RESTARTED set; it "
         "resumes at kv.clock); the other workers wait for it (at most --max-restarts times each)",
     )
+    hosts = parser.add_argument_group(
+        "several hosts",
+        "One launcher on each host, each with the same -s/-n, --nnodes and --rendezvous: the "
+        "job has NNODES * S servers and NNODES * N workers, ranked node by node. Node 0's "
+        "launcher serves the rendezvous. Under SLURM (srun, one task per node) --nnodes, "
+        "--node-rank and the rendezvous host come from SLURM_NNODES, SLURM_NODEID and "
+        "SLURM_JOB_NODELIST: --rendezvous :PORT is enough. See docs/operations.md, "
+        "'Several hosts'.",
+    )
+    hosts.add_argument(
+        "--nnodes",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="number of hosts (launchers) in the job (default: 1, or SLURM_NNODES)",
+    )
+    hosts.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="this host's rank, 0..N-1 (default: SLURM_NODEID); node 0 serves the rendezvous",
+    )
+    hosts.add_argument(
+        "--rendezvous",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="where the launchers meet: node 0's host and a free port (:PORT takes the host "
+        "from SLURM_JOB_NODELIST; default: DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT if set)",
+    )
+    hosts.add_argument(
+        "--rendezvous-wait",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long node 0 waits for every launcher to join; one that has not is named "
+        "and the job ends on every host (default: 300)",
+    )
     return parser
 
 
@@ -234,7 +277,11 @@ def _launch(argv: list) -> int:
     args = parser.parse_args(options)
     if not command:
         parser.error("no worker command; e.g. kvsparse launch -n 2 -- python train.py")
+    from kvsparse import config
+
     try:
+        # SLURM's and ps-lite's variables are read here; launch() takes explicit values.
+        placement = config.node_placement(args.nnodes, args.node_rank, args.rendezvous)
         return launch(
             command,
             num_servers=args.servers,
@@ -255,6 +302,10 @@ def _launch(argv: list) -> int:
             keep=args.keep,
             colocated=args.colocated,
             restart_workers=args.restart_workers,
+            nnodes=None if placement is None else placement.nnodes,
+            node_rank=None if placement is None else placement.node_rank,
+            rendezvous=None if placement is None else placement.rendezvous,
+            rendezvous_wait=args.rendezvous_wait,
         )
     except errors.KVSparseError as exc:
         print(f"kvsparse launch: error: {exc}", file=sys.stderr)

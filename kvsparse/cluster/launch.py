@@ -1,4 +1,4 @@
-"""Start servers and workers on this host: ``kvsparse launch`` and its Python API.
+"""Start servers and workers on this host (or over several): ``kvsparse launch`` and its API.
 
 ``kvsparse launch -s 2 -n 2 -- python train.py`` starts two servers
 (``python -m kvsparse.server`` on free ports), waits until both answer, then
@@ -66,9 +66,20 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   ``KVSPARSE_CHECKPOINT_DIR``; ``keys`` (``--keys``, a ``kvsparse keys``
   directory) makes the servers CurveZMQ-only and reaches the workers as
   ``KVSPARSE_KEYS``.
+- ``nnodes``, ``node_rank``, ``rendezvous`` (``--nnodes N --node-rank R
+  --rendezvous tcp://HOST:PORT``): this host's part of a job over N hosts,
+  one launcher on each (`kvsparse.cluster.rendezvous`). Node 0's launcher
+  serves the rendezvous; every launcher starts its servers (or binds its
+  colocated shards) on ``host`` over tcp, offers their addresses, and starts
+  its workers with the whole job's server list, ranks node-major, once all
+  N have joined. A launcher that has not joined within ``rendezvous_wait``
+  is named to the others; one whose job fails, or that goes away, ends the
+  job on every host. ipc and shared memory are not used: they reach only
+  this host's processes.
 - Exit code: 0 if every worker succeeded; else the code of the first worker
   to fail, in time order (a worker killed by signal N counts as 128 + N);
-  1 if a server died first; 128 + N if the launcher got signal N.
+  1 if a server died first, or (several hosts) another host's job failed or
+  its launcher went away; 128 + N if the launcher got signal N.
 - A worker that exits with code 0 while others still run is logged (``worker
   1 exited with code 0 while worker 0 still run: ...``): in a BSP job
   the others then fail at their next round or barrier with
@@ -106,6 +117,7 @@ from typing import Optional, TextIO
 
 from kvsparse import config, errors
 from kvsparse.cluster import process
+from kvsparse.cluster import rendezvous as rendezvous_module
 
 # Variables the launcher sets itself; --env may not override them.
 _RESERVED = (
@@ -187,15 +199,21 @@ class _Cluster:
         # Colocated over tcp: rank -> the listening socket its shard inherits and serves.
         self.shard_listeners: dict[int, socket.socket] = {}
         self.restarts: dict[int, int] = {}
+        # Over several hosts, this host's servers are shards shard_offset.. of num_shards
+        # (what a restarted one restores); on one host, 0.. of len(servers).
+        self.shard_offset = 0
+        self.num_shards: Optional[int] = None
         self.restart_workers = False
         self.worker_restarts: dict[int, int] = {}
         self._worker_starts: dict[int, tuple] = {}  # rank -> (command, environment, cwd)
         self.startup_timeout = 60.0
         self.servers: list[process.ServerProcess] = []
-        self.workers: list[process.ChildProcess] = []
+        self.workers: list[process.ChildProcess] = []  # this host's, by local index
+        self.first_rank = 0  # the rank of workers[0] (a job over several hosts: see rendezvous)
         self.events: queue.Queue = queue.Queue()  # (role, index, child, returncode), exit order
         self.signum: Optional[int] = None  # set by the signal handler; checked by the loops
         self.stopping = False
+        self.failure = ""  # why the job stopped, for the other hosts (see rendezvous)
         self.hurry = False  # a signal while stopping: skip the grace period
 
     def log(self, message: str) -> None:
@@ -334,7 +352,11 @@ class _Cluster:
             ServerUnavailable: it did not listen on that address in time.
         """
         self.restarts[index] = self.restarts.get(index, 0) + 1
-        restore = process.restore_arguments(self.checkpoint_dir, index, len(self.servers))
+        restore = process.restore_arguments(
+            self.checkpoint_dir,
+            self.shard_offset + index,
+            self.num_shards or len(self.servers),
+        )
         root = process.checkpoint_root_arguments(dead.address, self.keys, self.checkpoint_dir)
         argv = process.server_command(
             dead.address, keys=self.keys, restarted=True, extra_args=restore + root
@@ -373,24 +395,34 @@ class _Cluster:
         cluster_config: dict,
         extra: Mapping[str, str],
         cwd: Optional[str],
+        first_rank: int = 0,
+        num_workers: Optional[int] = None,
     ) -> None:
+        """Starts count workers, ranks first_rank.. of num_workers (default count) in all.
+
+        Worker i of this host is ``workers[i]`` and has rank ``first_rank + i``;
+        its colocated shard listener, if any, is ``shard_listeners[i]``.
+        """
         env = process.worker_environment()
-        for rank in range(count):
+        self.first_rank = first_rank
+        total = count if num_workers is None else num_workers
+        for local in range(count):
             self.check_signal()
-            worker_config = config.ClusterConfig(rank=rank, num_workers=count, **cluster_config)
+            rank = first_rank + local
+            worker_config = config.ClusterConfig(rank=rank, num_workers=total, **cluster_config)
             worker_env = dict(env)
             worker_env.update(worker_config.to_environment())
             worker_env.update(extra)
-            listener = self.shard_listeners.get(rank)
+            listener = self.shard_listeners.get(local)
             if listener is not None:
                 worker_env[config.SHARD_FD] = str(listener.fileno())
-            self._worker_starts[rank] = (list(command), worker_env, cwd)
+            self._worker_starts[local] = (list(command), worker_env, cwd)
             try:
                 child = process.ChildProcess(
                     command,
                     worker_env,
                     cwd=cwd,
-                    pass_fds=self._passed_fds(rank),
+                    pass_fds=self._passed_fds(local),
                     **self._relayed("worker", rank),
                 )
             except OSError as exc:
@@ -398,7 +430,7 @@ class _Cluster:
                     f"cannot start worker {rank}: {shlex.join(command)}: {exc}"
                 ) from None
             self.workers.append(child)
-            self._watch("worker", rank, child)
+            self._watch("worker", local, child)
             self.log(f"worker {rank} (pid {child.pid}) started: {shlex.join(command)}")
 
     def _passed_fds(self, rank: int) -> tuple:
@@ -407,13 +439,16 @@ class _Cluster:
         return (listener.fileno(),) if listener is not None else ()
 
     def restart_worker(self, rank: int) -> bool:
-        """Starts colocated worker rank again (``KVSPARSE_RESTARTED`` = its restart count).
+        """Starts this host's colocated worker ``workers[rank]`` again (``KVSPARSE_RESTARTED``).
+
+        ``KVSPARSE_RESTARTED`` is its restart count.
 
         Its store binds the same shard address and restores the checkpoint
         (`kvsparse.store.colocated`). Returns False if it cannot be started.
         """
-        self.worker_restarts[rank] = count = self.worker_restarts.get(rank, 0) + 1
-        command, env, cwd = self._worker_starts[rank]
+        local, rank = rank, self.first_rank + rank
+        self.worker_restarts[local] = count = self.worker_restarts.get(local, 0) + 1
+        command, env, cwd = self._worker_starts[local]
         env = dict(env)
         env[config.RESTARTED] = str(count)
         try:
@@ -421,14 +456,14 @@ class _Cluster:
                 command,
                 env,
                 cwd=cwd,
-                pass_fds=self._passed_fds(rank),
+                pass_fds=self._passed_fds(local),
                 **self._relayed("worker", rank),
             )
         except OSError as exc:
             self.log(f"cannot start worker {rank} again: {exc}")
             return False
-        self.workers[rank] = child
-        self._watch("worker", rank, child)
+        self.workers[local] = child
+        self._watch("worker", local, child)
         # "(pid N) started": the same words as a first start (benchmarks/faults.py reads them).
         self.log(
             f"worker {rank} (pid {child.pid}) started again (restart {count} of at most "
@@ -452,16 +487,14 @@ class _Cluster:
                 role, index, child, returncode = self.events.get(timeout=_POLL_SECONDS)
             except queue.Empty:
                 continue
+            if role == "rendezvous":
+                return self._rendezvous_stop(returncode)
             code = _exit_code(returncode)
             if role == "server":
-                if child is not self.servers[index]:
-                    continue  # a replaced server's exit, already handled
-                if self.restart_servers and self.restarts.get(index, 0) < self.max_restarts:
-                    self.log(f"server {index} exited with code {code}; restarting it")
-                    self.restart_server(index, child)
-                    continue
-                self.log(f"server {index} exited with code {code}; stopping the job")
-                return 1
+                if self._server_exit(index, child, code):
+                    return 1
+                continue
+            rank = self.first_rank + index
             if child is not self.workers[index]:
                 continue  # a replaced worker's exit, already handled
             if (
@@ -469,7 +502,7 @@ class _Cluster:
                 and self.restart_workers
                 and self.worker_restarts.get(index, 0) < self.max_restarts
             ):
-                self.log(f"worker {index} exited with code {code}; restarting it")
+                self.log(f"worker {rank} exited with code {code}; restarting it")
                 if self.restart_worker(index):
                     continue
             running.discard(index)
@@ -478,17 +511,60 @@ class _Cluster:
                 if left:
                     ranks = ", ".join(map(str, left))
                     earlier = f" (after worker {ranks} left early, with code 0)"
-                self.log(f"worker {index} exited with code {code}; stopping the job{earlier}")
+                self.log(f"worker {rank} exited with code {code}; stopping the job{earlier}")
+                self.failure = f"worker {rank} exited with code {code}"
                 return code
             if running:
-                left.append(index)
-                others = ", ".join(map(str, sorted(running)))
+                left.append(rank)
+                others = ", ".join(str(self.first_rank + r) for r in sorted(running))
                 self.log(
-                    f"worker {index} exited with code 0 while worker "
+                    f"worker {rank} exited with code 0 while worker "
                     f"{others} still run: in a BSP job their next round or barrier fails "
-                    f"with WorkerLeft naming rank {index}"
+                    f"with WorkerLeft naming rank {rank}"
                 )
         return 0
+
+    def _server_exit(self, index: int, child: process.ServerProcess, code: int) -> bool:
+        """Handles a server's exit: restarts it if allowed; True if the job must stop."""
+        if child is not self.servers[index]:
+            return False  # a replaced server's exit, already handled
+        if self.restart_servers and self.restarts.get(index, 0) < self.max_restarts:
+            self.log(f"server {index} exited with code {code}; restarting it")
+            self.restart_server(index, child)
+            return False
+        self.log(f"server {index} exited with code {code}; stopping the job")
+        self.failure = f"server {index} exited with code {code}"
+        return True
+
+    def _rendezvous_stop(self, message: dict) -> int:
+        """The rendezvous ended the job (message: ``end``, ``stop`` or ``gone``): the exit code."""
+        if "end" in message:
+            return 0
+        reason = message.get("stop") or message.get("gone") or str(message)
+        self.log(f"{reason}; stopping the job")
+        return 1
+
+    def on_rendezvous(self, message: dict) -> None:
+        """Called by the rendezvous connection's thread: queued for the launcher's loop."""
+        self.events.put(("rendezvous", 0, None, message))
+
+    def wait_job(self) -> int:
+        """After this host's workers succeeded: serves on until the rendezvous ends the job.
+
+        The other hosts' workers still use this host's servers. Returns 0 at
+        ``end``, 1 at ``stop`` or when the rendezvous is gone, or when a
+        server dies (and may not be restarted).
+        """
+        while True:
+            self.check_signal()
+            try:
+                role, index, child, returncode = self.events.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                continue
+            if role == "rendezvous":
+                return self._rendezvous_stop(returncode)
+            if role == "server" and self._server_exit(index, child, _exit_code(returncode)):
+                return 1
 
     # -- stopping ---------------------------------------------------------------------------
 
@@ -628,8 +704,12 @@ def launch(
     keep: Optional[int] = None,
     colocated: bool = False,
     restart_workers: bool = False,
+    nnodes: Optional[int] = None,
+    node_rank: Optional[int] = None,
+    rendezvous: Optional[str] = None,
+    rendezvous_wait: Optional[float] = None,
 ) -> int:
-    """Runs a job on this host: servers, then workers; stops everything at the end.
+    """Runs a job on this host (or this host's part of one over several): servers, then workers.
 
     Args:
         command: the worker command, a list of arguments (or a str, split
@@ -678,16 +758,32 @@ def launch(
             (`kvsparse.store.colocated`). The workers get ``KVSPARSE_RETRY_WINDOW``
             (as with restart_servers) and ``KVSPARSE_REJOIN_WINDOW`` (the same
             seconds: how long their shards wait for a dead worker to come back).
+        nnodes, node_rank, rendezvous: a job over nnodes hosts, one launcher on
+            each (`kvsparse.cluster.rendezvous`): this is node node_rank; the
+            launchers meet at rendezvous (``tcp://HOST:PORT``, served by node
+            0's launcher). Each starts num_servers servers and num_workers
+            workers on its host: the job has nnodes * num_servers shards
+            (node-major) and nnodes * num_workers workers (node 0's are ranks
+            0..num_workers-1). Over tcp only; host is the address this host is
+            reached at (default: the source address of its route to the
+            rendezvous host), which its servers listen on.
+        rendezvous_wait: seconds for every launcher to join (default
+            `config.DEFAULT_RENDEZVOUS_WAIT`); one that has not is named to
+            the others (`kvsparse.errors.NodeUnavailable`) and the job ends.
 
     Returns:
-        The exit code: 0 if all workers succeeded, else the first failing
-        worker's (in time order; 128 + N for a worker killed by signal N), 1
-        if a server died, 128 + N if the launcher got signal N (SIGINT: 130).
+        The exit code: 0 if all workers succeeded (on every host), else the
+        first failing worker's (in time order; 128 + N for a worker killed by
+        signal N), 1 if a server died or (several hosts) another host's job
+        failed or its launcher went away, 128 + N if the launcher got signal N
+        (SIGINT: 130).
 
     Raises:
         InvalidArgument: a bad count, command or option.
         ServerUnavailable: a server did not start or answer in time (the
             servers already started are stopped).
+        NodeUnavailable: (several hosts) a launcher did not join in time, the
+            rendezvous could not be reached, or it refused this launcher.
 
     Thread safety: several jobs may run at once from different threads.
     Only a call from the main thread installs the SIGINT/SIGTERM handlers
@@ -698,6 +794,28 @@ def launch(
         0
     """
     _check_counts(num_servers, num_workers)
+    placement = config.node_placement(nnodes, node_rank, rendezvous, environ={})
+    if placement is not None:
+        if transport == "ipc":
+            raise errors.InvalidArgument(
+                "transport 'ipc' reaches only this host's processes; a job over several hosts "
+                "(nnodes) uses tcp"
+            )
+        transport = "tcp"
+        if host is None:
+            host = rendezvous_module.route_source_address(
+                *config.split_tcp_address(placement.rendezvous, "--rendezvous")
+            )
+    if rendezvous_wait is None:
+        rendezvous_wait = config.DEFAULT_RENDEZVOUS_WAIT
+    if isinstance(rendezvous_wait, bool) or not isinstance(rendezvous_wait, (int, float)):
+        raise errors.InvalidArgument(
+            f"rendezvous_wait must be seconds > 0, got {rendezvous_wait!r}"
+        )
+    if not 0 < rendezvous_wait < float("inf"):
+        raise errors.InvalidArgument(
+            f"rendezvous_wait must be seconds > 0, got {rendezvous_wait!r}"
+        )
     transport, host = _transport_and_host(
         transport, host, DEFAULT_TRANSPORT if colocated else LAUNCH_TRANSPORT
     )
@@ -760,6 +878,21 @@ def launch(
             extra.setdefault(config.REJOIN_WINDOW, extra[config.RETRY_WINDOW])
     elif retry_window is not None:
         extra.setdefault(config.RETRY_WINDOW, repr(float(retry_window)))
+    if placement is not None:
+        return _launch_on_hosts(
+            cluster,
+            placement,
+            rendezvous_wait,
+            command,
+            num_servers,
+            num_workers,
+            host,
+            colocated,
+            {"timeout": timeout, "staleness": staleness},
+            extra,
+            cwd,
+            startup_timeout,
+        )
     with _signals_stop(cluster):
         try:
             if colocated:
@@ -782,6 +915,125 @@ def launch(
             return 128 + stopped.signum
         finally:
             cluster.stop()
+
+
+def _launch_on_hosts(
+    cluster: _Cluster,
+    placement: config.NodePlacement,
+    wait: float,
+    command: list,
+    num_servers: int,
+    num_workers: int,
+    host: str,
+    colocated: bool,
+    settings: dict,
+    extra: dict,
+    cwd: Optional[str],
+    startup_timeout: float,
+) -> int:
+    """This host's part of a job over several: `launch` with nnodes (see its docstring).
+
+    Node 0 serves the rendezvous before starting anything, so that the
+    others can join as soon as their servers listen. The servers (or the
+    colocated shard listeners) are up before this node offers their
+    addresses; the workers start once the plan is known.
+    """
+    rank, nnodes = placement.node_rank, placement.nnodes
+    server = None
+    membership = None
+    code = 1
+    with _signals_stop(cluster):
+        try:
+            if rank == 0:
+                server = rendezvous_module.RendezvousServer(
+                    placement.rendezvous,
+                    nnodes,
+                    wait,
+                    cluster.log,
+                    expect={
+                        "colocated": colocated,
+                        "keys": rendezvous_module.keys_fingerprint(cluster.keys),
+                    },
+                )
+                cluster.log(
+                    f"node 0 of {nnodes}: serving the rendezvous on {placement.rendezvous} "
+                    f"(waiting up to {wait:g} s for every node)"
+                )
+            if colocated:
+                local = cluster.colocated_addresses(num_workers, "tcp", host)
+                offer = rendezvous_module.NodeOffer(
+                    rank,
+                    nnodes,
+                    host,
+                    peers=local,
+                    num_workers=num_workers,
+                    colocated=True,
+                    keys=rendezvous_module.keys_fingerprint(cluster.keys),
+                )
+            else:
+                local = cluster.start_servers(num_servers, host, startup_timeout, "tcp")
+                offer = rendezvous_module.NodeOffer(
+                    rank,
+                    nnodes,
+                    host,
+                    servers=local,
+                    num_workers=num_workers,
+                    keys=rendezvous_module.keys_fingerprint(cluster.keys),
+                )
+            cluster.log(
+                f"node {rank} of {nnodes}: joining the rendezvous at {placement.rendezvous}"
+            )
+            membership = rendezvous_module.join(
+                placement.rendezvous, offer, wait, cluster.check_signal
+            )
+            plan = membership.plan
+            membership.watch(cluster.on_rendezvous)
+            servers = plan.peers if colocated else plan.servers
+            if not colocated:
+                cluster.shard_offset = plan.servers.index(local[0])
+                cluster.num_shards = len(plan.servers)
+            if colocated:
+                extra[config.PEERS] = ",".join(plan.peers)
+            last = plan.first_rank + num_workers - 1
+            cluster.log(
+                f"node {rank}: workers {plan.first_rank}..{last} of {plan.num_workers}; "
+                f"{len(servers)} shards: " + ", ".join(servers)
+            )
+            cluster.start_workers(
+                command,
+                num_workers,
+                dict(settings, servers=servers),
+                extra,
+                cwd,
+                first_rank=plan.first_rank,
+                num_workers=plan.num_workers,
+            )
+            code = cluster.wait_workers()
+            if code == 0:
+                membership.finished(0)
+                cluster.log(f"node {rank}: its workers finished; serving until every node's have")
+                code = cluster.wait_job()
+            return code
+        except _Stopped as stopped:
+            name = signal.Signals(stopped.signum).name
+            cluster.log(f"got {name}; stopping the job")
+            cluster.failure = f"its launcher got {name}"
+            code = 128 + stopped.signum
+            return code
+        except errors.KVSparseError as exc:
+            cluster.failure = str(exc)
+            raise
+        finally:
+            if membership is not None:
+                if code != 0:
+                    membership.finished(code, cluster.failure or f"code {code}")
+            try:
+                cluster.stop()
+            finally:
+                if membership is not None:
+                    membership.close()
+                if server is not None:
+                    server.close()
 
 
 @contextlib.contextmanager

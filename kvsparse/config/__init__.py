@@ -73,6 +73,7 @@ from kvsparse.config.addresses import (
     parse_server_address,
     peer_bind_address,
     reachable_only_locally,
+    split_tcp_address,
 )
 from kvsparse.config.cluster import (
     ClusterConfig,
@@ -81,13 +82,19 @@ from kvsparse.config.cluster import (
     monitor_config,
     server_bind_address,
 )
-from kvsparse.config.launchers import mxnet_role
+from kvsparse.config.launchers import (
+    NodePlacement,
+    first_slurm_host,
+    mxnet_role,
+    node_placement,
+)
 from kvsparse.config.limits import ServerLimits, server_limits
 from kvsparse.config.names import (
     BIND,
     CHECKPOINT_DIR,
     CHECKPOINT_ROOT,
     DEFAULT_HEARTBEAT_TIMEOUT,
+    DEFAULT_RENDEZVOUS_WAIT,
     DEFAULT_RETRY_WINDOW,
     FAST_PATH,
     FOREIGN_ROLE_VARIABLES,
@@ -142,6 +149,7 @@ __all__ = [
     "CHECKPOINT_DIR",
     "CHECKPOINT_ROOT",
     "DEFAULT_HEARTBEAT_TIMEOUT",
+    "DEFAULT_RENDEZVOUS_WAIT",
     "DEFAULT_RETRY_WINDOW",
     "FAST_PATH",
     "FOREIGN_ROLE_VARIABLES",
@@ -170,6 +178,7 @@ __all__ = [
     "STALENESS",
     "TIMEOUT",
     "ClusterConfig",
+    "NodePlacement",
     "ServerLimits",
     "ServerSettings",
     "Setting",
@@ -178,11 +187,13 @@ __all__ = [
     "colocated_peers",
     "curve_keys",
     "fast_path",
+    "first_slurm_host",
     "format_address",
     "from_environment",
     "heartbeat_timeout",
     "ipc_path",
     "monitor_config",
+    "node_placement",
     "mxnet_role",
     "parse_bind_address",
     "parse_bytes",
@@ -199,4 +210,5 @@ __all__ = [
     "server_bind_address",
     "server_limits",
     "shard_fd",
+    "split_tcp_address",
 ]

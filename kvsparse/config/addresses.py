@@ -226,3 +226,15 @@ def _address_list(environ: Mapping, name: str) -> Optional[tuple]:
     if any(not p for p in parts):
         raise InvalidArgument(f"{name}={text!r} has an empty entry")
     return [parse_server_address(p, name) for p in parts], name
+
+
+def split_tcp_address(address: str, what: str) -> tuple[str, int]:
+    """(host, port) of ``tcp://host:port`` (or ``host:port``); errors name `what`. Thread-safe.
+
+    Example:
+        >>> split_tcp_address('tcp://[::1]:29400', '--rendezvous')
+        ('::1', 29400)
+    """
+    text = address[len("tcp://") :] if address.startswith("tcp://") else address
+    host, port = _split_host_port(text, what, address)
+    return host, _parse_port(port, what)

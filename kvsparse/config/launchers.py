@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from kvsparse.config.addresses import (
@@ -19,6 +21,7 @@ from kvsparse.config.addresses import (
     _parse_port,
     format_address,
     parse_server_address,
+    split_tcp_address,
 )
 from kvsparse.config.names import (
     _DMLC_VARIABLES,
@@ -221,3 +224,128 @@ def mxnet_role(environ: Optional[Mapping] = None) -> Optional[str]:
     """
     environ = os.environ if environ is None else environ
     return _get(environ, "DMLC_ROLE")
+
+
+# -- several hosts (``kvsparse launch --nnodes``): SLURM's variables, ps-lite's root ----------
+
+_NODELIST_GROUP = re.compile(r"([^,\[]+)(?:\[([^\]]*)\])?")
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``node[01-04,07],gpu3`` -> ``node01``. Thread-safe.
+
+    Raises:
+        InvalidArgument: an empty or malformed list (names SLURM_JOB_NODELIST).
+
+    Example:
+        >>> first_slurm_host('node[01-04,07],gpu3'), first_slurm_host('a1,a2')
+        ('node01', 'a1')
+    """
+    match = _NODELIST_GROUP.match(nodelist.strip())
+    if not match:
+        raise InvalidArgument(f"SLURM_JOB_NODELIST={nodelist!r} names no host")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0].strip()
+    if not first.isdigit():
+        raise InvalidArgument(f"SLURM_JOB_NODELIST={nodelist!r}: cannot read the range {ranges!r}")
+    return prefix + first
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """Where one launcher stands in a job over several hosts.
+
+    Attributes:
+        nnodes: the number of hosts (launchers).
+        node_rank: this launcher's, ``0 <= node_rank < nnodes``.
+        rendezvous: ``tcp://HOST:PORT`` that node 0's launcher serves.
+        origin: where the values came from (for messages).
+
+    Immutable: safe to share between threads.
+    """
+
+    nnodes: int
+    node_rank: int
+    rendezvous: str
+    origin: str = "flags"
+
+
+def node_placement(
+    nnodes: Optional[int] = None,
+    node_rank: Optional[int] = None,
+    rendezvous: Optional[str] = None,
+    environ: Optional[Mapping] = None,
+) -> Optional[NodePlacement]:
+    """The placement of ``kvsparse launch`` on several hosts, or None for one host.
+
+    Each value comes from the flag when given, else from SLURM: ``SLURM_NNODES``,
+    ``SLURM_NODEID``, and the first host of ``SLURM_JOB_NODELIST`` as the
+    rendezvous host, so that ``srun kvsparse launch --rendezvous :PORT ...``
+    needs nothing else. Without a rendezvous flag, ps-lite's scheduler
+    address (``DMLC_PS_ROOT_URI``, ``DMLC_PS_ROOT_PORT``) is the rendezvous:
+    the launchers meet there as ps-lite's servers and workers meet at its
+    scheduler, and the servers may then be on every host. ``rendezvous`` may
+    be ``tcp://HOST:PORT``, ``HOST:PORT``, ``:PORT`` or ``PORT`` (the host
+    then from SLURM's node list, else ``DMLC_PS_ROOT_URI``). No node count
+    (or one node and no rendezvous) is a job on one host: None.
+
+    Raises:
+        InvalidArgument: a missing or malformed value, naming the flag or variable.
+
+    Thread-safe: it only reads the variables.
+
+    Example:
+        >>> env = {'SLURM_NNODES': '2', 'SLURM_NODEID': '1',
+        ...        'SLURM_JOB_NODELIST': 'node[07-08]'}
+        >>> node_placement(rendezvous=':29400', environ=env).rendezvous
+        'tcp://node07:29400'
+    """
+    env = os.environ if environ is None else environ
+    origin = []
+    if nnodes is None and _get(env, "SLURM_NNODES") is not None:
+        nnodes = _parse_int(env["SLURM_NNODES"], "SLURM_NNODES", 1)
+        origin.append("SLURM_NNODES")
+    if nnodes is None or (nnodes == 1 and rendezvous is None):
+        return None
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        raise InvalidArgument(f"--nnodes must be an integer >= 1, got {nnodes!r}")
+    if node_rank is None:
+        if _get(env, "SLURM_NODEID") is not None:
+            node_rank = _parse_int(env["SLURM_NODEID"], "SLURM_NODEID")
+            origin.append("SLURM_NODEID")
+        else:
+            raise InvalidArgument(
+                f"--nnodes {nnodes} needs --node-rank R (or SLURM_NODEID under srun)"
+            )
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int):
+        raise InvalidArgument(f"--node-rank must be an integer, got {node_rank!r}")
+    if not 0 <= node_rank < nnodes:
+        raise InvalidArgument(f"node rank {node_rank} is not in [0, {nnodes}) (--nnodes)")
+    if rendezvous is None and _get(env, "DMLC_PS_ROOT_URI") and _get(env, "DMLC_PS_ROOT_PORT"):
+        rendezvous = f"{env['DMLC_PS_ROOT_URI'].strip()}:{env['DMLC_PS_ROOT_PORT'].strip()}"
+        origin.append("DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT")
+    if rendezvous is None:
+        raise InvalidArgument(
+            f"--nnodes {nnodes} needs --rendezvous tcp://HOST:PORT (node 0's host and a free "
+            "port; under SLURM --rendezvous :PORT)"
+        )
+    text = str(rendezvous).strip()
+    text = text[len("tcp://") :] if text.startswith("tcp://") else text
+    if text.isdigit():
+        text = ":" + text
+    if text.startswith(":"):
+        if _get(env, "SLURM_JOB_NODELIST"):
+            host = first_slurm_host(env["SLURM_JOB_NODELIST"])
+            origin.append("SLURM_JOB_NODELIST")
+        elif _get(env, "DMLC_PS_ROOT_URI"):
+            host = env["DMLC_PS_ROOT_URI"].strip()
+        else:
+            raise InvalidArgument(
+                f"--rendezvous {rendezvous!r} has no host, and no SLURM_JOB_NODELIST says "
+                "which is node 0's: give tcp://HOST:PORT"
+            )
+        text = host + text
+    host, port = split_tcp_address(text, "--rendezvous")
+    return NodePlacement(nnodes, node_rank, format_address(host, port), "+".join(origin) or "flags")

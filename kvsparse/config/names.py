@@ -73,3 +73,7 @@ _DMLC_VARIABLES = (
     "DMLC_SERVER_ID",
     "DMLC_TASK_ID",
 )
+# Seconds node 0's rendezvous waits for every launcher to join (``--rendezvous-wait``): hosts
+# of a batch job start within seconds of each other, but an image pull or a slow NFS mount
+# can take minutes; torchrun waits 600 s.
+DEFAULT_RENDEZVOUS_WAIT = 300.0
