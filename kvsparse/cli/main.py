@@ -255,7 +255,7 @@ def _launch_parser() -> argparse.ArgumentParser:
     )
     hosts.add_argument(
         "--rendezvous-wait",
-        type=float,
+        type=config.SETTINGS["rendezvous_wait"].argument(),
         default=None,
         metavar="SECONDS",
         help="how long node 0 waits for every launcher to join; one that has not is named "

@@ -279,6 +279,7 @@ _SETTINGS = (
     Setting("save_every", "seconds", SAVE_EVERY, "--save-every", None, 0, above_minimum=True),
     Setting("startup_timeout", "seconds", None, "--startup-timeout", 60.0, 0, above_minimum=True),
     Setting("grace_period", "seconds", None, "--grace-period", 5.0),
+    Setting("rendezvous_wait", "seconds", None, "--rendezvous-wait", None, 0, above_minimum=True),
     Setting("max_reply_bytes", "bytes", MAX_REPLY_BYTES, "--max-reply-bytes", None, 1),
     Setting(
         "max_unread_reply_bytes",
