@@ -114,3 +114,20 @@ class WorkerLeft(ServerUnavailable):
     def __init__(self, message, address=None, ranks=None):
         super().__init__(message, address)
         self.ranks = ranks
+
+
+class StorageError(KVSparseError, OSError):
+    """A disk tier's file could not be read or written (an I/O error of the engine)."""
+
+
+class DiskFull(StorageError):
+    """The disk (or the file size limit) ran out while writing rows to the disk tier.
+
+    Nothing of the batch being written is applied: the store serves what it
+    served before and the caller still holds the rows.
+    """
+
+
+class CorruptRecord(StorageError):
+    """A record on disk whose checksum or key does not match; the message names the
+    file, the offset and the key. The record is never served."""
