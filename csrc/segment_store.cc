@@ -502,6 +502,9 @@ Status SegmentStore::OpenSegmentFile(uint32_t id, bool create, Segment* segment)
   const int flags = O_RDWR | O_CLOEXEC | (create ? O_CREAT | O_EXCL : 0);
   segment->fd = ::open(segment->path.c_str(), flags, 0644);
   if (segment->fd < 0) return IoError("opening", segment->path, errno);
+  // Point reads: the kernel's readahead (128 KiB a read) would spend the
+  // disk's bandwidth on neighbours nobody asked for. Scans read 4 MiB chunks.
+  ::posix_fadvise(segment->fd, 0, 0, POSIX_FADV_RANDOM);
   if (!create) return Status::Ok();
   uint8_t header[kFileHeaderBytes] = {0};
   std::memcpy(header, kMagic, 8);
@@ -679,13 +682,20 @@ Status SegmentStore::ReadBatch(const int64_t* keys, int64_t n, uint8_t* out, uin
   std::sort(requests.begin(), requests.end(),
             [](const Request& a, const Request& b) { return a.location < b.location; });
 
+  // A key asked for several times in one batch (hot ids) is read once.
+  std::vector<Request> unique;
+  unique.reserve(requests.size());
+  for (const Request& request : requests) {
+    if (unique.empty() || unique.back().location != request.location) unique.push_back(request);
+  }
+
   std::mutex error_mutex;
   Status first_error;
   std::atomic<int64_t> bytes_read{0};
-  pool_.Run(static_cast<int64_t>(requests.size()), [&](int64_t r) {
+  pool_.Run(static_cast<int64_t>(unique.size()), [&](int64_t r) {
     thread_local std::vector<uint8_t> slot;
     if (slot.size() < static_cast<size_t>(slot_bytes_)) slot.resize(slot_bytes_);
-    const Request& request = requests[r];
+    const Request& request = unique[r];
     const auto held = segments_.find(SegmentOf(request.location));
     const Segment& segment = held->second;  // the index only names held segments
     const int64_t slot_index = static_cast<int64_t>(SlotOf(request.location));
@@ -717,8 +727,15 @@ Status SegmentStore::ReadBatch(const int64_t* keys, int64_t n, uint8_t* out, uin
     if (first_error.ok()) first_error = s;
   });
   stats_.bytes_read += bytes_read.load();
-  if (first_error.ok()) stats_.records_read += static_cast<int64_t>(requests.size());
-  return first_error;
+  if (!first_error.ok()) return first_error;
+  for (size_t r = 1; r < requests.size(); ++r) {
+    if (requests[r].location == requests[r - 1].location) {
+      std::memcpy(out + requests[r].row * record_bytes, out + requests[r - 1].row * record_bytes,
+                  static_cast<size_t>(record_bytes));
+    }
+  }
+  stats_.records_read += static_cast<int64_t>(unique.size());
+  return Status::Ok();
 }
 
 Status SegmentStore::Maintenance(int64_t max_bytes, int64_t* bytes_moved) {
