@@ -139,6 +139,12 @@ def test_duplicate_keys_in_one_batch_keep_the_last_record(tmp_path):
         assert found.all()
         np.testing.assert_array_equal(got, records[[3, 1]])
         assert store.stats()["live_records"] == 2
+        # A key asked for several times in one read gets its record each time.
+        got, found = store.read(np.array([5, 6, 5, 9, 5]))
+        np.testing.assert_array_equal(found, [True, True, True, False, True])
+        np.testing.assert_array_equal(got[[0, 2, 4]], records[[3, 3, 3]])
+        np.testing.assert_array_equal(got[1], records[1])
+        assert not got[3].any()
 
 
 # ---------------------------------------------------------------------------
