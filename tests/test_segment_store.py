@@ -439,6 +439,49 @@ def test_a_full_disk_in_a_file_the_batch_created_removes_that_file(tmp_path):
     store.close()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+@pytest.mark.parametrize("slots_per_file", [150, 210])
+def test_a_real_full_file_system_is_named_and_applies_nothing(tmp_path, slots_per_file):
+    """ENOSPC from a 1 MiB tmpfs. With 210 slots a file, the failing batch (on
+    this kernel) wrote its first part to the open file and failed creating the
+    next one: the first part is truncated away and the new file removed."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+        check=True,
+        timeout=30,
+    )
+    try:
+        segment = HEADER_BYTES + slots_per_file * SLOT_BYTES  # batches of 100 span files
+        store = open_store(mount_point / "store", segment_bytes=segment)
+        model = {}
+        failed = None
+        for version in range(1000):
+            keys = np.arange(version * 100, version * 100 + 100, dtype=np.int64)
+            names = segment_files(mount_point / "store")
+            sizes = [os.path.getsize(mount_point / "store" / n) for n in names]
+            try:
+                store.write(keys, records_for(keys, version))
+            except errors.DiskFull as error:
+                failed = (keys, names, sizes, str(error))
+                break
+            model.update(zip(keys.tolist(), records_for(keys, version)))
+        assert failed is not None, "a 1 MiB tmpfs never filled up"
+        keys, names, sizes, message = failed
+        assert "No space left on device" in message
+        assert segment_files(mount_point / "store") == names
+        assert [os.path.getsize(mount_point / "store" / n) for n in names] == sizes
+        assert_matches(store, model, probe=keys)
+        # The store goes on: erasing frees nothing yet (tombstones need space)
+        # but reads keep working, and a reopen sees the same rows.
+        store.close()
+        with open_store(mount_point / "store", segment_bytes=segment) as store:
+            assert_matches(store, model, probe=keys)
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True, timeout=30)
+
+
 # ---------------------------------------------------------------------------
 # Input errors and threads
 # ---------------------------------------------------------------------------
