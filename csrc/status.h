@@ -22,6 +22,9 @@ enum class StatusCode : int {
   kCapacity = 4,         // -> kvsparse.errors.CapacityError
   kInternal = 5,
   kOverflow = 6,         // -> kvsparse.errors.UpdateOverflow (InvalidArgument, FloatingPointError)
+  kCorruption = 7,       // -> kvsparse.errors.CorruptRecord (StorageError, OSError)
+  kDiskFull = 8,         // -> kvsparse.errors.DiskFull (StorageError, OSError)
+  kIoError = 9,          // -> kvsparse.errors.StorageError (OSError)
 };
 
 class Status {

@@ -1113,3 +1113,4 @@ def gather_widen_from_shards(list shard_rows, offsets_arg, slot_arg, out_arg, dt
 include "dlpack.pxi"
 include "serving_apply.pxi"
 include "serve_loop.pxi"
+include "segment_store.pxi"

@@ -11,6 +11,9 @@ cdef extern from "status.h" namespace "kvsparse" nogil:
         kCapacity
         kInternal
         kOverflow
+        kCorruption
+        kDiskFull
+        kIoError
 
     cdef cppclass Status:
         Status()

@@ -138,3 +138,20 @@ class NodeUnavailable(KVSparseError, ConnectionError):
     def __init__(self, message, node_ranks=None):
         super().__init__(message)
         self.node_ranks = node_ranks
+
+
+class StorageError(KVSparseError, OSError):
+    """A disk tier's file could not be read or written (an I/O error of the engine)."""
+
+
+class DiskFull(StorageError):
+    """The disk (or the file size limit) ran out while writing rows to the disk tier.
+
+    Nothing of the batch being written is applied: the store serves what it
+    served before and the caller still holds the rows.
+    """
+
+
+class CorruptRecord(StorageError):
+    """A record on disk whose checksum or key does not match; the message names the
+    file, the offset and the key. The record is never served."""

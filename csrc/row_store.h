@@ -1,0 +1,100 @@
+// RowStore: the one interface a disk tier talks to.
+//
+// A RowStore keeps fixed-size records keyed by int64 row id. One record holds
+// everything a row needs to come back from disk: its value bytes, its
+// optimizer slots and its small metadata (step, counters), so that one read
+// brings back one row whole. Every record of a store has the same size
+// (record_bytes, fixed when the store is created).
+//
+// Errors are returned as a Status; nothing throws across this interface and
+// nothing aborts. Disk-level failures use two codes of their own:
+//   kDiskFull   (ENOSPC/EFBIG while writing): the batch is not applied, the
+//               store is as it was before the call, the caller keeps its rows;
+//   kCorruption (a record whose checksum or key does not match): the message
+//               names the file, the offset and the key; the record is never
+//               served.
+//
+//   std::unique_ptr<kvsparse::RowStore> store;
+//   kvsparse::SegmentStoreOptions options;
+//   options.directory = "/ssd/spill/table0";
+//   options.record_bytes = 520;
+//   kvsparse::Status s = kvsparse::OpenSegmentStore(options, &store);
+//   s = store->WriteBatch(keys, n, records);            // n * 520 bytes
+//   s = store->ReadBatch(keys, n, out, found);          // found[i] = 0 or 1
+//   s = store->Maintenance(64 << 20, &moved);           // rate-limited GC
+//   s = store->Checkpoint("/ssd/ckpt/step100/table0");  // hard links
+//
+// Thread-safety: every implementation must be safe to call from several
+// threads at once (calls may serialize on an internal lock).
+#ifndef KVSPARSE_ROW_STORE_H_
+#define KVSPARSE_ROW_STORE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "status.h"
+
+namespace kvsparse {
+
+// What a store holds and has done since it was opened.
+struct RowStoreStats {
+  int64_t record_bytes = 0;      // payload bytes of one record
+  int64_t live_records = 0;      // keys the store holds
+  int64_t segments = 0;          // files on disk
+  int64_t disk_bytes = 0;        // bytes of those files
+  int64_t index_bytes = 0;       // RAM of the in-memory index
+  int64_t bytes_written = 0;     // everything written to disk (records, GC copies, tombstones)
+  int64_t bytes_updated = 0;     // payload bytes the callers asked to write
+  int64_t bytes_read = 0;        // bytes read from disk by ReadBatch and GC
+  int64_t records_read = 0;      // records served by ReadBatch
+  int64_t gc_segments_freed = 0;  // segments removed by Maintenance
+  int64_t gc_records_moved = 0;  // live records Maintenance copied forward
+  int64_t gc_bytes_moved = 0;    // bytes Maintenance read and wrote
+};
+
+class RowStore {
+ public:
+  virtual ~RowStore() = default;
+
+  // Writes n records (n * record_bytes bytes, record i for keys[i]) all or
+  // nothing: on any error the store serves exactly what it served before.
+  // A key given twice in one batch keeps its last record.
+  virtual Status WriteBatch(const int64_t* keys, int64_t n, const uint8_t* records) = 0;
+
+  // Reads the records of n keys into out (n * record_bytes bytes); found[i]
+  // is 1 where the store holds keys[i], else 0 and out's record i is zeroed.
+  // The reads of one batch are issued together (queue depth), not one by one.
+  virtual Status ReadBatch(const int64_t* keys, int64_t n, uint8_t* out,
+                           uint8_t* found) = 0;
+
+  // Removes n keys (absent ones are ignored); all or nothing like WriteBatch.
+  virtual Status Erase(const int64_t* keys, int64_t n) = 0;
+
+  // found[i] = 1 where the store holds keys[i]. No I/O.
+  virtual Status Contains(const int64_t* keys, int64_t n, uint8_t* found) const = 0;
+
+  // Hands buffered writes to the operating system (visible to a reopen after
+  // the process ends); Sync also makes them durable (fdatasync).
+  virtual Status Flush() = 0;
+  virtual Status Sync() = 0;
+
+  // Garbage collection of mostly stale files, at most about max_bytes read
+  // plus written per call so that a training step is never stalled for long.
+  // *bytes_moved gets what this call read and wrote.
+  virtual Status Maintenance(int64_t max_bytes, int64_t* bytes_moved) = 0;
+
+  // Makes directory (which must not exist or be empty) a consistent copy of
+  // the store as of this call: immutable files enter it by hard link, plus a
+  // small manifest. OpenSegmentStore on a copy of it (RestoreSegmentStore)
+  // brings the rows back.
+  virtual Status Checkpoint(const std::string& directory) = 0;
+
+  virtual RowStoreStats Stats() const = 0;
+
+  // Syncs and closes the files; any later call returns an error.
+  virtual Status Close() = 0;
+};
+
+}  // namespace kvsparse
+
+#endif  // KVSPARSE_ROW_STORE_H_

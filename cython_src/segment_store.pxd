@@ -1,0 +1,51 @@
+# Mirrors csrc/row_store.h and csrc/segment_store.h.
+from libc.stdint cimport int64_t, uint8_t
+from libcpp.memory cimport unique_ptr
+from libcpp.string cimport string
+
+from status cimport Status
+
+
+cdef extern from "row_store.h" namespace "kvsparse" nogil:
+    cdef cppclass RowStoreStats:
+        int64_t record_bytes
+        int64_t live_records
+        int64_t segments
+        int64_t disk_bytes
+        int64_t index_bytes
+        int64_t bytes_written
+        int64_t bytes_updated
+        int64_t bytes_read
+        int64_t records_read
+        int64_t gc_segments_freed
+        int64_t gc_records_moved
+        int64_t gc_bytes_moved
+
+    cdef cppclass RowStore:
+        Status WriteBatch(const int64_t* keys, int64_t n, const uint8_t* records)
+        Status ReadBatch(const int64_t* keys, int64_t n, uint8_t* out, uint8_t* found)
+        Status Erase(const int64_t* keys, int64_t n)
+        Status Contains(const int64_t* keys, int64_t n, uint8_t* found)
+        Status Flush()
+        Status Sync()
+        Status Maintenance(int64_t max_bytes, int64_t* bytes_moved)
+        Status Checkpoint(const string& directory)
+        RowStoreStats Stats()
+        Status Close()
+
+
+cdef extern from "segment_store.h" namespace "kvsparse" nogil:
+    cdef cppclass SegmentStoreOptions:
+        string directory
+        int64_t record_bytes
+        int64_t segment_bytes
+        double gc_stale_fraction
+        int64_t read_threads
+
+    Status OpenSegmentStore(const SegmentStoreOptions& options, unique_ptr[RowStore]* out)
+    Status RestoreSegmentStore(const string& checkpoint_directory,
+                               const SegmentStoreOptions& options, unique_ptr[RowStore]* out)
+
+
+cdef extern from "crc32c.h" namespace "kvsparse" nogil:
+    bint Crc32cHardware()
