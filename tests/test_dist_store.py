@@ -350,3 +350,23 @@ def test_a_push_counts_as_a_table_step_on_shards_that_got_no_keys(pair):
     both(pair, "push", key, (first, np.ones((1, 2), np.float32)))
     both(pair, "push", key, (others, np.ones((others.size, 2), np.float32)))
     assert_same(both(pair, "row_sparse_pull", key, row_ids=np.concatenate([first, others])))
+
+
+def test_init_twice_identically_is_a_no_op_on_one_dist_store(server_sets):
+    kv = kvsparse.create("dist_sparse", servers=server_sets[2], rank=0, num_workers=1, timeout=30)
+    try:
+        spec = dict(dim=2, initializer=initializers.Zeros(), seed=3)
+        kv.init("twice_t", kvsparse.SparseTable(**spec))
+        kv.init("twice_w", np.ones(3, np.float32))
+        kv.set_optimizer(optimizers.SGD(learning_rate=1.0))
+        kv.push("twice_t", (np.array([1]), np.ones((1, 2), np.float32)))
+        kv.init("twice_t", kvsparse.SparseTable(**spec))
+        kv.init("twice_w", np.ones(3, np.float32))
+        assert kv.row_sparse_pull("twice_t", row_ids=np.array([1])).tolist() == [[-1.0, -1.0]]
+        with pytest.raises(errors.DuplicateKey, match="twice_t"):
+            kv.init("twice_t", kvsparse.SparseTable(**{**spec, "seed": 4}))
+        with pytest.raises(errors.DuplicateKey, match="twice_w"):
+            kv.init("twice_w", np.ones(4, np.float32))
+    finally:
+        kv.set_optimizer(None)
+        kv.close()
