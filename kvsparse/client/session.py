@@ -11,9 +11,12 @@ the clock (the worker's push count, for bounded staleness).
 
 Timeouts: a server that answers nothing, not even a liveness ping, for
 ``timeout`` seconds raises `NoAnswer` (a `kvsparse.errors.ServerUnavailable`)
-naming it. A worker's session pings a server that stays silent for half the
-timeout: waiting for other workers (a BSP push, an SSP pull, a barrier) is
-not a timeout, the server keeps answering pings meanwhile, and a ping reply
+naming it. A request that a live server holds for other workers fails with
+`kvsparse.errors.WaitTimeout` after `HOLD_FACTOR` x ``timeout``, naming the
+server and what the request waited for (a BSP round, a barrier, an SSP pull).
+A worker's session pings a server that stays silent for half the timeout:
+waiting for other workers (a BSP push, an SSP pull, a barrier) is not that
+timeout, the server keeps answering pings meanwhile, and a ping reply
 that shows the request never arrived (dropped for its size, or lost with a
 broken connection) gets it resent. What a server holds for a worker that
 left the job fails there with `kvsparse.errors.WorkerLeft`
@@ -66,6 +69,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import os
@@ -83,7 +87,25 @@ from kvsparse.wire import ops, protocol
 from kvsparse.wire.protocol import Header
 
 DEFAULT_TIMEOUT = 60.0
+# A request a live server holds for other workers (a BSP round, a barrier, an SSP pull)
+# fails with WaitTimeout after HOLD_FACTOR x timeout: long enough for the slowest worker's
+# step, but never a wait for ever on a worker that will not push (10 minutes by default).
+HOLD_FACTOR = 10.0
+# What a held request of each op waits for, named in its WaitTimeout.
+_HELD_FOR = {
+    protocol.Op.PUSH_SPARSE: "a BSP round: every worker's push of the same sparse tables",
+    protocol.Op.PUSH_DENSE: "a BSP round: every worker's push of the same dense keys",
+    protocol.Op.BARRIER: "a barrier: every worker's kv.barrier()",
+    protocol.Op.PULL_SPARSE: "an SSP pull: the slowest worker's clock",
+    protocol.Op.PULL_DENSE: "an SSP pull: the slowest worker's clock",
+    protocol.Op.SET_OPTIMIZER: "worker 0's set_optimizer",
+    protocol.Op.INIT_DENSE: "the dense key's init by another worker",
+}
 _MAX_RESENDS = 3  # of a request a live server says it never got
+# The longest a thread waiting for replies keeps the session while other threads want it:
+# they send their own requests meanwhile (a BSP push of one thread may wait for a round that
+# only another thread's push completes), and read replies for each other.
+_TURN_SECONDS = 0.02
 _SHARED_MEMORY_MISSING = protocol.ERROR_CODES[errors.SharedMemoryMissing]
 _LOG = logging.getLogger(__name__)
 
@@ -124,7 +146,7 @@ class _Call:
 
     __slots__ = (
         "requests", "gather", "waiting", "heard", "pings", "drops", "regreeted", "outcomes",
-        "poller",
+        "poller", "failure", "sent",
     )  # fmt: skip
 
     def __init__(self, requests: dict, gather: bool):
@@ -137,6 +159,9 @@ class _Call:
         self.regreeted: set = set()  # servers greeted again for SharedMemoryMissing
         self.outcomes: dict[int, Outcome] = {}
         self.poller: Optional[tuple] = None  # (zmq.Poller, {socket: server})
+        # The failure another thread read for this call (without gather), raised by its owner.
+        self.failure: Optional[errors.KVSparseError] = None
+        self.sent: dict[int, float] = {}  # server -> when the request was first sent
 
     def missing(self) -> bool:
         """Whether some server's reply did not come (not sent, awaited, or failed silently)."""
@@ -199,8 +224,7 @@ class Pending:
         for server in call.waiting:
             call.heard[server] = now  # silence counts from now: the replies may be queued
         try:
-            while call.waiting:
-                self._session._wait(call)
+            self._session._await(call)
             if self._check is not None:
                 self._check(call.outcomes)
         except errors.KVSparseError as exc:
@@ -217,11 +241,13 @@ class Pending:
         finally:
             self._done = True
             self._keep = None
+            self._session._calls.discard(call)
 
     def _abandon(self, cause: BaseException) -> None:
         """A push sent before this exchange failed: its replies are never read."""
         self._error = cause
         self._done = True
+        self._session._calls.discard(self._call)
         self._lose()
 
     def _lose(self) -> None:
@@ -247,9 +273,13 @@ class Session:
         local: {server index: endpoint} of shards served in this process
             (colocated mode, issue 14; see `kvsparse.client.local`).
 
-    Thread safety: exchanges are serialized by a lock (ZeroMQ sockets are
-    not thread-safe), so a session may be shared by threads; a forked child
-    must open its own.
+    Thread safety: a session may be shared by threads. The sockets are used
+    under a lock (ZeroMQ sockets are not thread-safe), but a thread waiting
+    for replies hands the session over to other threads every
+    `_TURN_SECONDS` while they want it: they send their requests meanwhile,
+    and each thread reads the replies that arrive for any of them. So a push
+    held for a BSP round does not keep another thread's push (which may be
+    what completes a round) from going out. A forked child must open its own.
 
     Raises:
         InvalidArgument: keys is not a usable key directory.
@@ -277,6 +307,13 @@ class Session:
         self._request_ids = itertools.count(1)
         self._clock = 0
         self._lock = threading.RLock()
+        self._turns = threading.Condition(self._lock)
+        self._wanting = 0  # threads waiting to take the lock, or for their turn
+        self._wanting_lock = threading.Lock()
+        self._calls: set[_Call] = set()  # exchanges whose replies are awaited
+        # server -> the largest frame it receives (its HELLO reply): a bigger one is refused
+        # here, before anything is sent, rather than dropped there with the connection.
+        self._frame_limits: dict[int, int] = {}
         self._closed = False
         self._pid = os.getpid()
         # Exchanges sent with wait=False whose replies are not read yet, in send order.
@@ -286,6 +323,48 @@ class Session:
         # still read or write what it names: `kvsparse.client.shared`).
         self.on_lost: Optional[Callable[[list], None]] = None
         self._recovery = Recovery(self.servers, self._links, self._send, self.retry_window)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Holds the session's lock, counted as wanting it while blocked (see `_await`)."""
+        with self._wanting_lock:
+            self._wanting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._wanting_lock:
+                self._wanting -= 1
+        try:
+            yield
+        finally:
+            if self._wanting:
+                self._turns.notify_all()
+            self._lock.release()
+
+    def _await(self, call: _Call) -> None:
+        """Reads replies until call has all of them (the lock held), taking turns.
+
+        Between polls, while other threads want the session, it is handed to
+        them for at most `_TURN_SECONDS` (`threading.Condition.wait` releases
+        the lock however deep it is held); a reply one thread reads for
+        another's call is recorded there (`_deliver`).
+
+        Raises:
+            the call's failure, as `exchange` describes it.
+        """
+        while call.waiting and call.failure is None:
+            self._wait(call)
+            if call.waiting and call.failure is None and self._wanting:
+                self._turns.notify_all()
+                with self._wanting_lock:
+                    self._wanting += 1
+                try:
+                    self._turns.wait(_TURN_SECONDS)
+                finally:
+                    with self._wanting_lock:
+                        self._wanting -= 1
+        if call.failure is not None:
+            raise call.failure
 
     # -- the public surface -------------------------------------------------------------------
 
@@ -304,7 +383,7 @@ class Session:
 
         `kvsparse.store.colocated`: a colocated worker restarted with its shard.
         """
-        with self._lock:
+        with self._locked():
             self._clock = max(self._clock, int(clock))
 
     def open(self, greetings: dict) -> dict:
@@ -316,9 +395,13 @@ class Session:
         Raises:
             what `exchange` raises.
         """
-        with self._lock:
+        with self._locked():
             answers = self.exchange(greetings)
             self._recovery.greeted(greetings, answers)
+            for server, answer in answers.items():
+                limit = ops.Hello.decode_reply(answer.header, answer.payload).max_message_size
+                if limit >= 0:
+                    self._frame_limits[server] = limit
             return answers
 
     def remember(self, key, request: ops.Request, server: Optional[int] = None) -> None:
@@ -328,7 +411,7 @@ class Session:
         table id: the table's INIT_SPARSE). server: only that server gets
         it (a dense key's INIT_DENSE carries its slice).
         """
-        with self._lock:
+        with self._locked():
             self._recovery.remember(key, request, server)
 
     def exchange(
@@ -382,15 +465,18 @@ class Session:
             )
         if pipelined and (gather or push):
             raise errors.InvalidArgument("exchange(pipelined=True) is for a pull without gather")
-        with self._lock:
+        with self._locked():
             if self._closed:
                 raise errors.InvalidArgument("this store is closed")
             behind = pipelined and bool(self._deferred)
             if not behind:
                 self._settle_deferred()
+            self._check_sizes(requests)
             if push:
                 self._clock += 1
             call = _Call(requests, gather)
+            self._calls.add(call)
+            deferred = False
             try:
                 for server, request in requests.items():
                     self._attempt(call, server, self._start, call, server, request)
@@ -398,18 +484,41 @@ class Session:
                     pending = Pending(self, call, check, raises=push, keep=keep)
                     self._deferred.append(pending)
                     _UNSETTLED.add(self)
+                    deferred = True
                     return pending
                 if behind:
                     # Each server answers the exchanges before first: their replies precede
                     # this call's.
                     self._settle_deferred()
-                while call.waiting:
-                    self._wait(call)
+                self._await(call)
             except BaseException:
                 if keep is not None and call.missing():
                     self._lose_kept(keep)
                 raise
+            finally:
+                if not deferred:
+                    self._calls.discard(call)
             return call.outcomes
+
+    def _check_sizes(self, requests: dict) -> None:
+        """Refuses requests with a frame bigger than its server receives (nothing is sent).
+
+        Raises:
+            LimitExceeded: naming the size, the server's limit and the flag that raises it.
+        """
+        for server, request in requests.items():
+            limit = self._frame_limits.get(server)
+            if limit is None:
+                continue
+            size = max((memoryview(frame).nbytes for frame in request.frames), default=0)
+            if size > limit:
+                op = protocol.Op(request.op).name
+                raise errors.LimitExceeded(
+                    f"a {op} request of {size} bytes (one frame) exceeds the "
+                    f"--max-message-size of server {self.servers[server]} ({limit} bytes), "
+                    "which would drop it; send fewer rows per call, or start the servers "
+                    "with a larger `kvsparse server --max-message-size` (-1: no limit)"
+                )
 
     def _lose_kept(self, keep: list) -> None:
         if self.on_lost is not None:
@@ -417,7 +526,7 @@ class Session:
 
     def security_mechanism(self, server: int) -> int:
         """The ZeroMQ security mechanism of the socket to server (zmq.CURVE with keys)."""
-        with self._lock:
+        with self._locked():
             return self._links.socket(server).mechanism
 
     def close(self) -> None:
@@ -429,7 +538,7 @@ class Session:
             the failure of a push sent with wait=False (the sockets are closed
             all the same).
         """
-        with self._lock:
+        with self._locked():
             if self._closed:
                 return
             try:
@@ -441,7 +550,7 @@ class Session:
 
     def limit_waits(self, seconds: float) -> None:
         """Caps the timeout and the retry window at seconds (a retry window stays on)."""
-        with self._lock:
+        with self._locked():
             self.timeout = min(self.timeout, seconds)
             self.retry_window = min(self.retry_window, seconds)
             self._recovery.retry_window = self.retry_window
@@ -458,7 +567,7 @@ class Session:
         (a pull changes nothing; a later push went out only where pulls may
         follow pending pushes, so it is also one whose failure is raised).
         """
-        with self._lock:
+        with self._locked():
             try:
                 while self._deferred and not last.done:
                     pending = self._deferred.pop(0)
@@ -522,14 +631,17 @@ class Session:
     def _start(self, call: _Call, server: int, request: ops.Request) -> None:
         request_id = self._send(server, request)
         call.waiting[server] = request_id
-        call.heard[server] = time.monotonic()
+        call.heard[server] = call.sent[server] = time.monotonic()
         call.pings[server] = None
         call.drops[server] = 0
 
     def _deadline(self, call: _Call, server: int) -> float:
         """When server's silence next needs action: a liveness ping, or giving up on it."""
         pinged = call.pings[server] is not None or self.monitor
-        return call.heard[server] + (self.timeout if pinged else self.timeout / 2)
+        silence = call.heard[server] + (self.timeout if pinged else self.timeout / 2)
+        if self.monitor:
+            return silence
+        return min(silence, call.sent[server] + HOLD_FACTOR * self.timeout)
 
     def _wait(self, call: _Call) -> None:
         """One poll: handles what arrived, then what stayed silent too long."""
@@ -545,7 +657,9 @@ class Session:
         poller, owners = call.poller
         due = min(self._deadline(call, server) for server in call.waiting)
         # zmq_poll waits without the GIL; no busy loop.
-        events = poller.poll(max(0.0, due - time.monotonic()) * 1000 + 1)
+        # At most a turn: another thread may want the session meanwhile (`_await`).
+        wait = min(max(0.0, due - time.monotonic()), _TURN_SECONDS)
+        events = poller.poll(wait * 1000 + 1)
         for sock, _ in events:
             server = owners[sock]
             if server not in call.waiting or (
@@ -573,51 +687,93 @@ class Session:
             raise refused
 
     def _receive(self, call: _Call, server: int) -> None:
-        """Reads every reply queued on server's socket."""
+        """Reads every reply queued on server's socket (those of other calls go to them)."""
         sock = self._links.socket(server)
-        while server in call.waiting:
+        while server in call.waiting and call.failure is None:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             header, payload = protocol.parse_message(frames, reply=True)
+            owner = self._owner(call, server, header.request_id)
+            if owner is not None and owner is not call:
+                self._deliver(owner, server, header, payload)
+            elif self._handle(call, server, header, payload):
+                return
+
+    def _owner(self, call: _Call, server: int, request_id: int) -> Optional[_Call]:
+        """The awaited call (call first) whose request or ping to server has request_id."""
+        for candidate in (call, *self._calls):
+            if server in candidate.waiting and request_id in (
+                candidate.waiting[server],
+                candidate.pings.get(server),
+            ):
+                return candidate
+        return None
+
+    def _deliver(self, owner: _Call, server: int, header: Header, payload) -> None:
+        """Handles a reply read for another thread's call; a failure is kept for its owner."""
+        try:
+            self._handle(owner, server, header, payload)
+        except errors.KVSparseError as exc:
+            if server in owner.waiting:
+                owner.settle(server, exc)
+            else:
+                owner.outcomes[server] = exc
+            if not owner.gather and owner.failure is None:
+                owner.failure = exc
+
+    def _handle(self, call: _Call, server: int, header: Header, payload) -> bool:
+        """Handles one reply from server for call; True if the socket must not be read on."""
+        sock = self._links.socket(server)
+        call.heard[server] = time.monotonic()
+        if self._recovery.restarted(server, header.incarnation):
+            # A restarted server. Our request may have reached it anyway (a DEALER
+            # delivers what it queued while disconnected on reconnect).
+            if header.request_id == call.waiting[server] and not header.status:
+                self._recovery.adopt(server, header.incarnation)  # done there: accept the reply
+            elif header.request_id in (call.waiting[server], call.pings[server]):
+                seen = 0
+                if header.request_id == call.pings[server]:
+                    seen = ops.Ping.decode_reply(header, payload)
+                self._resume(call, server, (header.incarnation, seen))
+                return True
+            else:
+                return False  # a stray reply; a ping will tell what the server has
+        if header.request_id == call.pings[server]:
+            call.pings[server] = None
+            if self._lost(call, server, ops.Ping.decode_reply(header, payload)):
+                self._send(server, call.requests[server], call.waiting[server])
+            return False
+        if header.request_id != call.waiting[server]:
+            return False  # the reply to an abandoned request
+        if header.status == _SHARED_MEMORY_MISSING and server not in call.regreeted:
+            # A server that restarted since our HELLO, reached without a greeting (a
+            # request of ours it answered made us adopt it): greet it again, which
+            # maps the segment, and resend (it applied nothing). Once per call.
+            call.regreeted.add(server)
+            call.waiting[server] = self._recovery.greet_again(
+                server, call.requests[server], time.monotonic() + self.timeout
+            )
             call.heard[server] = time.monotonic()
-            if self._recovery.restarted(server, header.incarnation):
-                # A restarted server. Our request may have reached it anyway (a DEALER
-                # delivers what it queued while disconnected on reconnect).
-                if header.request_id == call.waiting[server] and not header.status:
-                    self._recovery.adopt(server, header.incarnation)  # done there: accept the reply
-                elif header.request_id in (call.waiting[server], call.pings[server]):
-                    seen = 0
-                    if header.request_id == call.pings[server]:
-                        seen = ops.Ping.decode_reply(header, payload)
-                    self._resume(call, server, (header.incarnation, seen))
-                    return
-                else:
-                    continue  # a stray reply; a ping will tell what the server has
-            if header.request_id == call.pings[server]:
-                call.pings[server] = None
-                if self._lost(call, server, ops.Ping.decode_reply(header, payload)):
-                    self._send(server, call.requests[server], call.waiting[server])
-                continue
-            if header.request_id != call.waiting[server]:
-                continue  # the reply to an abandoned request
-            if header.status == _SHARED_MEMORY_MISSING and server not in call.regreeted:
-                # A server that restarted since our HELLO, reached without a greeting (a
-                # request of ours it answered made us adopt it): greet it again, which
-                # maps the segment, and resend (it applied nothing). Once per call.
-                call.regreeted.add(server)
-                call.waiting[server] = self._recovery.greet_again(
-                    server, call.requests[server], time.monotonic() + self.timeout
-                )
-                call.heard[server] = time.monotonic()
-                call.poller = None
-                continue
-            if header.status:
-                protocol.raise_remote_error(header, payload, self.servers[server])
-            call.settle(server, Answer(header, payload), (sock, self._links.monitor(server)))
+            call.poller = None
+            return False
+        if header.status:
+            protocol.raise_remote_error(header, payload, self.servers[server])
+        call.settle(server, Answer(header, payload), (sock, self._links.monitor(server)))
+        return False
 
     def _on_silence(self, call: _Call, server: int) -> None:
+        held = time.monotonic() - call.sent[server]
+        if not self.monitor and held >= HOLD_FACTOR * self.timeout:
+            op = protocol.Op(call.requests[server].op)
+            what = _HELD_FOR.get(op, "other workers")
+            raise errors.WaitTimeout(
+                f"{op.name} request to server {self.servers[server]} was held {held:.0f} s "
+                f"(the server is alive) waiting for {what}; held requests wait at most "
+                f"{HOLD_FACTOR:g} x the store's timeout ({self.timeout:g} s, "
+                "KVSPARSE_TIMEOUT or timeout=). Does every worker make the same calls?"
+            )
         if not self.monitor and call.pings[server] is None:
             # Silence: ask whether the server is alive or just deferring the reply (a BSP
             # round, an SSP wait, a barrier).
@@ -660,4 +816,4 @@ class Session:
         return True
 
 
-__all__ = ["DEFAULT_TIMEOUT", "Answer", "NoAnswer", "Outcome", "Pending", "Session"]
+__all__ = ["DEFAULT_TIMEOUT", "HOLD_FACTOR", "Answer", "NoAnswer", "Outcome", "Pending", "Session"]
