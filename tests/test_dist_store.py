@@ -370,3 +370,15 @@ def test_init_twice_identically_is_a_no_op_on_one_dist_store(server_sets):
     finally:
         kv.set_optimizer(None)
         kv.close()
+
+
+def test_stats_names_int_keys_as_ints_on_a_dist_store(server_sets):
+    kv = kvsparse.create("dist_sparse", servers=server_sets[2], rank=0, num_workers=1, timeout=30)
+    try:
+        kv.init(424242, kvsparse.SparseTable(dim=2, initializer=initializers.Zeros()))
+        assert kv.row_sparse_pull(424242, row_ids=np.array([5])).shape == (1, 2)
+        stats = kv.stats()
+        assert 424242 in stats["tables"] and "424242" not in stats["tables"]
+        assert all(424242 in shard["tables"] for shard in stats["shards"])
+    finally:
+        kv.close()

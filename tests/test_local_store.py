@@ -437,3 +437,19 @@ def test_init_twice_identically_is_a_no_op(kv):
     with pytest.raises(errors.DuplicateKey, match="twice"):
         kv.init(["v", "v"], [sparse(2), sparse(2)])
     assert "v" not in kv
+
+
+def test_stats_names_int_keys_by_the_int_every_call_takes(kv):
+    # stats() named them '7', which row_sparse_pull refuses (KeyTypeError: str key).
+    kv.init([7, 8], [sparse(2), np.ones(3, np.float32)])
+    kv.set_optimizer(optimizers.SGD(learning_rate=1.0))
+    kv.push(7, (np.array([1, 2]), np.ones((2, 2), np.float32)))
+    stats = kv.stats()
+    assert sorted(stats["tables"]) == [7, 8]
+    assert sorted(stats["shards"][0]["tables"]) == [7, 8]
+    for name, table in stats["tables"].items():
+        if table["kind"] == "sparse":
+            assert table["rows"] == 2
+            assert kv.row_sparse_pull(name, row_ids=np.array([1])).tolist() == [[-1.0, -1.0]]
+        else:
+            assert kv.pull(name).tolist() == [1.0] * 3

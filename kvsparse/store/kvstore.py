@@ -724,8 +724,23 @@ class KVStore(StoreFront):
         self._backend.barrier()
 
     def stats(self) -> dict:
-        """Rows and bytes per key (summed over shards) and per-shard counters."""
+        """Rows and bytes per key (summed over shards) and per-shard counters.
+
+        Tables are named by their keys as given to init: an int key stays an
+        int (the shards name tables by str(key)), so a name from stats() is
+        a key every other call takes.
+
+        Example:
+            >>> import kvsparse
+            >>> kv = kvsparse.create('local')
+            >>> kv.init(7, kvsparse.SparseTable(dim=2))
+            >>> list(kv.stats()["tables"])
+            [7]
+        """
+        keys = self._keys.names()
         shards = self._backend.stats()
+        for shard in shards:
+            shard["tables"] = {keys.get(n, n): t for n, t in shard["tables"].items()}
         totals: dict = {}
         for shard in shards:
             for name, table in shard["tables"].items():
