@@ -120,8 +120,8 @@ An error reply has a nonzero ``status`` and one UTF-8 frame with the
 message; the client re-raises it as the matching `kvsparse.errors` class
 (`raise_remote_error`). Codes (`ERROR_CODES`): 1 ProtocolError, 2
 InvalidArgument, 3 ShapeError, 4 DTypeError, 5 KeyTypeError, 6 UnknownKey, 7
-DuplicateKey, 8 NonFiniteGradient, 9 CapacityError, 10 ServerError (anything
-else), 11 CheckpointError, 12 LimitExceeded, 13 WorkerLeft, 14
+DuplicateKey, 8 NonFiniteGradient, 9 CapacityError (and a server's MemoryError), 10
+ServerError (anything else), 11 CheckpointError, 12 LimitExceeded, 13 WorkerLeft, 14
 UpdateOverflow, 15 SharedMemoryMissing (a client that predates a code raises
 ServerError with the message). The reply to a message whose header cannot be read echoes its
 request id when the size and magic are right, else 0, with op 0 if the op is
@@ -599,10 +599,16 @@ def decode_tree(frames, *, what: str):
 
 
 def error_code(exc: BaseException) -> int:
-    """The wire code of an exception (ServerError's for anything unexpected)."""
+    """The wire code of an exception (ServerError's for anything unexpected).
+
+    A builtin MemoryError (a server out of memory) is CapacityError's: the
+    worker gets a MemoryError, as docs/api.md says.
+    """
     for cls, code in ERROR_CODES.items():
         if isinstance(exc, cls):
             return code
+    if isinstance(exc, MemoryError):
+        return ERROR_CODES[errors.CapacityError]
     return ERROR_CODES[errors.ServerError]
 
 
