@@ -101,6 +101,18 @@ class ServerUnavailable(KVSparseError, ConnectionError):
         self.address = address
 
 
+class ForkedStore(KVSparseError, RuntimeError):
+    """A call a dist store cannot make in a process forked from the one that opened it.
+
+    After ``fork`` (a data-loader worker, ``os.fork()``) a dist store opens
+    its own connections in the child and serves lookups there (pulls,
+    ``stats``); what would change the job (pushes, ``barrier``, ``init``,
+    ``set_optimizer``, checkpoints) raises this at once: the parent is that
+    worker. Create a store in the child to train from it. Also a
+    ``RuntimeError``.
+    """
+
+
 class WaitTimeout(KVSparseError, TimeoutError):
     """A request a live server held too long: a BSP push waiting for its round, a
     barrier, an SSP pull or a follower's set_optimizer waiting for other workers.

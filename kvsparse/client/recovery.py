@@ -64,6 +64,11 @@ class Recovery:
         for server, answer in answers.items():
             self._incarnations[server] = answer.header.incarnation
 
+    @property
+    def greetings(self) -> dict:
+        """{server: the HELLO request kept by `greeted`} (a copy)."""
+        return dict(self._greetings)
+
     def remember(self, key, request: ops.Request, server: Optional[int] = None) -> None:
         """Replays request (after the greeting) to every server that restarts (or to server).
 

@@ -76,6 +76,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from typing import Callable, Optional, Union
 
 import zmq
@@ -106,6 +107,16 @@ _MAX_RESENDS = 3  # of a request a live server says it never got
 # they send their own requests meanwhile (a BSP push of one thread may wait for a round that
 # only another thread's push completes), and read replies for each other.
 _TURN_SECONDS = 0.02
+# What a session in a forked child sends (class docstring, "Fork"); HELLO greets again.
+_READ_ONLY_OPS = frozenset(
+    {
+        protocol.Op.HELLO,
+        protocol.Op.PING,
+        protocol.Op.PULL_SPARSE,
+        protocol.Op.PULL_DENSE,
+        protocol.Op.STATS,
+    }
+)
 _SHARED_MEMORY_MISSING = protocol.ERROR_CODES[errors.SharedMemoryMissing]
 _LOG = logging.getLogger(__name__)
 
@@ -117,11 +128,16 @@ _LOG = logging.getLogger(__name__)
 # at most _EXIT_SECONDS for a silent server (a program must not hang at exit on a dead one).
 _UNSETTLED: set = set()
 _EXIT_SECONDS = 10.0
+# Workers' sessions not closed yet: closed at exit too, so that their servers get a GOODBYE
+# (a program that ends without kv.close() ends normally; see `Session.close`).
+_GREETED: weakref.WeakSet = weakref.WeakSet()
+# The longest a closing session waits for the servers' answers to its GOODBYE.
+_GOODBYE_SECONDS = 2.0
 
 
 @atexit.register
 def _settle_at_exit() -> None:
-    for session in list(_UNSETTLED):
+    for session in [*_UNSETTLED, *(s for s in list(_GREETED) if s not in _UNSETTLED)]:
         if session._pid != os.getpid():
             continue  # a forked child's copy: its sockets are the parent's
         try:
@@ -279,7 +295,16 @@ class Session:
     `_TURN_SECONDS` while they want it: they send their requests meanwhile,
     and each thread reads the replies that arrive for any of them. So a push
     held for a BSP round does not keep another thread's push (which may be
-    what completes a round) from going out. A forked child must open its own.
+    what completes a round) from going out.
+
+    Fork: a session used in a process forked from the one that made it
+    opens fresh sockets there (a new ZeroMQ context: one must not be used
+    across fork), with a new client id, and greets the servers again with
+    the same rank (without the parent's shared memory), before its first
+    request. There it only reads: PULL_SPARSE, PULL_DENSE and STATS go out;
+    anything else raises `kvsparse.errors.ForkedStore` at once, since the
+    parent is the worker that pushes, meets barriers and saves. A colocated
+    session (``local``) raises ForkedStore for everything in a child.
 
     Raises:
         InvalidArgument: keys is not a usable key directory.
@@ -311,6 +336,8 @@ class Session:
         self._wanting = 0  # threads waiting to take the lock, or for their turn
         self._wanting_lock = threading.Lock()
         self._calls: set[_Call] = set()  # exchanges whose replies are awaited
+        self._forked_from: Optional[int] = None  # the pid that made this session, in a child
+        self._parent_links: list = []  # sockets of the parent's context: never used here
         # server -> the largest frame it receives (its HELLO reply): a bigger one is refused
         # here, before anything is sent, rather than dropped there with the connection.
         self._frame_limits: dict[int, int] = {}
@@ -327,6 +354,8 @@ class Session:
     @contextlib.contextmanager
     def _locked(self):
         """Holds the session's lock, counted as wanting it while blocked (see `_await`)."""
+        if self._pid != os.getpid():
+            self._reopen_after_fork()
         with self._wanting_lock:
             self._wanting += 1
         try:
@@ -340,6 +369,56 @@ class Session:
             if self._wanting:
                 self._turns.notify_all()
             self._lock.release()
+
+    def _reopen_after_fork(self) -> None:
+        """In a forked child: fresh locks, sockets and client id, then HELLO again.
+
+        The parent's locks may have been held by its other threads at the
+        fork, and its sockets belong to its ZeroMQ context: neither is used
+        here (the sockets are kept, never closed, from this process).
+        """
+        parent = self._forked_from if self._forked_from is not None else self._pid
+        self._pid = os.getpid()
+        self._forked_from = parent
+        self._lock = threading.RLock()
+        self._turns = threading.Condition(self._lock)
+        self._wanting_lock = threading.Lock()
+        self._wanting = 0
+        self._calls = set()
+        self._deferred = []  # the parent's pending exchanges: the parent reads their replies
+        self._parent_links.append(self._links)
+        self.on_lost = None
+        if self._closed:
+            return
+        if self._links.local:
+            self._closed = True
+            raise errors.ForkedStore(
+                f"a colocated store cannot be used in a process forked from pid {parent}; "
+                "create a store in the child"
+            )
+        greetings = {
+            server: ops.Hello.without_shared(request)
+            for server, request in self._recovery.greetings.items()
+        }
+        self._client_id = secrets.randbits(64)
+        self._links = ServerSockets(self.servers, self.keys, self._client_id)
+        self._recovery = Recovery(self.servers, self._links, self._send, self.retry_window)
+        if greetings:
+            self.open(greetings)
+
+    def _check_forked(self, requests: dict) -> None:
+        """In a forked child only lookups go out (ForkedStore otherwise; class docstring)."""
+        if self._forked_from is None:
+            return
+        for request in requests.values():
+            if request.op not in _READ_ONLY_OPS:
+                raise errors.ForkedStore(
+                    f"{protocol.Op(request.op).name} from a process forked from pid "
+                    f"{self._forked_from} (this store's process): a store in a forked child "
+                    "(a data-loader worker) only looks rows up; push, barrier, init, "
+                    "set_optimizer and checkpoints belong to the parent, or to a store "
+                    "created in the child"
+                )
 
     def _await(self, call: _Call) -> None:
         """Reads replies until call has all of them (the lock held), taking turns.
@@ -398,6 +477,7 @@ class Session:
         with self._locked():
             answers = self.exchange(greetings)
             self._recovery.greeted(greetings, answers)
+            _GREETED.add(self)
             for server, answer in answers.items():
                 limit = ops.Hello.decode_reply(answer.header, answer.payload).max_message_size
                 if limit >= 0:
@@ -471,6 +551,7 @@ class Session:
             behind = pipelined and bool(self._deferred)
             if not behind:
                 self._settle_deferred()
+            self._check_forked(requests)
             self._check_sizes(requests)
             if push:
                 self._clock += 1
@@ -538,15 +619,42 @@ class Session:
             the failure of a push sent with wait=False (the sockets are closed
             all the same).
         """
+        if self._pid != os.getpid():
+            self._closed = True  # a forked child's copy: nothing of the parent's to close
         with self._locked():
             if self._closed:
                 return
             try:
                 self._settle_deferred()
             finally:
-                self._closed = True
-                _UNSETTLED.discard(self)
-                self._links.close()
+                try:
+                    self._say_goodbye()
+                finally:
+                    self._closed = True
+                    _UNSETTLED.discard(self)
+                    _GREETED.discard(self)
+                    self._links.close()
+
+    def _say_goodbye(self) -> None:
+        """Tells each greeted server that this worker closed its store (GOODBYE).
+
+        Its connection closing is then a normal end, which the servers do not
+        warn about. Waits at most `_GOODBYE_SECONDS`; a server that does not
+        answer is left to notice the closed connection.
+        """
+        greeted = list(self._recovery.greetings)
+        if not greeted or self.monitor:
+            return
+        saved = self.timeout, self.retry_window
+        self.timeout = min(self.timeout, _GOODBYE_SECONDS)
+        self.retry_window = self._recovery.retry_window = 0.0
+        try:
+            self.exchange({s: ops.Goodbye.encode_request() for s in greeted}, gather=True)
+        except errors.KVSparseError:
+            pass  # closing anyway: the connection's end tells the rest
+        finally:
+            self.timeout, self.retry_window = saved
+            self._recovery.retry_window = self.retry_window
 
     def limit_waits(self, seconds: float) -> None:
         """Caps the timeout and the retry window at seconds (a retry window stays on)."""

@@ -69,13 +69,12 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
 - Exit code: 0 if every worker succeeded; else the code of the first worker
   to fail, in time order (a worker killed by signal N counts as 128 + N);
   1 if a server died first; 128 + N if the launcher got signal N.
-- A worker that exits with code 0 while others still run is logged (``worker
-  1 exited with code 0 while worker 0 still run: ...``): in a BSP job
-  the others then fail at their next round or barrier with
-  `kvsparse.errors.WorkerLeft` naming its rank (the servers notice it left),
-  and the launcher's message for the first of them to fail says which ranks
-  had left (``worker 0 exited with code 1; stopping the job (after worker 1
-  left early, with code 0)``).
+- A worker that exits with code 0 while others still run is a normal end
+  and is not logged (workers finish one after the other). If the others
+  needed it (in a BSP job, their next round or barrier fails with
+  `kvsparse.errors.WorkerLeft` naming its rank), the launcher's message for
+  the first of them to fail says which ranks had left (``worker 0 exited with
+  code 1; stopping the job (after worker 1 left early, with code 0)``).
 
 Example:
     >>> import sys
@@ -439,10 +438,10 @@ class _Cluster:
     def wait_workers(self) -> int:
         """Waits for every worker; returns at the first failure (exit code as documented).
 
-        A worker that exits 0 while others still run is logged (issue 11,
-        defect 9): in a BSP job the others can complete no round or barrier
-        without it (the servers fail those with WorkerLeft), and the message
-        of a worker failing later names the ranks that had left.
+        A worker that exits 0 while others still run is a normal end, not
+        logged; the message of a worker failing later names the ranks that
+        had left (in a BSP job the others can complete no round or barrier
+        without them: the servers fail those with WorkerLeft).
         """
         running = set(range(len(self.workers)))
         left: list[int] = []  # ranks that exited 0 while others still ran
@@ -481,13 +480,10 @@ class _Cluster:
                 self.log(f"worker {index} exited with code {code}; stopping the job{earlier}")
                 return code
             if running:
+                # A normal end (workers finish one after the other): said only if a later
+                # worker fails, in its message. What waited for this one in a BSP job fails
+                # there with WorkerLeft naming its rank.
                 left.append(index)
-                others = ", ".join(map(str, sorted(running)))
-                self.log(
-                    f"worker {index} exited with code 0 while worker "
-                    f"{others} still run: in a BSP job their next round or barrier fails "
-                    f"with WorkerLeft naming rank {index}"
-                )
         return 0
 
     # -- stopping ---------------------------------------------------------------------------

@@ -140,6 +140,8 @@ class Dispatcher:
         header = pending.header
         if self._liveness is not None and header.op == Op.HELLO:
             self._liveness.joined(header.client_id, header.rank, pending.routing)
+        elif self._liveness is not None and header.op == Op.GOODBYE:
+            self._liveness.goodbye(header.client_id)
         if result is not DEFERRED:
             self.finish(pending, result)
         elif self._liveness is not None:

@@ -96,6 +96,7 @@ class Handlers:
             Op.PUSH_DENSE: self._push_dense,
             Op.ASSIGN_SPARSE: self._assign_sparse,
             Op.BARRIER: self._barrier,
+            Op.GOODBYE: self._goodbye,
             Op.GET_OPTIMIZER_STATES: self._get_optimizer_states,
             Op.LOAD_OPTIMIZER_STATES: self._load_optimizer_states,
             Op.STATS: self._stats,
@@ -335,6 +336,11 @@ class Handlers:
         ops.Barrier.decode_request(header, payload)
         self._coordination.barrier.arrive(header.rank, pending, self._job.num_workers)
         return DEFERRED
+
+    def _goodbye(self, header, payload, pending):
+        # What it means for the rank is the liveness tracker's (`Dispatcher.run` tells it).
+        ops.Goodbye.decode_request(header, payload)
+        return ops.Goodbye.encode_reply()
 
     # -- optimizer state, eviction and stats ------------------------------------------------------
 

@@ -346,6 +346,16 @@ class Hello(_Codec):
         return Request(cls.op, [protocol.encode_json(body)])
 
     @classmethod
+    def without_shared(cls, request: Request) -> Request:
+        """A HELLO request (from `encode_request`) without its shared-memory offer.
+
+        What a forked child sends: the segment offered is its parent's.
+        """
+        body = _json_object(request.frames, "HELLO")
+        body.pop("shared", None)
+        return Request(cls.op, [protocol.encode_json(body)])
+
+    @classmethod
     def decode_request(cls, header: Header, payload) -> HelloRequest:
         """The HELLO, checked field by field and against the header's rank.
 
@@ -984,6 +994,16 @@ class Barrier(_Codec):
     """BARRIER (server 0): answered once every worker sent one. No payload either way."""
 
     op = Op.BARRIER
+
+
+class Goodbye(_Codec):
+    """GOODBYE: a worker closed its store (`kvsparse.server.liveness.Liveness.goodbye`).
+
+    No payload either way. Its rank's later absence is a normal end: the
+    server does not warn about it (it still fails what waits for the rank).
+    """
+
+    op = Op.GOODBYE
 
 
 class GetOptimizerStates(_Codec):

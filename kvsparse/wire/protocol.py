@@ -85,6 +85,7 @@ both ends call:
     ASSIGN_SPARSE (14)     items, keys (i64) + rows (count x dim,  none
                            f32) per item: written verbatim (no
                            optimizer, no admission counting)
+    GOODBYE (15)           none: the worker closed its store       none
     EVICT (20)             none                                    JSON {table name: rows
                                                                    evicted} (TTL, now)
     CHECKPOINT (30)        JSON {action, path, ...} (the actions   JSON: the action's
@@ -209,6 +210,8 @@ class Op(enum.IntEnum):
     STATS = 13
     # Rows written verbatim, no optimizer (issue 12: MXNet's init of a key at any time).
     ASSIGN_SPARSE = 14
+    # A worker closed its store: a normal end, not a departure to warn about.
+    GOODBYE = 15
     # Admission and eviction (issue 5); 20 leaves room for other new ops.
     EVICT = 20
     # Checkpoints, loads and inference export (issue 5): a JSON body with an "action".
