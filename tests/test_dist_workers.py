@@ -369,7 +369,11 @@ try:
 except errors.WaitTimeout as exc:
     outcome, is_timeout = f"{type(exc).__name__}: {exc}", isinstance(exc, TimeoutError)
 print(json.dumps({"outcome": outcome, "is_timeout": is_timeout,
-                  "seconds": time.monotonic() - start}))
+                  "seconds": time.monotonic() - start}), flush=True)
+# Neither exits before both have their outcome: a worker that leaves fails the other's
+# held push with WorkerLeft.
+Path(f'done{rank}').touch()
+wait_until(lambda: Path(f'done{1 - rank}').exists(), "the other worker's outcome")
 """
 )
 
