@@ -107,13 +107,20 @@ class Liveness:
         departure. If no other client of its rank remains, the rank has left
         the job: what waits for it fails with WorkerLeft now (and later
         requests that would wait for it), and that is logged, since the other
-        workers could not finish without it. Nothing is logged otherwise.
+        workers could not finish without it. Nothing is logged otherwise. With
+        a rejoin window, the rank is waited for as after a closed connection.
         """
         entry = self._clients.pop(client_id, None)
         if entry is None:
             return
         self._on_client(client_id, None)
         rank = entry[0]
+        if self._rejoin_window > 0:
+            # Workers the launcher restarts (colocated): a store closed by a failing worker
+            # may come back, so its rank gets the rejoin window, as a closed connection does.
+            self._gone[client_id] = rank
+            self.disconnected()
+            return
         present = self._present()
         if rank not in present:
             self._awaited.pop(rank, None)
