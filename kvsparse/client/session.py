@@ -753,6 +753,10 @@ class Session:
 
     def _wait(self, call: _Call) -> None:
         """One poll: handles what arrived, then what stayed silent too long."""
+        if call.poller is not None and any(
+            self._links.socket(server) not in call.poller[1] for server in call.waiting
+        ):
+            call.poller = None  # another thread's exchange replaced a socket (`reset`)
         if call.poller is None:  # again after a server settled or its socket was replaced
             poller, owners = zmq.Poller(), {}
             for server in call.waiting:
