@@ -216,7 +216,7 @@ def test_int_keys_and_range_partitioner(pair):
         (int_local.row_sparse_pull(key, row_ids=ids), int_dist.row_sparse_pull(key, row_ids=ids))
     )
     if n > 1:
-        shard_rows = [s["tables"][str(key)]["rows"] for s in int_dist.stats()["shards"]]
+        shard_rows = [s["tables"][key]["rows"] for s in int_dist.stats()["shards"]]
         expected = np.bincount(np.searchsorted(boundaries, ids, side="right"), minlength=n)
         assert shard_rows == expected.tolist()
     int_dist.close()

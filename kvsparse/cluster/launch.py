@@ -118,6 +118,8 @@ _RESERVED = (
 )
 DEFAULT_RETRY_WINDOW = config.DEFAULT_RETRY_WINDOW
 _POLL_SECONDS = 0.1
+# How long a failing worker's message waits for others' clean exits to name them (`_clean_exits`).
+_LEFT_GRACE_SECONDS = 1.0
 _LOG = "kvsparse launch: "
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_TRANSPORT = "tcp"  # local_cluster's (its callers may be anywhere)
@@ -473,6 +475,7 @@ class _Cluster:
                     continue
             running.discard(index)
             if code != 0:
+                left.extend(self._clean_exits(running))
                 earlier = ""
                 if left:
                     ranks = ", ".join(map(str, left))
@@ -485,6 +488,35 @@ class _Cluster:
                 # there with WorkerLeft naming its rank.
                 left.append(index)
         return 0
+
+    def _clean_exits(self, running: set) -> list:
+        """Workers of running that exit with code 0 within _LEFT_GRACE_SECONDS (sorted).
+
+        A worker that closed its store says goodbye before its process ends: the
+        workers that waited for it may fail before its exit is seen. Other events
+        read meanwhile are put back.
+        """
+        found, kept = [], []
+        deadline = time.monotonic() + _LEFT_GRACE_SECONDS
+        while running and time.monotonic() < deadline:
+            try:
+                event = self.events.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                continue
+            role, index, child, returncode = event
+            if (
+                role == "worker"
+                and child is self.workers[index]
+                and index in running
+                and _exit_code(returncode) == 0
+            ):
+                running.discard(index)
+                found.append(index)
+            else:
+                kept.append(event)
+        for event in kept:
+            self.events.put(event)
+        return sorted(found)
 
     # -- stopping ---------------------------------------------------------------------------
 
