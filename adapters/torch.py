@@ -313,6 +313,12 @@ class _Lookup:
         # A copied module (an EMA copy, say) uses the same table on the same store.
         return _Lookup(self.kv, self.key, self.dim, self.padding_idx, self.dtype)
 
+    def __reduce__(self):
+        # Pickled (torch.save of a whole model) as the table's key and shape, without the
+        # store: it holds sockets and C++ tables, and the rows live on the servers. The
+        # unpickled layer is bound to a store by `bind` before its first forward.
+        return (_Lookup, (None, self.key, self.dim, self.padding_idx, self.dtype))
+
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
         """table[ids] as a new tensor of the table's dtype, shape ids.shape + (dim,), on
         ids' device."""
@@ -602,7 +608,7 @@ def prefetch_together(modules, ids) -> None:
     kv = modules[0].kv
     if any(m.kv is not kv for m in modules):
         raise errors.InvalidArgument("prefetch_together: the modules use different stores")
-    lookups = [m._lookup for m in modules]
+    lookups = [m._bound() for m in modules]
     flat = [m._flat_ids(_check_ids(i)) for m, i in zip(modules, ids_list)]
     _prefetch_together(lookups, flat)
 
@@ -658,8 +664,45 @@ class _TableModule(nn.Module):
 
     @property
     def kv(self):
-        """The store holding the table."""
+        """The store holding the table (None in a layer unpickled and not bound yet)."""
         return self._lookup.kv
+
+    def bind(self, kv):
+        """Binds this layer to the table `key` on kv; returns the layer.
+
+        For a layer unpickled by ``torch.load`` of a whole saved model (the
+        pickle keeps the key, width and padding, not the store: the rows are
+        on the servers, saved with ``kv.save``). `bind` (module function)
+        binds every kvsparse layer of a model. Not thread-safe with the
+        layer's own forward.
+
+        Raises:
+            UnknownKey: kv has no table `key`.
+            ShapeError: its rows are not embedding_dim wide.
+
+        Example:
+            >>> model = torch.load("model.pt", weights_only=False)  # doctest: +SKIP
+            >>> model.embedding.bind(kv)                            # doctest: +SKIP
+        """
+        info = kv.key_info(self.key)
+        if not info.sparse or info.dim != self.embedding_dim:
+            raise errors.ShapeError(
+                f"key {self.key!r} on this store is not a sparse table of width "
+                f"{self.embedding_dim}, which this {type(self).__name__} was saved with"
+            )
+        dtype = torch_dtype(kv, self.key)
+        self._lookup = _Lookup(kv, self.key, self.embedding_dim, self.padding_idx, dtype)
+        return self
+
+    def _bound(self) -> _Lookup:
+        """The lookup, refusing a layer unpickled without its store (InvalidArgument)."""
+        if self._lookup.kv is None:
+            raise errors.InvalidArgument(
+                f"this {type(self).__name__} (key {self.key!r}) was loaded without its store "
+                "(torch.load of a saved model): call layer.bind(kv), or "
+                "kvsparse.adapters.torch.bind(model, kv), before using it"
+            )
+        return self._lookup
 
     @property
     def prefetch_hits(self) -> int:
@@ -677,8 +720,8 @@ class _TableModule(nn.Module):
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.trains_table:
             anchor = torch.empty(0, requires_grad=True)
-            return _SparseRows.apply(anchor, self._lookup, ids)
-        return self._lookup.rows_for(ids)
+            return _SparseRows.apply(anchor, self._bound(), ids)
+        return self._bound().rows_for(ids)
 
     @torch.compiler.disable
     def prefetch(self, ids: torch.Tensor) -> None:
@@ -691,7 +734,7 @@ class _TableModule(nn.Module):
         batches see the table one step stale). An error of the background pull
         is raised by the next forward (or prefetch), never in the thread.
         """
-        self._lookup.prefetch(self._flat_ids(_check_ids(ids)))
+        self._bound().prefetch(self._flat_ids(_check_ids(ids)))
 
     def _flat_ids(self, ids):
         return ids
@@ -960,8 +1003,30 @@ class DenseGradientSync:
         self._scatter(into_grads=True)
 
 
+def bind(model: nn.Module, kv) -> nn.Module:
+    """Binds every kvsparse layer of model (Embedding, EmbeddingBag) to kv; returns model.
+
+    What a model unpickled by ``torch.load`` needs before its first forward
+    (see `Embedding.bind`). ``model.state_dict()`` holds the dense weights
+    only: with ``kv.save``/``kv.load`` for the tables, that is the usual way
+    to checkpoint; pickling the whole model works too, then this.
+
+    Raises:
+        what `Embedding.bind` raises.
+
+    Example:
+        >>> torch.save(model, "model.pt")                               # doctest: +SKIP
+        >>> model = bind(torch.load("model.pt", weights_only=False), kv)  # doctest: +SKIP
+    """
+    for module in model.modules():
+        if isinstance(module, _TableModule):
+            module.bind(kv)
+    return model
+
+
 __all__ = [
     "DenseGradientSync",
+    "bind",
     "Embedding",
     "EmbeddingBag",
     "LearningRateFollower",

@@ -734,8 +734,9 @@ bool FastServeLoop::ServePush(const Header& header, Client* client) {
   auto* head = static_cast<unsigned char*>(zmq_.msg_data(&reply[1]));
   PackReply(header, memory_error ? 1 : 0, 0, head);
   if (memory_error) {
-    // protocol.error_reply of a MemoryError: ServerError (10), "MemoryError: <message>".
-    Write<uint32_t>(head, 12, 10);
+    // protocol.error_reply of a MemoryError: CapacityError (9, a MemoryError in the worker,
+    // as docs/api.md promises), "MemoryError: <message>".
+    Write<uint32_t>(head, 12, 9);
     const std::string text = "MemoryError: " + memory_message;
     zmq_.msg_init_size(&reply[2], text.size());
     std::memcpy(zmq_.msg_data(&reply[2]), text.data(), text.size());

@@ -69,7 +69,11 @@ class UpdateOverflow(InvalidArgument, FloatingPointError):
 
 
 class CapacityError(KVSparseError, MemoryError):
-    """A shard reached the most rows it can hold."""
+    """A shard reached the most rows it can hold, or a server ran out of memory.
+
+    Also a ``MemoryError``: a request that ran out of memory on a server
+    reaches the worker as this class, and changes nothing there.
+    """
 
 
 class ProtocolError(KVSparseError, ValueError):
@@ -103,6 +107,29 @@ class ServerUnavailable(KVSparseError, ConnectionError):
     def __init__(self, message, address=None):
         super().__init__(message)
         self.address = address
+
+
+class ForkedStore(KVSparseError, RuntimeError):
+    """A call a dist store cannot make in a process forked from the one that opened it.
+
+    After ``fork`` (a data-loader worker, ``os.fork()``) a dist store opens
+    its own connections in the child and serves lookups there (pulls,
+    ``stats``); what would change the job (pushes, ``barrier``, ``init``,
+    ``set_optimizer``, checkpoints) raises this at once: the parent is that
+    worker. Create a store in the child to train from it. Also a
+    ``RuntimeError``.
+    """
+
+
+class WaitTimeout(KVSparseError, TimeoutError):
+    """A request a live server held too long: a BSP push waiting for its round, a
+    barrier, an SSP pull or a follower's set_optimizer waiting for other workers.
+
+    The server answered liveness pings all along; what it waited for is
+    named in the message. Held requests wait at most
+    `kvsparse.client.session.HOLD_FACTOR` x the store's timeout (600 s by
+    default). Also a ``TimeoutError``.
+    """
 
 
 class WorkerLeft(ServerUnavailable):

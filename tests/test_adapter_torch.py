@@ -951,3 +951,50 @@ def test_torch_compile_trains_like_eager(kv):
     compiled_rows, compiled_grad = train(compiled=True)
     np.testing.assert_allclose(compiled_rows, eager_rows, rtol=1e-6)
     torch.testing.assert_close(compiled_grad, eager_grad)
+
+
+class _SavedModel(torch.nn.Module):
+    def __init__(self, kv):
+        super().__init__()
+        self.embedding = Embedding(
+            kv, "saved", embedding_dim=4, initializer=initializers.Normal(0.0, 0.1), seed=5
+        )
+        self.bag = EmbeddingBag(kv, "saved_bag", embedding_dim=4, mode="sum")
+        self.linear = torch.nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.linear(torch.cat([self.embedding(ids).sum(1), self.bag(ids)], 1))
+
+
+def test_a_model_holding_kvsparse_layers_can_be_saved_and_loaded(tmp_path):
+    # torch.save(model) failed: pickling the store failed in a C++ object's __cinit__.
+    import kvsparse.adapters.torch as kvtorch
+
+    kv = kvsparse.create("local")
+    kv.set_optimizer(optimizers.SGD(learning_rate=0.1))
+    torch.manual_seed(0)
+    model = _SavedModel(kv)
+    ids = torch.tensor([[1, 2], [3, 1]])
+    expected = model(ids).detach()
+    # The state_dict holds the dense weights (the rows are the store's, saved by kv.save).
+    torch.save(model.state_dict(), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt")
+    assert sorted(state) == ["linear.bias", "linear.weight"]
+    again = _SavedModel(kv)
+    again.load_state_dict(state)
+    torch.testing.assert_close(again(ids), expected)
+    # The whole model: pickled with the tables' keys, and bound to a store once loaded.
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert loaded.embedding.kv is None and loaded.embedding.key == "saved"
+    with pytest.raises(errors.InvalidArgument, match=r"bind\(kv\)"):
+        loaded(ids)
+    assert kvtorch.bind(loaded, kv) is loaded
+    torch.testing.assert_close(loaded(ids), expected)
+    loaded(ids).sum().backward()  # trains the same table
+    assert not torch.equal(model(ids).detach(), expected)
+    with pytest.raises(errors.UnknownKey):
+        kvtorch.bind(
+            torch.load(tmp_path / "model.pt", weights_only=False), kvsparse.create("local")
+        )
+    kv.close()

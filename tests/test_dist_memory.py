@@ -7,11 +7,16 @@ size (psutil) before and after.
 
 from __future__ import annotations
 
+import resource
+import sys
+
 import numpy as np
 import psutil
+import pytest
+from conftest import ServerProcess
 
 import kvsparse
-from kvsparse import initializers, optimizers
+from kvsparse import errors, initializers, optimizers
 
 DIM = 64
 BATCH = 65536
@@ -70,3 +75,44 @@ def test_the_table_grows_on_the_servers_not_in_the_worker(server_factory):
         np.repeat(reference.row_sparse_pull("big", row_ids=np.array([0])), 3, axis=0),
     )
     kv.close()
+
+
+def _limit_address_space(pid: int, extra_bytes: int) -> None:
+    """Caps pid's address space at what it maps now plus extra_bytes (RLIMIT_AS)."""
+    with open(f"/proc/{pid}/statm") as f:
+        mapped = int(f.read().split()[0]) * resource.getpagesize()
+    resource.prlimit(pid, resource.RLIMIT_AS, (mapped + extra_bytes, resource.RLIM_INFINITY))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/statm")
+def test_a_server_out_of_memory_answers_memory_error_and_serves_on():
+    # Before: the worker got ServerError, and the server printed a traceback.
+    server = ServerProcess()
+    try:
+        kv = kvsparse.create("dist_sparse", servers=[server.address], timeout=60)
+        dim = 1024
+        kv.init("oom", kvsparse.SparseTable(dim=dim, initializer=initializers.Zeros()))
+        kv.set_optimizer(optimizers.Adam(learning_rate=0.1))  # three floats per value
+        kv.push("oom", (np.array([0]), np.ones((1, dim), np.float32)))
+        _limit_address_space(server.process.pid, 64 * 2**20)
+        # A push of 16 MB of rows needs 48 MB of new rows and slots, a pull of 100k new
+        # ids 1.2 GB of them (and a 400 MB reply): neither fits, each fails whole.
+        ids = np.arange(1, 4097)
+        with pytest.raises(MemoryError) as push_error:
+            kv.push("oom", (ids, np.ones((ids.size, dim), np.float32)))
+        with pytest.raises(MemoryError) as pull_error:
+            kv.row_sparse_pull("oom", row_ids=np.arange(10_000, 110_000))
+        for error in (push_error.value, pull_error.value):
+            assert isinstance(error, errors.CapacityError), repr(error)
+            assert server.address in str(error)
+        resource.prlimit(server.process.pid, resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)
+        # Nothing of the failed push was applied, and the server serves on.
+        kv.push("oom", (np.array([0, 1]), np.ones((2, dim), np.float32)))
+        rows = kv.row_sparse_pull("oom", row_ids=np.array([0, 1, 2]))
+        assert rows[0, 0] < rows[1, 0] < 0 and rows[2, 0] == 0
+        kv.close()
+    finally:
+        server.stop()
+    log = server.error_output()
+    assert "Traceback" not in log, log
+    assert log.count("kvsparse server: out of memory in a") == 2, log

@@ -6,6 +6,11 @@ store whose servers are real subprocesses, and compares the results.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 
@@ -211,7 +216,7 @@ def test_int_keys_and_range_partitioner(pair):
         (int_local.row_sparse_pull(key, row_ids=ids), int_dist.row_sparse_pull(key, row_ids=ids))
     )
     if n > 1:
-        shard_rows = [s["tables"][str(key)]["rows"] for s in int_dist.stats()["shards"]]
+        shard_rows = [s["tables"][key]["rows"] for s in int_dist.stats()["shards"]]
         expected = np.bincount(np.searchsorted(boundaries, ids, side="right"), minlength=n)
         assert shard_rows == expected.tolist()
     int_dist.close()
@@ -350,3 +355,130 @@ def test_a_push_counts_as_a_table_step_on_shards_that_got_no_keys(pair):
     both(pair, "push", key, (first, np.ones((1, 2), np.float32)))
     both(pair, "push", key, (others, np.ones((others.size, 2), np.float32)))
     assert_same(both(pair, "row_sparse_pull", key, row_ids=np.concatenate([first, others])))
+
+
+def test_init_twice_identically_is_a_no_op_on_one_dist_store(server_sets):
+    kv = kvsparse.create("dist_sparse", servers=server_sets[2], rank=0, num_workers=1, timeout=30)
+    try:
+        spec = dict(dim=2, initializer=initializers.Zeros(), seed=3)
+        kv.init("twice_t", kvsparse.SparseTable(**spec))
+        kv.init("twice_w", np.ones(3, np.float32))
+        kv.set_optimizer(optimizers.SGD(learning_rate=1.0))
+        kv.push("twice_t", (np.array([1]), np.ones((1, 2), np.float32)))
+        kv.init("twice_t", kvsparse.SparseTable(**spec))
+        kv.init("twice_w", np.ones(3, np.float32))
+        assert kv.row_sparse_pull("twice_t", row_ids=np.array([1])).tolist() == [[-1.0, -1.0]]
+        with pytest.raises(errors.DuplicateKey, match="twice_t"):
+            kv.init("twice_t", kvsparse.SparseTable(**{**spec, "seed": 4}))
+        with pytest.raises(errors.DuplicateKey, match="twice_w"):
+            kv.init("twice_w", np.ones(4, np.float32))
+    finally:
+        kv.set_optimizer(None)
+        kv.close()
+
+
+def test_stats_names_int_keys_as_ints_on_a_dist_store(server_sets):
+    kv = kvsparse.create("dist_sparse", servers=server_sets[2], rank=0, num_workers=1, timeout=30)
+    try:
+        kv.init(424242, kvsparse.SparseTable(dim=2, initializer=initializers.Zeros()))
+        assert kv.row_sparse_pull(424242, row_ids=np.array([5])).shape == (1, 2)
+        stats = kv.stats()
+        assert 424242 in stats["tables"] and "424242" not in stats["tables"]
+        assert all(424242 in shard["tables"] for shard in stats["shards"])
+    finally:
+        kv.close()
+
+
+def _trained_for_fork(servers, name: str):
+    kv = kvsparse.create("dist_sparse", servers=servers, rank=0, num_workers=1, timeout=30)
+    kv.init(name, kvsparse.SparseTable(dim=2, initializer=initializers.Constant(0.5)))
+    kv.set_optimizer(optimizers.SGD(learning_rate=1.0))
+    kv.push(name, (np.arange(8), np.arange(16, dtype=np.float32).reshape(8, 2)))
+    return kv, kv.row_sparse_pull(name, row_ids=np.arange(10))
+
+
+def test_a_dist_store_used_in_a_forked_child_reconnects_for_lookups(server_sets):
+    # Before: the child's first pull blocked for ever on the parent's sockets, whatever
+    # timeout= said. Now it reconnects (its own ZeroMQ context); pushes raise at once.
+    kv, expected = _trained_for_fork(server_sets[2], "fork_bare")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        code = 1
+        try:
+            os.close(read_end)
+            rows = kv.row_sparse_pull("fork_bare", row_ids=np.arange(10))
+            try:
+                kv.push("fork_bare", (np.array([1]), np.ones((1, 2), np.float32)))
+                refused = "push went through"
+            except errors.ForkedStore as exc:
+                refused = str(exc)
+            report = {"rows": rows.tolist(), "refused": refused, "stats": len(kv.stats()["shards"])}
+            os.write(write_end, json.dumps(report).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    status = _wait_for_child(pid, timeout=60)
+    with os.fdopen(read_end, "rb") as pipe:
+        report = json.loads(pipe.read() or b"null")
+    assert status == 0 and report is not None, (status, report)
+    np.testing.assert_array_equal(report["rows"], expected)
+    assert "forked" in report["refused"] and "PUSH_SPARSE" in report["refused"], report
+    assert report["stats"] == 2
+    # The parent's store goes on, and the child's push changed nothing.
+    np.testing.assert_array_equal(kv.row_sparse_pull("fork_bare", row_ids=np.arange(10)), expected)
+    kv.push("fork_bare", (np.array([9]), np.ones((1, 2), np.float32)))
+    assert kv.row_sparse_pull("fork_bare", row_ids=np.array([9])).tolist() == [[-0.5, -0.5]]
+    kv.close()
+
+
+def _wait_for_child(pid: int, timeout: float) -> int:
+    """The exit code of child pid, killed if it runs past timeout (then -9)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -9
+
+
+class _RowsDataset:
+    """A torch map-style Dataset whose items are rows looked up in a dist store."""
+
+    def __init__(self, kv, name: str, size: int):
+        self.kv, self.name, self.size = kv, name, size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        import torch
+
+        rows = self.kv.row_sparse_pull(self.name, row_ids=np.array([index]))
+        return torch.from_numpy(rows[0]), os.getpid()
+
+
+def test_a_torch_dataloader_with_workers_looks_rows_up_in_a_dist_store(server_sets):
+    torch = pytest.importorskip("torch")
+    kv, expected = _trained_for_fork(server_sets[1], "fork_loader")
+    loader = torch.utils.data.DataLoader(
+        _RowsDataset(kv, "fork_loader", 10),
+        batch_size=2,
+        num_workers=2,
+        multiprocessing_context="fork",
+        timeout=60,  # a worker that hangs fails the test instead of blocking it
+    )
+    rows, pids = [], set()
+    for batch, batch_pids in loader:
+        rows.append(batch.numpy())
+        pids.update(int(p) for p in batch_pids)
+    np.testing.assert_array_equal(np.concatenate(rows), expected)
+    assert len(pids) == 2 and os.getpid() not in pids  # looked up in both workers
+    np.testing.assert_array_equal(
+        kv.row_sparse_pull("fork_loader", row_ids=np.arange(10)), expected
+    )
+    kv.close()

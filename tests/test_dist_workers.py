@@ -291,3 +291,99 @@ print(json.dumps({"rank": rank, "ok": True}))
 def test_barrier_waits_for_every_worker(server_factory, tmp_path):
     outputs = run_workers(BARRIER_SCRIPT, server_factory(2), 4, tmp_path, env=ENV, args=[tmp_path])
     assert [last_json(out) for out in outputs] == [{"rank": r, "ok": True} for r in range(4)]
+
+
+THREADS_BSP_SCRIPT = (
+    PRELUDE
+    + """
+import threading
+kv = kvsparse.create('dist_sparse')
+rank, n = kv.rank, kv.num_workers
+threads, steps = 2, 4
+for t in range(threads):
+    kv.init(f'emb{t}', kvsparse.SparseTable(dim=2, initializer=initializers.Zeros()))
+kv.init('w', np.zeros(3, np.float32))
+kv.set_optimizer(optimizers.SGD(learning_rate=1.0))
+failures = []
+
+def train(t):
+    try:
+        for step in range(1, steps + 1):
+            ids = np.array([t, 10 + rank, 100 + step])
+            grads = np.full((3, 2), (rank + 1) * (t + 1) * step, np.float32)
+            # Each thread its own table, and every thread the same dense key.
+            kv.push([f'emb{t}', 'w'], [(ids, grads), np.full(3, float(t + 1), np.float32)])
+            kv.row_sparse_pull(f'emb{t}', row_ids=ids)
+    except BaseException as exc:
+        failures.append(repr(exc))
+
+workers = [threading.Thread(target=train, args=(t,)) for t in range(threads)]
+for w in workers:
+    w.start()
+for w in workers:
+    w.join()
+kv.barrier()
+rows = {t: kv.row_sparse_pull(f'emb{t}', row_ids=np.arange(120))[:, 0].tolist()
+        for t in range(threads)}
+print(json.dumps({"failures": failures, "rows": rows, "w": kv.pull('w').tolist()}))
+kv.close()
+"""
+)
+
+
+def test_bsp_with_several_threads_per_worker_is_exact(server_factory, tmp_path):
+    # Two threads per worker, each pushing its own table (fused with a dense key every
+    # thread pushes): a thread waiting for its round must not keep the other thread's push
+    # from being sent, or each worker waits for a table the other one never pushes.
+    threads, steps, num_workers = 2, 4, 2
+    outputs = run_workers(
+        THREADS_BSP_SCRIPT, server_factory(1), num_workers, tmp_path, env=ENV, timeout=90
+    )
+    for result in map(last_json, outputs):
+        assert result["failures"] == []
+        for t in range(threads):
+            expected = np.zeros(120)
+            for r in range(num_workers):
+                for step in range(1, steps + 1):
+                    for i in (t, 10 + r, 100 + step):
+                        expected[i] -= (r + 1) * (t + 1) * step
+            np.testing.assert_array_equal(result["rows"][str(t)], expected)
+        total = num_workers * steps * sum(t + 1 for t in range(threads))
+        np.testing.assert_array_equal(result["w"], [-total] * 3)
+
+
+HELD_SCRIPT = (
+    PRELUDE
+    + """
+kv = kvsparse.create('dist_sparse')
+rank = kv.rank
+for name in ('a', 'b'):
+    kv.init(name, kvsparse.SparseTable(dim=2, initializer=initializers.Zeros()))
+kv.set_optimizer(optimizers.SGD(learning_rate=1.0))
+kv.barrier()
+start = time.monotonic()
+try:
+    # Each worker pushes a table the other never pushes: neither round can complete.
+    kv.push('ab'[rank], (np.array([1]), np.ones((1, 2), np.float32)))
+    outcome, is_timeout = "returned", False
+except errors.WaitTimeout as exc:
+    outcome, is_timeout = f"{type(exc).__name__}: {exc}", isinstance(exc, TimeoutError)
+print(json.dumps({"outcome": outcome, "is_timeout": is_timeout,
+                  "seconds": time.monotonic() - start}), flush=True)
+# Neither exits before both have their outcome: a worker that leaves fails the other's
+# held push with WorkerLeft.
+Path(f'done{rank}').touch()
+wait_until(lambda: Path(f'done{1 - rank}').exists(), "the other worker's outcome")
+"""
+)
+
+
+def test_a_bsp_round_that_never_completes_fails_with_a_named_timeout(server_factory, tmp_path):
+    # The server holds both pushes and answers pings meanwhile: without a bound on the hold,
+    # both workers waited for ever.
+    env = {"KVSPARSE_TIMEOUT": "0.5"}  # held requests wait at most HOLD_FACTOR x 0.5 s
+    outputs = run_workers(HELD_SCRIPT, server_factory(1), 2, tmp_path, env=env, timeout=60)
+    for result in map(last_json, outputs):
+        assert result["outcome"].startswith("WaitTimeout: PUSH_SPARSE request"), result
+        assert "a BSP round" in result["outcome"] and "KVSPARSE_TIMEOUT" in result["outcome"]
+        assert result["is_timeout"]

@@ -728,3 +728,40 @@ def test_launch_creates_the_checkpoint_dir(tmp_path):
         stderr=io.StringIO(),
     )
     assert code == 0 and checkpoint_dir.is_dir()
+
+
+CLEAN_END = """
+import os, signal, sys
+import numpy as np
+import kvsparse
+
+kv = kvsparse.create("dist_sparse")
+kv.init("t", kvsparse.SparseTable(dim=2))
+kv.set_optimizer(kvsparse.optimizers.SGD(learning_rate=1.0))
+kv.push("t", (np.array([kv.rank]), np.ones((1, 2), np.float32)))
+kv.barrier()
+print("rank", kv.rank, "done", flush=True)
+if kv.rank == 1 and sys.argv[1] == "close":
+    kv.close()  # rank 0 ends without close(): its store says goodbye at exit
+if kv.rank == 1 and sys.argv[1] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)  # a real departure
+"""
+
+_WARNINGS = ("left", "killed", "WorkerLeft", "still run", "Traceback", "warning", "error")
+
+
+def test_a_clean_end_is_quiet_and_a_killed_worker_still_warns(tmp_path):
+    # Before: every server logged "worker rank R left (... was killed ...)" and the launcher
+    # "worker 1 exited with code 0 while worker 0 still run ..." after a clean run.
+    script = write(tmp_path, "clean.py", CLEAN_END)
+    job, code = run_job(["-s", "1", "-n", "2", "--", sys.executable, script, "close"], tmp_path)
+    output = job.output()
+    assert code == 0, output
+    assert "rank 0 done" in output and "rank 1 done" in output
+    lowered = output.lower()
+    assert not [w for w in _WARNINGS if w.lower() in lowered], output
+    # A worker killed still warns, on the server (the launcher stops the job for it).
+    job, code = run_job(["-s", "1", "-n", "2", "--", sys.executable, script, "kill"], tmp_path)
+    output = job.output()
+    assert code == 128 + 9, output
+    assert "worker 1 exited with code 137" in output, output

@@ -148,7 +148,7 @@ def test_error_classes_and_messages(kv):
         kv.init(3, np.zeros(2, np.float32))
     assert isinstance(e.value, TypeError)
     with pytest.raises(errors.DuplicateKey, match="'user'"):
-        kv.init("user", sparse(4))
+        kv.init("user", sparse(5))
     with pytest.raises(KeyError, match="'nope'"):
         kv.row_sparse_pull("nope", row_ids=np.array([1]))
     with pytest.raises(errors.ShapeError, match="'user'") as e:
@@ -394,3 +394,62 @@ def test_a_local_save_to_an_unusable_path_is_a_checkpoint_error_and_loses_nothin
     kv.push("t", (np.array([1]), np.ones((1, 2), np.float32)))
     kv.load(tmp_path / "good")
     np.testing.assert_array_equal(kv.row_sparse_pull("t", row_ids=np.array([1, 2])), rows)
+
+
+def test_a_closed_local_store_refuses_every_call(tmp_path):
+    # A closed store that took init and save wrote a manifest listing an empty table.
+    kv = kvsparse.create("local")
+    kv.init("t", sparse(2))
+    kv.set_optimizer(optimizers.SGD(learning_rate=1.0))
+    kv.push("t", (np.array([1]), np.ones((1, 2), np.float32)))
+    kv.close()
+    kv.close()  # idempotent
+    calls = {
+        "init": lambda: kv.init("u", sparse(2)),
+        "save": lambda: kv.save(str(tmp_path / "ckpt")),
+        "pull": lambda: kv.row_sparse_pull("t", row_ids=np.array([1])),
+        "push": lambda: kv.push("t", (np.array([1]), np.ones((1, 2), np.float32))),
+        "set_optimizer": lambda: kv.set_optimizer(optimizers.SGD(learning_rate=0.5)),
+        "stats": kv.stats,
+        "barrier": kv.barrier,
+        "export": lambda: kv.export(str(tmp_path / "export")),
+    }
+    for name, call in calls.items():
+        with pytest.raises(errors.InvalidArgument, match="this store is closed"):
+            call()
+            pytest.fail(f"{name} worked on a closed store")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_init_twice_identically_is_a_no_op(kv):
+    kv.init("t", sparse(2, seed=3))
+    kv.init("w", np.ones(3, np.float32))
+    kv.set_optimizer(optimizers.SGD(learning_rate=1.0))
+    kv.push("t", (np.array([1]), np.ones((1, 2), np.float32)))
+    kv.init("t", sparse(2, seed=3))  # identical: the rows stay
+    kv.init(["t", "w"], [sparse(2, seed=3), np.ones(3, np.float32)])
+    assert kv.row_sparse_pull("t", row_ids=np.array([1])).tolist() == [[-1.0, -1.0]]
+    for different in (sparse(3, seed=3), sparse(2, seed=4), np.ones(2, np.float32)):
+        with pytest.raises(errors.DuplicateKey, match="'t'"):
+            kv.init("t", different)
+    with pytest.raises(errors.DuplicateKey, match="'w'"):
+        kv.init("w", np.ones(4, np.float32))
+    with pytest.raises(errors.DuplicateKey, match="twice"):
+        kv.init(["v", "v"], [sparse(2), sparse(2)])
+    assert "v" not in kv
+
+
+def test_stats_names_int_keys_by_the_int_every_call_takes(kv):
+    # stats() named them '7', which row_sparse_pull refuses (KeyTypeError: str key).
+    kv.init([7, 8], [sparse(2), np.ones(3, np.float32)])
+    kv.set_optimizer(optimizers.SGD(learning_rate=1.0))
+    kv.push(7, (np.array([1, 2]), np.ones((2, 2), np.float32)))
+    stats = kv.stats()
+    assert sorted(stats["tables"]) == [7, 8]
+    assert sorted(stats["shards"][0]["tables"]) == [7, 8]
+    for name, table in stats["tables"].items():
+        if table["kind"] == "sparse":
+            assert table["rows"] == 2
+            assert kv.row_sparse_pull(name, row_ids=np.array([1])).tolist() == [[-1.0, -1.0]]
+        else:
+            assert kv.pull(name).tolist() == [1.0] * 3

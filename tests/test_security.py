@@ -15,7 +15,7 @@ import zmq
 from conftest import REPO_ROOT, ServerProcess, subprocess_env
 
 import kvsparse
-from kvsparse import errors
+from kvsparse import errors, initializers, optimizers
 from kvsparse.server.server import DEFAULT_MAX_MESSAGE_SIZE, Server
 from kvsparse.wire import protocol, security
 from kvsparse.wire.protocol import Op
@@ -212,6 +212,9 @@ def test_oversized_message_drops_only_its_sender(server_factory):
             "dist_async", servers=[server.address], rank=0, num_workers=1, timeout=1
         )
         big.init("small", kvsparse.SparseTable(dim=8))  # the same table: kept as is
+        # A client that does not check the size before sending (one older than the limit in
+        # the HELLO reply): the server drops its connection, and only its.
+        big._backend.session._frame_limits.clear()
         ids = np.arange(1000)
         with pytest.raises(errors.ServerUnavailable, match="max-message-size"):
             big.push("small", (ids, np.ones((1000, 8), np.float32)))  # 32 kB of rows
@@ -223,6 +226,34 @@ def test_oversized_message_drops_only_its_sender(server_factory):
         # 3.2 kB of keys in, 12.8 kB of rows out: the limit is on what the server receives.
         assert good.row_sparse_pull("small", row_ids=ids[:400]).shape == (400, 8)
         good.close()
+    finally:
+        server.stop()
+        server.stderr.close()
+
+
+def test_a_push_over_the_message_limit_is_refused_before_it_is_sent():
+    # It was sent, dropped by the server with the connection, and failed as
+    # ServerUnavailable ~32 s later; its size is known before sending.
+    server = ServerProcess(extra_args=("--max-message-size", "4096"))
+    try:
+        kv = kvsparse.create(
+            "dist_sparse", servers=[server.address], rank=0, num_workers=1, timeout=30
+        )
+        kv.init("t", kvsparse.SparseTable(dim=8, initializer=initializers.Zeros()))
+        kv.set_optimizer(optimizers.SGD(learning_rate=1.0))
+        ids = np.arange(1000)
+        with pytest.raises(errors.LimitExceeded) as refused:
+            kv.push("t", (ids, np.ones((1000, 8), np.float32)))  # 32 kB of rows
+        message = str(refused.value)
+        assert "32000 bytes" in message and "4096 bytes" in message, message
+        assert "--max-message-size" in message and server.address in message
+        assert kv.clock == 0  # refused before anything went out, not after a silence
+        # The store keeps working: a push that fits is applied, and only it.
+        kv.push("t", (np.array([1]), np.ones((1, 8), np.float32)))
+        np.testing.assert_array_equal(
+            kv.row_sparse_pull("t", row_ids=np.array([1, 2])), [[-1.0] * 8, [0.0] * 8]
+        )
+        kv.close()
     finally:
         server.stop()
         server.stderr.close()

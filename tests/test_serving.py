@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -61,10 +62,38 @@ def test_export_round_trip(server_factory, tmp_path, num_servers):
     np.testing.assert_array_equal(
         with_init.lookup("user", unseen), kv.row_sparse_pull("user", row_ids=unseen)
     )
-    # Plain NumPy reads the parts too.
+    # Plain NumPy reads the parts too, the arrays named by the table (they were t0_keys...).
     with np.load(tmp_path / "emb" / parts[0]) as part:
-        assert part["t0_keys"].dtype == np.int64
-        assert (np.diff(part["t0_keys"]) > 0).all()
+        assert {"user_keys", "user_values", "item_keys", "item_values"} <= set(part.files)
+        assert part["user_keys"].dtype == np.int64
+        assert (np.diff(part["user_keys"]) > 0).all()
+    kv.close()
+
+
+def test_an_export_of_the_older_format_is_still_read(tmp_path):
+    # Versions 1 and 2 named the arrays by position (t0_keys, t0_values): rewrite a new
+    # export that way and read it back.
+    kv = kvsparse.create("local")
+    trained = _trained(kv)
+    kv.export(tmp_path / "new")
+    (tmp_path / "old").mkdir()
+    for name in os.listdir(tmp_path / "new"):
+        with np.load(tmp_path / "new" / name) as part:
+            arrays = {key: part[key] for key in part.files}
+        meta = json.loads(bytes(arrays.pop("meta")).decode())
+        old = {}
+        for position, table in enumerate(meta["tables"]):
+            old[f"t{position}_keys"] = arrays.pop(table.pop("keys"))
+            old[f"t{position}_values"] = arrays.pop(table.pop("values"))
+        assert not arrays
+        meta["version"] = 2
+        old["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+        np.savez(tmp_path / "old" / name, **old)
+    new, older = EmbeddingLookup(tmp_path / "new"), EmbeddingLookup(tmp_path / "old")
+    assert sorted(older.tables) == sorted(new.tables) == ["item", "user"]
+    ids = np.concatenate([trained[:20], [123]])
+    for table in new.tables:
+        np.testing.assert_array_equal(older.lookup(table, ids), new.lookup(table, ids))
     kv.close()
 
 

@@ -175,3 +175,32 @@ def test_runs_in_a_server_pod_environment(cluster):
     result = run_stats("--once", "--json", env={"TF_CONFIG": json.dumps(tf_config)})
     assert result.returncode == 0, result.stderr
     assert [s["address"] for s in json.loads(result.stdout)["shards"]] == servers
+
+
+def test_live_mode_into_a_pipe_prints_each_refresh_as_plain_lines(cluster):
+    # Into a pipe (not a terminal) the live view wrote nothing while it ran, then only its
+    # last snapshot: each refresh must come as it happens, with no terminal control codes.
+    servers, _, _ = cluster
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvsparse", "stats", "--servers", ",".join(servers),
+         "--count", "20", "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+        cwd=str(REPO_ROOT),
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in process.stdout:  # blocks until the process writes (or ends)
+            lines.append(line)
+            if sum("kvsparse tables" in seen for seen in lines) >= 2:
+                break
+    finally:
+        process.kill()
+        process.wait()
+        process.stdout.close()
+        process.stderr.close()
+    text = "".join(lines)
+    assert text.count("kvsparse tables") == 2 and "user" in text
+    assert "\x1b" not in text

@@ -444,3 +444,14 @@ def test_check_int():
             ops.check_int(bad, "x", 0, 5)
     with pytest.raises(errors.ProtocolError, match=">= 1"):
         ops.check_int(0, "epoch", 1)
+
+
+def test_goodbye_and_the_frame_limit_in_hello():
+    assert round_trip_request(ops.Goodbye.encode_request()) is None
+    assert round_trip_reply(ops.Goodbye.encode_reply(), Op.GOODBYE) is None
+    reply = round_trip_reply(
+        ops.Hello.encode_reply("tcp://a:1", 7, max_message_size=4096), Op.HELLO
+    )
+    assert reply.max_message_size == 4096 and reply.incarnation == 7
+    # -1: no limit (also what a reply of an older server, which does not say, decodes to).
+    assert round_trip_reply(ops.Hello.encode_reply("tcp://a:1", 7), Op.HELLO).max_message_size == -1

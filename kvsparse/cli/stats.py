@@ -18,7 +18,8 @@ Two tables are printed: one row per shard (rows, bytes, requests, keys, keys/s)
 and one row per table summed over the shards (rows, bytes, table operations,
 keys pulled and pushed, keys/s). keys/s is the rate between the last two
 refreshes; on the first snapshot (and with ``--once``) it is the average since
-each server started.
+each server started. On a terminal the view is redrawn in place; into a pipe
+or a file each refresh is printed in full as it comes, as plain lines.
 
 A server that does not answer is shown with the reason when one connection
 attempt tells it: ``needs keys`` (it speaks CurveZMQ and no ``--keys`` was
@@ -407,10 +408,26 @@ def main(argv: Optional[list] = None, stdout: Optional[TextIO] = None) -> int:
         console.print(view)
         return 1 if any("error" in s for s in shards) else 0
 
-    from rich.live import Live
-
     shards, view = snapshot()
     done = 1
+    if not out.isatty():
+        # A pipe or a log file: rich's live view redraws in place with terminal codes and
+        # wrote nothing until it ended. Each refresh is printed in full, as plain lines.
+        try:
+            while True:
+                console.print(view)
+                out.flush()
+                if count is not None and done >= count:
+                    break
+                time.sleep(args.interval)
+                shards, view = snapshot()
+                done += 1
+        except (KeyboardInterrupt, BrokenPipeError):
+            pass
+        return 1 if any("error" in s for s in shards) else 0
+
+    from rich.live import Live
+
     try:
         with Live(view, console=console, auto_refresh=False) as live:
             while count is None or done < count:

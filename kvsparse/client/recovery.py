@@ -63,6 +63,11 @@ class Recovery:
         for server, answer in answers.items():
             self._incarnations[server] = answer.header.incarnation
 
+    @property
+    def greetings(self) -> dict:
+        """{server: the HELLO request kept by `greeted`} (a copy)."""
+        return dict(self._greetings)
+
     def remember(
         self, key, request: ops.Request, server: Optional[int] = None, last: bool = False
     ) -> None:

@@ -43,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import numpy as np
@@ -88,7 +89,8 @@ class RemoteBackend:
             never. An int: True, with a segment of that many bytes (default 64 MiB).
 
     Thread safety: the session serializes the calls (and the clock), so a
-    backend may be shared by threads; a forked child must create its own.
+    backend may be shared by threads; in a forked child it reconnects and only looks rows
+    up (`kvsparse.client.session.Session`, "Fork").
 
     Raises:
         ServerUnavailable: a server did not answer the HELLO in time, or
@@ -136,6 +138,8 @@ class RemoteBackend:
         self._dims: dict[int, int] = {}  # table id -> dim, for rows pulled into shared memory
         self._arena: Optional[SharedArena] = None
         self._shared: frozenset = frozenset()  # servers that mapped the arena
+        self._pid = os.getpid()
+        self._parent_arena: Optional[SharedArena] = None  # in a forked child (`_forked`)
         offered = self._shared_candidates(shared_memory, local)
         try:
             if offered:
@@ -202,9 +206,22 @@ class RemoteBackend:
         """The servers that pull and push rows through this worker's shared memory."""
         return self._shared
 
+    def _forked(self) -> None:
+        """In a process forked from this backend's: stops using the parent's shared segment.
+
+        The child's session greets the servers without it (`Session`, "Fork"): rows go
+        through its sockets. The segment is kept referenced, never closed from the child.
+        """
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            if self._arena is not None:
+                self._parent_arena, self._arena = self._arena, None
+            self._shared = frozenset()
+
     def rows_buffer(self, count: int, dim: int) -> Optional[np.ndarray]:
         """A fresh (count, dim) float32 array in the shared segment for a push's summed rows
         (sent to the servers that share it without a copy), or None: make one anywhere."""
+        self._forked()
         if self._arena is None or count * dim * 4 < SHARED_MIN_BYTES:
             return None
         return self._arena.rows(count, dim)
@@ -411,6 +428,7 @@ class RemoteBackend:
         """{item index: a (keys, dim) float32 array in the shared segment} for the float32
         items of known dim that some sharing server holds keys of (all shards' rows of an
         item in one array, as the store gathers them); {} without shared memory."""
+        self._forked()
         if self._arena is None:
             return {}
         wanted = {index for server in self._shared for index, *_ in per_server.get(server, ())}
@@ -457,6 +475,7 @@ class RemoteBackend:
     def _shared_offsets(self, server: int, entries: list) -> Optional[list]:
         """The byte offset of each entry's rows in the shared segment, if server shares it
         and every entry's float32 rows lie there (or are empty); else None."""
+        self._forked()
         if server not in self._shared or all(entry.keys.size == 0 for entry in entries):
             return None  # (rows through the segment or not: nothing to name)
         offsets = []
@@ -556,6 +575,7 @@ class RemoteBackend:
 
     def close(self):
         """Collects a pending push's acknowledgements, then closes the sockets (idempotent)."""
+        self._forked()
         try:
             self.session.close()
         finally:

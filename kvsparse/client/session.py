@@ -11,9 +11,12 @@ the clock (the worker's push count, for bounded staleness).
 
 Timeouts: a server that answers nothing, not even a liveness ping, for
 ``timeout`` seconds raises `NoAnswer` (a `kvsparse.errors.ServerUnavailable`)
-naming it. A worker's session pings a server that stays silent for half the
-timeout: waiting for other workers (a BSP push, an SSP pull, a barrier) is
-not a timeout, the server keeps answering pings meanwhile, and a ping reply
+naming it. A request that a live server holds for other workers fails with
+`kvsparse.errors.WaitTimeout` after `HOLD_FACTOR` x ``timeout``, naming the
+server and what the request waited for (a BSP round, a barrier, an SSP pull).
+A worker's session pings a server that stays silent for half the timeout:
+waiting for other workers (a BSP push, an SSP pull, a barrier) is not that
+timeout, the server keeps answering pings meanwhile, and a ping reply
 that shows the request never arrived (dropped for its size, or lost with a
 broken connection) gets it resent. What a server holds for a worker that
 left the job fails there with `kvsparse.errors.WorkerLeft`
@@ -66,12 +69,14 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import os
 import secrets
 import threading
 import time
+import weakref
 from typing import Callable, Optional, Union
 
 import zmq
@@ -84,7 +89,35 @@ from kvsparse.wire import ops, protocol
 from kvsparse.wire.protocol import Header
 
 DEFAULT_TIMEOUT = 60.0
+# A request a live server holds for other workers (a BSP round, a barrier, an SSP pull)
+# fails with WaitTimeout after HOLD_FACTOR x timeout: long enough for the slowest worker's
+# step, but never a wait for ever on a worker that will not push (10 minutes by default).
+HOLD_FACTOR = 10.0
+# What a held request of each op waits for, named in its WaitTimeout.
+_HELD_FOR = {
+    protocol.Op.PUSH_SPARSE: "a BSP round: every worker's push of the same sparse tables",
+    protocol.Op.PUSH_DENSE: "a BSP round: every worker's push of the same dense keys",
+    protocol.Op.BARRIER: "a barrier: every worker's kv.barrier()",
+    protocol.Op.PULL_SPARSE: "an SSP pull: the slowest worker's clock",
+    protocol.Op.PULL_DENSE: "an SSP pull: the slowest worker's clock",
+    protocol.Op.SET_OPTIMIZER: "worker 0's set_optimizer",
+    protocol.Op.INIT_DENSE: "the dense key's init by another worker",
+}
 _MAX_RESENDS = 3  # of a request a live server says it never got
+# The longest a thread waiting for replies keeps the session while other threads want it:
+# they send their own requests meanwhile (a BSP push of one thread may wait for a round that
+# only another thread's push completes), and read replies for each other.
+_TURN_SECONDS = 0.02
+# What a session in a forked child sends (class docstring, "Fork"); HELLO greets again.
+_READ_ONLY_OPS = frozenset(
+    {
+        protocol.Op.HELLO,
+        protocol.Op.PING,
+        protocol.Op.PULL_SPARSE,
+        protocol.Op.PULL_DENSE,
+        protocol.Op.STATS,
+    }
+)
 _SHARED_MEMORY_MISSING = protocol.ERROR_CODES[errors.SharedMemoryMissing]
 _LOG = logging.getLogger(__name__)
 
@@ -96,11 +129,16 @@ _LOG = logging.getLogger(__name__)
 # at most _EXIT_SECONDS for a silent server (a program must not hang at exit on a dead one).
 _UNSETTLED: set = set()
 _EXIT_SECONDS = 10.0
+# Workers' sessions not closed yet: closed at exit too, so that their servers get a GOODBYE
+# (a program that ends without kv.close() ends normally; see `Session.close`).
+_GREETED: weakref.WeakSet = weakref.WeakSet()
+# The longest a closing session waits for the servers' answers to its GOODBYE.
+_GOODBYE_SECONDS = 2.0
 
 
 @atexit.register
 def _settle_at_exit() -> None:
-    for session in list(_UNSETTLED):
+    for session in [*_UNSETTLED, *(s for s in list(_GREETED) if s not in _UNSETTLED)]:
         if session._pid != os.getpid():
             continue  # a forked child's copy: its sockets are the parent's
         try:
@@ -125,7 +163,7 @@ class _Call:
 
     __slots__ = (
         "requests", "gather", "waiting", "heard", "pings", "drops", "regreeted", "outcomes",
-        "poller",
+        "poller", "failure", "sent",
     )  # fmt: skip
 
     def __init__(self, requests: dict, gather: bool):
@@ -138,6 +176,9 @@ class _Call:
         self.regreeted: set = set()  # servers greeted again for SharedMemoryMissing
         self.outcomes: dict[int, Outcome] = {}
         self.poller: Optional[tuple] = None  # (zmq.Poller, {socket: server})
+        # The failure another thread read for this call (without gather), raised by its owner.
+        self.failure: Optional[errors.KVSparseError] = None
+        self.sent: dict[int, float] = {}  # server -> when the request was first sent
 
     def missing(self) -> bool:
         """Whether some server's reply did not come (not sent, awaited, or failed silently)."""
@@ -200,8 +241,7 @@ class Pending:
         for server in call.waiting:
             call.heard[server] = now  # silence counts from now: the replies may be queued
         try:
-            while call.waiting:
-                self._session._wait(call)
+            self._session._await(call)
             if self._check is not None:
                 self._check(call.outcomes)
         except errors.KVSparseError as exc:
@@ -218,11 +258,13 @@ class Pending:
         finally:
             self._done = True
             self._keep = None
+            self._session._calls.discard(call)
 
     def _abandon(self, cause: BaseException) -> None:
         """A push sent before this exchange failed: its replies are never read."""
         self._error = cause
         self._done = True
+        self._session._calls.discard(self._call)
         self._lose()
 
     def _lose(self) -> None:
@@ -248,9 +290,22 @@ class Session:
         local: {server index: endpoint} of shards served in this process
             (colocated mode, issue 14; see `kvsparse.client.local`).
 
-    Thread safety: exchanges are serialized by a lock (ZeroMQ sockets are
-    not thread-safe), so a session may be shared by threads; a forked child
-    must open its own.
+    Thread safety: a session may be shared by threads. The sockets are used
+    under a lock (ZeroMQ sockets are not thread-safe), but a thread waiting
+    for replies hands the session over to other threads every
+    `_TURN_SECONDS` while they want it: they send their requests meanwhile,
+    and each thread reads the replies that arrive for any of them. So a push
+    held for a BSP round does not keep another thread's push (which may be
+    what completes a round) from going out.
+
+    Fork: a session used in a process forked from the one that made it
+    opens fresh sockets there (a new ZeroMQ context: one must not be used
+    across fork), with a new client id, and greets the servers again with
+    the same rank (without the parent's shared memory), before its first
+    request. There it only reads: PULL_SPARSE, PULL_DENSE and STATS go out;
+    anything else raises `kvsparse.errors.ForkedStore` at once, since the
+    parent is the worker that pushes, meets barriers and saves. A colocated
+    session (``local``) raises ForkedStore for everything in a child.
 
     Raises:
         InvalidArgument: keys is not a usable key directory.
@@ -278,6 +333,15 @@ class Session:
         self._request_ids = itertools.count(1)
         self._clock = 0
         self._lock = threading.RLock()
+        self._turns = threading.Condition(self._lock)
+        self._wanting = 0  # threads waiting to take the lock, or for their turn
+        self._wanting_lock = threading.Lock()
+        self._calls: set[_Call] = set()  # exchanges whose replies are awaited
+        self._forked_from: Optional[int] = None  # the pid that made this session, in a child
+        self._parent_links: list = []  # sockets of the parent's context: never used here
+        # server -> the largest frame it receives (its HELLO reply): a bigger one is refused
+        # here, before anything is sent, rather than dropped there with the connection.
+        self._frame_limits: dict[int, int] = {}
         self._closed = False
         self._pid = os.getpid()
         # Exchanges sent with wait=False whose replies are not read yet, in send order.
@@ -287,6 +351,100 @@ class Session:
         # still read or write what it names: `kvsparse.client.shared`).
         self.on_lost: Optional[Callable[[list], None]] = None
         self._recovery = Recovery(self.servers, self._links, self._send, self.retry_window)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Holds the session's lock, counted as wanting it while blocked (see `_await`)."""
+        if self._pid != os.getpid():
+            self._reopen_after_fork()
+        with self._wanting_lock:
+            self._wanting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._wanting_lock:
+                self._wanting -= 1
+        try:
+            yield
+        finally:
+            if self._wanting:
+                self._turns.notify_all()
+            self._lock.release()
+
+    def _reopen_after_fork(self) -> None:
+        """In a forked child: fresh locks, sockets and client id, then HELLO again.
+
+        The parent's locks may have been held by its other threads at the
+        fork, and its sockets belong to its ZeroMQ context: neither is used
+        here (the sockets are kept, never closed, from this process).
+        """
+        parent = self._forked_from if self._forked_from is not None else self._pid
+        self._pid = os.getpid()
+        self._forked_from = parent
+        self._lock = threading.RLock()
+        self._turns = threading.Condition(self._lock)
+        self._wanting_lock = threading.Lock()
+        self._wanting = 0
+        self._calls = set()
+        self._deferred = []  # the parent's pending exchanges: the parent reads their replies
+        self._parent_links.append(self._links)
+        self.on_lost = None
+        if self._closed:
+            return
+        if self._links.local:
+            self._closed = True
+            raise errors.ForkedStore(
+                f"a colocated store cannot be used in a process forked from pid {parent}; "
+                "create a store in the child"
+            )
+        greetings = {
+            server: ops.Hello.without_shared(request)
+            for server, request in self._recovery.greetings.items()
+        }
+        self._client_id = secrets.randbits(64)
+        self._links = ServerSockets(self.servers, self.keys, self._client_id)
+        self._recovery = Recovery(self.servers, self._links, self._send, self.retry_window)
+        if greetings:
+            self.open(greetings)
+
+    def _check_forked(self, requests: dict) -> None:
+        """In a forked child only lookups go out (ForkedStore otherwise; class docstring)."""
+        if self._forked_from is None:
+            return
+        for request in requests.values():
+            if request.op not in _READ_ONLY_OPS:
+                raise errors.ForkedStore(
+                    f"{protocol.Op(request.op).name} from a process forked from pid "
+                    f"{self._forked_from} (this store's process): a store in a forked child "
+                    "(a data-loader worker) only looks rows up; push, barrier, init, "
+                    "set_optimizer and checkpoints belong to the parent, or to a store "
+                    "created in the child"
+                )
+
+    def _await(self, call: _Call) -> None:
+        """Reads replies until call has all of them (the lock held), taking turns.
+
+        Between polls, while other threads want the session, it is handed to
+        them for at most `_TURN_SECONDS` (`threading.Condition.wait` releases
+        the lock however deep it is held); a reply one thread reads for
+        another's call is recorded there (`_deliver`).
+
+        Raises:
+            the call's failure, as `exchange` describes it.
+        """
+        while call.waiting and call.failure is None:
+            self._wait(call)
+            if call.waiting and call.failure is None and self._wanting:
+                self._turns.notify_all()
+                with self._wanting_lock:
+                    self._wanting += 1
+                try:
+                    self._turns.wait(_TURN_SECONDS)
+                finally:
+                    with self._wanting_lock:
+                        self._wanting -= 1
+        if call.failure is not None:
+            raise call.failure
 
     # -- the public surface -------------------------------------------------------------------
 
@@ -305,7 +463,7 @@ class Session:
 
         `kvsparse.store.colocated`: a colocated worker restarted with its shard.
         """
-        with self._lock:
+        with self._locked():
             self._clock = max(self._clock, int(clock))
 
     def open(self, greetings: dict) -> dict:
@@ -317,9 +475,14 @@ class Session:
         Raises:
             what `exchange` raises.
         """
-        with self._lock:
+        with self._locked():
             answers = self.exchange(greetings)
             self._recovery.greeted(greetings, answers)
+            _GREETED.add(self)
+            for server, answer in answers.items():
+                limit = ops.Hello.decode_reply(answer.header, answer.payload).max_message_size
+                if limit >= 0:
+                    self._frame_limits[server] = limit
             return answers
 
     def remember(
@@ -332,7 +495,7 @@ class Session:
         it (a dense key's INIT_DENSE carries its slice). last: replayed after
         every request remembered so far (else in the place of the one replaced).
         """
-        with self._lock:
+        with self._locked():
             self._recovery.remember(key, request, server, last)
 
     def exchange(
@@ -386,15 +549,19 @@ class Session:
             )
         if pipelined and (gather or push):
             raise errors.InvalidArgument("exchange(pipelined=True) is for a pull without gather")
-        with self._lock:
+        with self._locked():
             if self._closed:
                 raise errors.InvalidArgument("this store is closed")
             behind = pipelined and bool(self._deferred)
             if not behind:
                 self._settle_deferred()
+            self._check_forked(requests)
+            self._check_sizes(requests)
             if push:
                 self._clock += 1
             call = _Call(requests, gather)
+            self._calls.add(call)
+            deferred = False
             try:
                 for server, request in requests.items():
                     self._attempt(call, server, self._start, call, server, request)
@@ -402,18 +569,41 @@ class Session:
                     pending = Pending(self, call, check, raises=push, keep=keep)
                     self._deferred.append(pending)
                     _UNSETTLED.add(self)
+                    deferred = True
                     return pending
                 if behind:
                     # Each server answers the exchanges before first: their replies precede
                     # this call's.
                     self._settle_deferred()
-                while call.waiting:
-                    self._wait(call)
+                self._await(call)
             except BaseException:
                 if keep is not None and call.missing():
                     self._lose_kept(keep)
                 raise
+            finally:
+                if not deferred:
+                    self._calls.discard(call)
             return call.outcomes
+
+    def _check_sizes(self, requests: dict) -> None:
+        """Refuses requests with a frame bigger than its server receives (nothing is sent).
+
+        Raises:
+            LimitExceeded: naming the size, the server's limit and the flag that raises it.
+        """
+        for server, request in requests.items():
+            limit = self._frame_limits.get(server)
+            if limit is None:
+                continue
+            size = max((memoryview(frame).nbytes for frame in request.frames), default=0)
+            if size > limit:
+                op = protocol.Op(request.op).name
+                raise errors.LimitExceeded(
+                    f"a {op} request of {size} bytes (one frame) exceeds the "
+                    f"--max-message-size of server {self.servers[server]} ({limit} bytes), "
+                    "which would drop it; send fewer rows per call, or start the servers "
+                    "with a larger `kvsparse server --max-message-size` (-1: no limit)"
+                )
 
     def _lose_kept(self, keep: list) -> None:
         if self.on_lost is not None:
@@ -421,7 +611,7 @@ class Session:
 
     def security_mechanism(self, server: int) -> int:
         """The ZeroMQ security mechanism of the socket to server (zmq.CURVE with keys)."""
-        with self._lock:
+        with self._locked():
             return self._links.socket(server).mechanism
 
     def close(self) -> None:
@@ -433,19 +623,46 @@ class Session:
             the failure of a push sent with wait=False (the sockets are closed
             all the same).
         """
-        with self._lock:
+        if self._pid != os.getpid():
+            self._closed = True  # a forked child's copy: nothing of the parent's to close
+        with self._locked():
             if self._closed:
                 return
             try:
                 self._settle_deferred()
             finally:
-                self._closed = True
-                _UNSETTLED.discard(self)
-                self._links.close()
+                try:
+                    self._say_goodbye()
+                finally:
+                    self._closed = True
+                    _UNSETTLED.discard(self)
+                    _GREETED.discard(self)
+                    self._links.close()
+
+    def _say_goodbye(self) -> None:
+        """Tells each greeted server that this worker closed its store (GOODBYE).
+
+        Its connection closing is then a normal end, which the servers do not
+        warn about. Waits at most `_GOODBYE_SECONDS`; a server that does not
+        answer is left to notice the closed connection.
+        """
+        greeted = list(self._recovery.greetings)
+        if not greeted or self.monitor:
+            return
+        saved = self.timeout, self.retry_window
+        self.timeout = min(self.timeout, _GOODBYE_SECONDS)
+        self.retry_window = self._recovery.retry_window = 0.0
+        try:
+            self.exchange({s: ops.Goodbye.encode_request() for s in greeted}, gather=True)
+        except errors.KVSparseError:
+            pass  # closing anyway: the connection's end tells the rest
+        finally:
+            self.timeout, self.retry_window = saved
+            self._recovery.retry_window = self.retry_window
 
     def limit_waits(self, seconds: float) -> None:
         """Caps the timeout and the retry window at seconds (a retry window stays on)."""
-        with self._lock:
+        with self._locked():
             self.timeout = min(self.timeout, seconds)
             self.retry_window = min(self.retry_window, seconds)
             self._recovery.retry_window = self.retry_window
@@ -462,7 +679,7 @@ class Session:
         (a pull changes nothing; a later push went out only where pulls may
         follow pending pushes, so it is also one whose failure is raised).
         """
-        with self._lock:
+        with self._locked():
             try:
                 while self._deferred and not last.done:
                     pending = self._deferred.pop(0)
@@ -512,17 +729,24 @@ class Session:
     def _start(self, call: _Call, server: int, request: ops.Request) -> None:
         request_id = self._send(server, request)
         call.waiting[server] = request_id
-        call.heard[server] = time.monotonic()
+        call.heard[server] = call.sent[server] = time.monotonic()
         call.pings[server] = None
         call.drops[server] = 0
 
     def _deadline(self, call: _Call, server: int) -> float:
         """When server's silence next needs action: a liveness ping, or giving up on it."""
         pinged = call.pings[server] is not None or self.monitor
-        return call.heard[server] + (self.timeout if pinged else self.timeout / 2)
+        silence = call.heard[server] + (self.timeout if pinged else self.timeout / 2)
+        if self.monitor:
+            return silence
+        return min(silence, call.sent[server] + HOLD_FACTOR * self.timeout)
 
     def _wait(self, call: _Call) -> None:
         """One poll: handles what arrived, then what stayed silent too long."""
+        if call.poller is not None and any(
+            self._links.socket(server) not in call.poller[1] for server in call.waiting
+        ):
+            call.poller = None  # another thread's exchange replaced a socket (`reset`)
         if call.poller is None:  # again after a server settled or its socket was replaced
             poller, owners = zmq.Poller(), {}
             for server in call.waiting:
@@ -535,7 +759,9 @@ class Session:
         poller, owners = call.poller
         due = min(self._deadline(call, server) for server in call.waiting)
         # zmq_poll waits without the GIL; no busy loop.
-        events = poller.poll(max(0.0, due - time.monotonic()) * 1000 + 1)
+        # At most a turn: another thread may want the session meanwhile (`_await`).
+        wait = min(max(0.0, due - time.monotonic()), _TURN_SECONDS)
+        events = poller.poll(wait * 1000 + 1)
         for sock, _ in events:
             server = owners[sock]
             if server not in call.waiting or (
@@ -563,51 +789,93 @@ class Session:
             raise refused
 
     def _receive(self, call: _Call, server: int) -> None:
-        """Reads every reply queued on server's socket."""
+        """Reads every reply queued on server's socket (those of other calls go to them)."""
         sock = self._links.socket(server)
-        while server in call.waiting:
+        while server in call.waiting and call.failure is None:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             header, payload = protocol.parse_message(frames, reply=True)
+            owner = self._owner(call, server, header.request_id)
+            if owner is not None and owner is not call:
+                self._deliver(owner, server, header, payload)
+            elif self._handle(call, server, header, payload):
+                return
+
+    def _owner(self, call: _Call, server: int, request_id: int) -> Optional[_Call]:
+        """The awaited call (call first) whose request or ping to server has request_id."""
+        for candidate in (call, *self._calls):
+            if server in candidate.waiting and request_id in (
+                candidate.waiting[server],
+                candidate.pings.get(server),
+            ):
+                return candidate
+        return None
+
+    def _deliver(self, owner: _Call, server: int, header: Header, payload) -> None:
+        """Handles a reply read for another thread's call; a failure is kept for its owner."""
+        try:
+            self._handle(owner, server, header, payload)
+        except errors.KVSparseError as exc:
+            if server in owner.waiting:
+                owner.settle(server, exc)
+            else:
+                owner.outcomes[server] = exc
+            if not owner.gather and owner.failure is None:
+                owner.failure = exc
+
+    def _handle(self, call: _Call, server: int, header: Header, payload) -> bool:
+        """Handles one reply from server for call; True if the socket must not be read on."""
+        sock = self._links.socket(server)
+        call.heard[server] = time.monotonic()
+        if self._recovery.restarted(server, header.incarnation):
+            # A restarted server. Our request may have reached it anyway (a DEALER
+            # delivers what it queued while disconnected on reconnect).
+            if header.request_id == call.waiting[server] and not header.status:
+                self._recovery.adopt(server, header.incarnation)  # done there: accept the reply
+            elif header.request_id in (call.waiting[server], call.pings[server]):
+                seen = 0
+                if header.request_id == call.pings[server]:
+                    seen = ops.Ping.decode_reply(header, payload)
+                self._resume(call, server, (header.incarnation, seen))
+                return True
+            else:
+                return False  # a stray reply; a ping will tell what the server has
+        if header.request_id == call.pings[server]:
+            call.pings[server] = None
+            if self._lost(call, server, ops.Ping.decode_reply(header, payload)):
+                self._send(server, call.requests[server], call.waiting[server])
+            return False
+        if header.request_id != call.waiting[server]:
+            return False  # the reply to an abandoned request
+        if header.status == _SHARED_MEMORY_MISSING and server not in call.regreeted:
+            # A server that restarted since our HELLO, reached without a greeting (a
+            # request of ours it answered made us adopt it): greet it again, which
+            # maps the segment, and resend (it applied nothing). Once per call.
+            call.regreeted.add(server)
+            call.waiting[server] = self._recovery.greet_again(
+                server, call.requests[server], time.monotonic() + self.timeout
+            )
             call.heard[server] = time.monotonic()
-            if self._recovery.restarted(server, header.incarnation):
-                # A restarted server. Our request may have reached it anyway (a DEALER
-                # delivers what it queued while disconnected on reconnect).
-                if header.request_id == call.waiting[server] and not header.status:
-                    self._recovery.adopt(server, header.incarnation)  # done there: accept the reply
-                elif header.request_id in (call.waiting[server], call.pings[server]):
-                    seen = 0
-                    if header.request_id == call.pings[server]:
-                        seen = ops.Ping.decode_reply(header, payload)
-                    self._resume(call, server, (header.incarnation, seen))
-                    return
-                else:
-                    continue  # a stray reply; a ping will tell what the server has
-            if header.request_id == call.pings[server]:
-                call.pings[server] = None
-                if self._lost(call, server, ops.Ping.decode_reply(header, payload)):
-                    self._send(server, call.requests[server], call.waiting[server])
-                continue
-            if header.request_id != call.waiting[server]:
-                continue  # the reply to an abandoned request
-            if header.status == _SHARED_MEMORY_MISSING and server not in call.regreeted:
-                # A server that restarted since our HELLO, reached without a greeting (a
-                # request of ours it answered made us adopt it): greet it again, which
-                # maps the segment, and resend (it applied nothing). Once per call.
-                call.regreeted.add(server)
-                call.waiting[server] = self._recovery.greet_again(
-                    server, call.requests[server], time.monotonic() + self.timeout
-                )
-                call.heard[server] = time.monotonic()
-                call.poller = None
-                continue
-            if header.status:
-                protocol.raise_remote_error(header, payload, self.servers[server])
-            call.settle(server, Answer(header, payload), (sock, self._links.monitor(server)))
+            call.poller = None
+            return False
+        if header.status:
+            protocol.raise_remote_error(header, payload, self.servers[server])
+        call.settle(server, Answer(header, payload), (sock, self._links.monitor(server)))
+        return False
 
     def _on_silence(self, call: _Call, server: int) -> None:
+        held = time.monotonic() - call.sent[server]
+        if not self.monitor and held >= HOLD_FACTOR * self.timeout:
+            op = protocol.Op(call.requests[server].op)
+            what = _HELD_FOR.get(op, "other workers")
+            raise errors.WaitTimeout(
+                f"{op.name} request to server {self.servers[server]} was held {held:.0f} s "
+                f"(the server is alive) waiting for {what}; held requests wait at most "
+                f"{HOLD_FACTOR:g} x the store's timeout ({self.timeout:g} s, "
+                "KVSPARSE_TIMEOUT or timeout=). Does every worker make the same calls?"
+            )
         if not self.monitor and call.pings[server] is None:
             # Silence: ask whether the server is alive or just deferring the reply (a BSP
             # round, an SSP wait, a barrier).
@@ -650,4 +918,4 @@ class Session:
         return True
 
 
-__all__ = ["DEFAULT_TIMEOUT", "Answer", "NoAnswer", "Outcome", "Pending", "Session"]
+__all__ = ["DEFAULT_TIMEOUT", "HOLD_FACTOR", "Answer", "NoAnswer", "Outcome", "Pending", "Session"]

@@ -80,13 +80,12 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   to fail, in time order (a worker killed by signal N counts as 128 + N);
   1 if a server died first, or (several hosts) another host's job failed or
   its launcher went away; 128 + N if the launcher got signal N.
-- A worker that exits with code 0 while others still run is logged (``worker
-  1 exited with code 0 while worker 0 still run: ...``): in a BSP job
-  the others then fail at their next round or barrier with
-  `kvsparse.errors.WorkerLeft` naming its rank (the servers notice it left),
-  and the launcher's message for the first of them to fail says which ranks
-  had left (``worker 0 exited with code 1; stopping the job (after worker 1
-  left early, with code 0)``).
+- A worker that exits with code 0 while others still run is a normal end
+  and is not logged (workers finish one after the other). If the others
+  needed it (in a BSP job, their next round or barrier fails with
+  `kvsparse.errors.WorkerLeft` naming its rank), the launcher's message for
+  the first of them to fail says which ranks had left (``worker 0 exited with
+  code 1; stopping the job (after worker 1 left early, with code 0)``).
 
 Example:
     >>> import sys
@@ -131,6 +130,8 @@ _RESERVED = (
 )
 DEFAULT_RETRY_WINDOW = config.DEFAULT_RETRY_WINDOW
 _POLL_SECONDS = 0.1
+# How long a failing worker's message waits for others' clean exits to name them (`_clean_exits`).
+_LEFT_GRACE_SECONDS = 1.0
 _LOG = "kvsparse launch: "
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_TRANSPORT = "tcp"  # local_cluster's (its callers may be anywhere)
@@ -474,10 +475,10 @@ class _Cluster:
     def wait_workers(self) -> int:
         """Waits for every worker; returns at the first failure (exit code as documented).
 
-        A worker that exits 0 while others still run is logged (issue 11,
-        defect 9): in a BSP job the others can complete no round or barrier
-        without it (the servers fail those with WorkerLeft), and the message
-        of a worker failing later names the ranks that had left.
+        A worker that exits 0 while others still run is a normal end, not
+        logged; the message of a worker failing later names the ranks that
+        had left (in a BSP job the others can complete no round or barrier
+        without them: the servers fail those with WorkerLeft).
         """
         running = set(range(len(self.workers)))
         left: list[int] = []  # ranks that exited 0 while others still ran
@@ -507,6 +508,7 @@ class _Cluster:
                     continue
             running.discard(index)
             if code != 0:
+                left.extend(self.first_rank + r for r in self._clean_exits(running))
                 earlier = ""
                 if left:
                     ranks = ", ".join(map(str, left))
@@ -515,14 +517,40 @@ class _Cluster:
                 self.failure = f"worker {rank} exited with code {code}"
                 return code
             if running:
+                # A normal end (workers finish one after the other): said only if a later
+                # worker fails, in its message. What waited for this one in a BSP job fails
+                # there with WorkerLeft naming its rank.
                 left.append(rank)
-                others = ", ".join(str(self.first_rank + r) for r in sorted(running))
-                self.log(
-                    f"worker {rank} exited with code 0 while worker "
-                    f"{others} still run: in a BSP job their next round or barrier fails "
-                    f"with WorkerLeft naming rank {rank}"
-                )
         return 0
+
+    def _clean_exits(self, running: set) -> list:
+        """Workers of running that exit with code 0 within _LEFT_GRACE_SECONDS (sorted).
+
+        A worker that closed its store says goodbye before its process ends: the
+        workers that waited for it may fail before its exit is seen. Other events
+        read meanwhile are put back.
+        """
+        found, kept = [], []
+        deadline = time.monotonic() + _LEFT_GRACE_SECONDS
+        while running and time.monotonic() < deadline:
+            try:
+                event = self.events.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                continue
+            role, index, child, returncode = event
+            if (
+                role == "worker"
+                and child is self.workers[index]
+                and index in running
+                and _exit_code(returncode) == 0
+            ):
+                running.discard(index)
+                found.append(index)
+            else:
+                kept.append(event)
+        for event in kept:
+            self.events.put(event)
+        return sorted(found)
 
     def _server_exit(self, index: int, child: process.ServerProcess, code: int) -> bool:
         """Handles a server's exit: restarts it if allowed; True if the job must stop."""

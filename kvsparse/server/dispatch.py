@@ -140,6 +140,8 @@ class Dispatcher:
         header = pending.header
         if self._liveness is not None and header.op == Op.HELLO:
             self._liveness.joined(header.client_id, header.rank, pending.routing)
+        elif self._liveness is not None and header.op == Op.GOODBYE:
+            self._liveness.goodbye(header.client_id)
         if result is not DEFERRED:
             self.finish(pending, result)
         elif self._liveness is not None:
@@ -152,9 +154,21 @@ class Dispatcher:
         self._complete(pending, [head, *frames], stamped=True)
 
     def fail(self, pending: InFlightRequest, exc: BaseException) -> None:
-        """Sends pending's error reply; an unexpected exception's traceback goes to stderr."""
+        """Sends pending's error reply; an unexpected exception's traceback goes to stderr.
+
+        Out of memory is expected on a loaded server: one line on stderr, no
+        traceback; the worker gets CapacityError (a MemoryError).
+        """
         self._metrics.count_error(type(exc).__name__)
-        if not isinstance(exc, errors.KVSparseError):
+        if isinstance(exc, MemoryError) and not isinstance(exc, errors.KVSparseError):
+            header = pending.header
+            print(
+                f"kvsparse server: out of memory in a {_OP_NAMES[header.op]} request of "
+                f"rank {header.rank} ({exc or 'an allocation failed'}); refused, serving on",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif not isinstance(exc, errors.KVSparseError):
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         self._complete(pending, protocol.error_reply(pending.header, exc))
 

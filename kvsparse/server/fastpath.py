@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 
 import zmq
 
@@ -270,6 +271,15 @@ class FastPath:
             self._state.newest_push = newest
         for _ in range(failed):
             metrics.count_error("MemoryError")
+        if failed:
+            # As the Python path logs it (`kvsparse.server.dispatch`): one line, no traceback;
+            # the workers got CapacityError (a MemoryError) and nothing of those pushes.
+            print(
+                f"kvsparse server: out of memory in {failed} push_sparse request(s) of the "
+                "fast path; refused, serving on",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def shard_lock():

@@ -71,6 +71,7 @@ class Handlers:
         limits=None,
         checkpoint_paths=None,
         segments=None,
+        max_message_size=-1,
     ):
         self._state = state
         self._coordination = coordination
@@ -83,6 +84,7 @@ class Handlers:
         self._limits = limits if limits is not None else RequestLimits()
         self._checkpoint_paths = checkpoint_paths
         self._segments = segments
+        self._max_message_size = int(max_message_size)  # told to workers in HELLO replies
         self._table = {
             Op.HELLO: self._hello,
             Op.INIT_SPARSE: self._init_sparse,
@@ -94,6 +96,7 @@ class Handlers:
             Op.PUSH_DENSE: self._push_dense,
             Op.ASSIGN_SPARSE: self._assign_sparse,
             Op.BARRIER: self._barrier,
+            Op.GOODBYE: self._goodbye,
             Op.GET_OPTIMIZER_STATES: self._get_optimizer_states,
             Op.LOAD_OPTIMIZER_STATES: self._load_optimizer_states,
             Op.STATS: self._stats,
@@ -151,7 +154,9 @@ class Handlers:
                 shared, why = False, "this server takes no shared memory"
             else:
                 shared, why = self._segments.attach(header.client_id, hello.shared)
-        return ops.Hello.encode_reply(self._address, self._incarnation, shared, why)
+        return ops.Hello.encode_reply(
+            self._address, self._incarnation, shared, why, self._max_message_size
+        )
 
     def _segment(self, header):
         """The client's shared segment, for a FLAG_SHARED request.
@@ -338,6 +343,11 @@ class Handlers:
         ops.Barrier.decode_request(header, payload)
         self._coordination.barrier.arrive(header.rank, pending, self._job.num_workers)
         return DEFERRED
+
+    def _goodbye(self, header, payload, pending):
+        # What it means for the rank is the liveness tracker's (`Dispatcher.run` tells it).
+        ops.Goodbye.decode_request(header, payload)
+        return ops.Goodbye.encode_reply()
 
     # -- optimizer state, eviction and stats ------------------------------------------------------
 

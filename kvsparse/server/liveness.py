@@ -100,6 +100,41 @@ class Liveness:
         self._on_client(client_id, routing)
         self._back(rank)
 
+    def goodbye(self, client_id: int) -> None:
+        """A worker closed its store (GOODBYE): a normal end, logged only if it hurts.
+
+        The client is no longer tracked, so its closed connection is no
+        departure. If no other client of its rank remains, the rank has left
+        the job: what waits for it fails with WorkerLeft now (and later
+        requests that would wait for it), and that is logged, since the other
+        workers could not finish without it. Nothing is logged otherwise. With
+        a rejoin window, the rank is waited for as after a closed connection.
+        """
+        entry = self._clients.pop(client_id, None)
+        if entry is None:
+            return
+        self._on_client(client_id, None)
+        rank = entry[0]
+        if self._rejoin_window > 0:
+            # Workers the launcher restarts (colocated): a store closed by a failing worker
+            # may come back, so its rank gets the rejoin window, as a closed connection does.
+            self._gone[client_id] = rank
+            self.disconnected()
+            return
+        present = self._present()
+        if rank not in present:
+            self._awaited.pop(rank, None)
+            failed = self._coordination.rank_left(rank, "it closed its store")
+            if failed:
+                self._log(
+                    f"worker rank {rank} closed its store; failed {failed} request(s) "
+                    "waiting for it"
+                )
+        if not present:
+            # Every worker is done: the next job's workers may connect one by one.
+            for left in list(self._coordination.left):
+                self._coordination.rank_back(left)
+
     def heard(self, client_id: int, routing: bytes) -> None:
         """Any message from client_id (cheap: called for every message)."""
         entry = self._clients.get(client_id)

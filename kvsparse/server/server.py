@@ -207,6 +207,7 @@ class Server:
             limits=RequestLimits(limits, budget),
             checkpoint_paths=paths,
             segments=self._segments,
+            max_message_size=max_message_size,
         )
         self._dispatcher = Dispatcher(
             budget.send,

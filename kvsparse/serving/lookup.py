@@ -24,7 +24,12 @@ import numpy as np
 
 from kvsparse import errors
 from kvsparse.arrays import numpy_dtype
-from kvsparse.shard.checkpoint.export import EXPORT_FORMAT, PART_RE, READABLE_EXPORT_VERSIONS
+from kvsparse.shard.checkpoint.export import (
+    EXPORT_FORMAT,
+    PART_RE,
+    READABLE_EXPORT_VERSIONS,
+    array_names,
+)
 
 DEFAULTS = ("zeros", "initializer")
 
@@ -161,8 +166,9 @@ class EmbeddingLookup:
             raise errors.InvalidArgument(f"{path}: export parts are missing")
         self._tables: dict = {}
         for position, table in enumerate(metas[0]["tables"]):
-            keys = np.concatenate([p[f"t{position}_keys"] for p in parts])
-            values = np.concatenate([p[f"t{position}_values"] for p in parts])
+            keys_name, values_name = array_names(table, position)
+            keys = np.concatenate([p[keys_name] for p in parts])
+            values = np.concatenate([p[values_name] for p in parts])
             dtype = table.get("dtype", "float32")
             if dtype == "bfloat16":
                 values = values.view(numpy_dtype("bfloat16"))

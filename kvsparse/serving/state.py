@@ -53,7 +53,12 @@ import numpy as np
 
 from kvsparse import _core, errors
 from kvsparse.shard.checkpoint import manifest as manifests
-from kvsparse.shard.checkpoint.export import EXPORT_FORMAT, EXPORT_VERSION, PART_RE
+from kvsparse.shard.checkpoint.export import (
+    EXPORT_FORMAT,
+    PART_RE,
+    READABLE_EXPORT_VERSIONS,
+    array_names,
+)
 from kvsparse.shard.checkpoint.format import CheckpointError, read_shard_file
 from kvsparse.shard.checkpoint.shard_io import Resharding
 
@@ -464,7 +469,10 @@ def read_export(path: str, selection: Selection | None = None) -> Update:
             created = max(created, os.path.getmtime(full))
         except (OSError, ValueError, KeyError) as exc:
             raise errors.InvalidArgument(f"{full}: unreadable export part ({exc})") from None
-        if meta.get("format") != EXPORT_FORMAT or meta.get("version") != EXPORT_VERSION:
+        if (
+            meta.get("format") != EXPORT_FORMAT
+            or meta.get("version") not in READABLE_EXPORT_VERSIONS
+        ):
             raise errors.InvalidArgument(f"{full}: unknown export format")
         export_ids.add(meta["export_id"])
         counts.add(meta["num_parts"])
@@ -472,8 +480,9 @@ def read_export(path: str, selection: Selection | None = None) -> Update:
         for position, table in enumerate(meta["tables"]):
             if not selection.wants(str(table["name"])):
                 continue
-            keys = arrays[f"t{position}_keys"]
-            values = arrays[f"t{position}_values"]
+            keys_name, values_name = array_names(table, position)
+            keys = arrays[keys_name]
+            values = arrays[values_name]
             if selection.shard is not None:
                 index, count = selection.shard
                 mine = _core.shard_of(np.ascontiguousarray(keys), count) == index

@@ -126,21 +126,38 @@ class KeyRegistry:
             )
 
     def check_new(self, key, seen: set):
-        """The normalized key, checked to be of the right kind and not initialized yet.
+        """The normalized key, checked to be of the right kind and not twice in one init call.
+
+        A key initialized already passes: `check_same` then says whether the
+        new init is identical (a no-op) or not (DuplicateKey).
 
         Args:
             key: the key to check.
             seen: keys already accepted in the same init call; key is added.
 
         Raises:
-            KeyTypeError, DuplicateKey.
+            KeyTypeError, DuplicateKey (key twice in the same call).
         """
         self.check_type(key)
         key = self.normalize(key)
-        if key in self._infos or key in seen:
-            raise errors.DuplicateKey(f"key {key!r} is already initialized")
+        if key in seen:
+            raise errors.DuplicateKey(f"key {key!r} is given twice")
         seen.add(key)
         return key
+
+    def check_same(self, info: KeyInfo) -> bool:
+        """True if info's key is initialized already, exactly as info says (init is a no-op).
+
+        Raises:
+            DuplicateKey: the key is initialized with another kind, shape,
+                dim or configuration.
+        """
+        known = self._infos.get(info.key)
+        if known is None:
+            return False
+        if known != info:
+            raise errors.DuplicateKey(f"key {info.key!r} is already initialized differently")
+        return True
 
     def info(self, key) -> KeyInfo:
         """The KeyInfo of an initialized key.

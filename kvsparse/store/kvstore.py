@@ -285,7 +285,8 @@ class KVStore(StoreFront):
                 return that dtype); other float dtypes are stored as float32.
 
         Raises:
-            DuplicateKey: the key was initialized already.
+            DuplicateKey: the key was initialized already, differently (an
+                identical init is a no-op), or is given twice.
             KeyTypeError: int and str keys mixed.
         """
         keys, values = as_list(key), as_list(value)
@@ -309,6 +310,15 @@ class KVStore(StoreFront):
                 array = as_float32(source, what=what)
                 info = self._keys.dense_info(k, array.shape, dtype)
                 prepared.append((info, np.ascontiguousarray(array).reshape(-1)))
+        # An identical init of a known key is a no-op (docs/api.md), as across two stores: the
+        # backend still sees a sparse spec, so a table whose KeyInfo matches but whose spec
+        # (initializer, optimizer, seed) differs raises DuplicateKey there; a dense key keeps
+        # its values, as the servers keep a dense key another worker initialized first.
+        prepared = [
+            (info, payload)
+            for info, payload in prepared
+            if not self._keys.check_same(info) or info.sparse
+        ]
         for info, payload in prepared:
             if info.sparse:
                 self._backend.init_sparse(info.table_id, str(info.key), payload)
@@ -768,8 +778,23 @@ class KVStore(StoreFront):
         self._backend.barrier()
 
     def stats(self) -> dict:
-        """Rows and bytes per key (summed over shards) and per-shard counters."""
+        """Rows and bytes per key (summed over shards) and per-shard counters.
+
+        Tables are named by their keys as given to init: an int key stays an
+        int (the shards name tables by str(key)), so a name from stats() is
+        a key every other call takes.
+
+        Example:
+            >>> import kvsparse
+            >>> kv = kvsparse.create('local')
+            >>> kv.init(7, kvsparse.SparseTable(dim=2))
+            >>> list(kv.stats()["tables"])
+            [7]
+        """
+        keys = self._keys.names()
         shards = self._backend.stats()
+        for shard in shards:
+            shard["tables"] = {keys.get(n, n): t for n, t in shard["tables"].items()}
         totals: dict = {}
         for shard in shards:
             for name, table in shard["tables"].items():

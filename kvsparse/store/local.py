@@ -12,11 +12,16 @@ FLOAT32 = "float32"
 
 
 def _serialized(method):
-    """Runs method under the backend's lock (see LocalBackend: threads)."""
+    """Runs method under the backend's lock (see LocalBackend: threads).
+
+    Raises InvalidArgument once the backend is closed: a closed store takes
+    nothing (a table created or saved after close would be lost or empty).
+    """
 
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self._lock:
+            self._check_open()
             return method(self, *args, **kwargs)
 
     return locked
@@ -45,6 +50,11 @@ class LocalBackend:
         self.clock = 0  # pushes made (`kvsparse.KVStore.clock`)
         self.state = ShardState()
         self._lock = threading.Lock()
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.InvalidArgument("this store is closed")
 
     @_serialized
     def init_sparse(self, table_id, name, spec):
@@ -179,7 +189,8 @@ class LocalBackend:
         return replies
 
     def barrier(self):
-        """One worker: nothing to wait for."""
+        """One worker: nothing to wait for (InvalidArgument once closed)."""
+        self._check_open()
 
     @_serialized
     def evict(self):
@@ -191,7 +202,8 @@ class LocalBackend:
         """[stats of the one shard], its address 'local'."""
         return [{"address": "local", **self.state.stats()}]
 
-    @_serialized
     def close(self):
-        """Drops the tables."""
-        self.state = ShardState()
+        """Drops the tables; every later call raises InvalidArgument (idempotent)."""
+        with self._lock:
+            self._closed = True
+            self.state = ShardState()

@@ -326,6 +326,9 @@ class HelloReply(NamedTuple):
     incarnation: int
     shared: bool = False  # the server mapped the worker's shared segment
     shared_error: str = ""  # why it did not, where one was offered
+    # The largest frame the server receives (its --max-message-size); -1: no limit, or a
+    # server that does not say. A bigger frame would make ZeroMQ drop the connection.
+    max_message_size: int = -1
 
 
 class Hello(_Codec):
@@ -340,6 +343,16 @@ class Hello(_Codec):
         body["mode"] = Mode(hello.mode).value
         if hello.shared is None:
             del body["shared"]
+        return Request(cls.op, [protocol.encode_json(body)])
+
+    @classmethod
+    def without_shared(cls, request: Request) -> Request:
+        """A HELLO request (from `encode_request`) without its shared-memory offer.
+
+        What a forked child sends: the segment offered is its parent's.
+        """
+        body = _json_object(request.frames, "HELLO")
+        body.pop("shared", None)
         return Request(cls.op, [protocol.encode_json(body)])
 
     @classmethod
@@ -384,11 +397,22 @@ class Hello(_Codec):
 
     @classmethod
     def encode_reply(
-        cls, address: str, incarnation: int, shared: Optional[bool] = None, shared_error: str = ""
+        cls,
+        address: str,
+        incarnation: int,
+        shared: Optional[bool] = None,
+        shared_error: str = "",
+        max_message_size: int = -1,
     ) -> Reply:
         """The reply: the server's address, protocol version and incarnation; shared: whether
-        it mapped the segment the HELLO offered (None: none was offered), else why not."""
-        body = {"address": address, "version": protocol.VERSION, "incarnation": incarnation}
+        it mapped the segment the HELLO offered (None: none was offered), else why not;
+        max_message_size: the largest frame it receives (-1: no limit)."""
+        body = {
+            "address": address,
+            "version": protocol.VERSION,
+            "incarnation": incarnation,
+            "max_message_size": int(max_message_size),
+        }
         if shared is not None:
             body["shared"] = bool(shared)
             if not shared:
@@ -400,12 +424,14 @@ class Hello(_Codec):
         """The server's address, version and incarnation (0 where it does not say)."""
         body = _json_object(payload, "HELLO reply")
         incarnation = body.get("incarnation", 0)
+        limit = body.get("max_message_size", -1)
         return HelloReply(
             str(body.get("address", "")),
             body.get("version", 0),
             incarnation if isinstance(incarnation, int) else 0,
             body.get("shared") is True,
             str(body.get("shared_error", "")),
+            limit if isinstance(limit, int) and not isinstance(limit, bool) else -1,
         )
 
 
@@ -987,6 +1013,16 @@ class Barrier(_Codec):
     op = Op.BARRIER
 
 
+class Goodbye(_Codec):
+    """GOODBYE: a worker closed its store (`kvsparse.server.liveness.Liveness.goodbye`).
+
+    No payload either way. Its rank's later absence is a normal end: the
+    server does not warn about it (it still fails what waits for the rank).
+    """
+
+    op = Op.GOODBYE
+
+
 class GetOptimizerStates(_Codec):
     """GET_OPTIMIZER_STATES: every table's optimizer slots and steps on one server."""
 
@@ -1204,6 +1240,7 @@ CODECS = {
         PushDense,
         AssignSparse,
         Barrier,
+        Goodbye,
         GetOptimizerStates,
         LoadOptimizerStates,
         Stats,
@@ -1225,6 +1262,7 @@ __all__ = [
     "Checkpoint",
     "Evict",
     "GetOptimizerStates",
+    "Goodbye",
     "Hello",
     "HelloReply",
     "HelloRequest",

@@ -87,6 +87,7 @@ both ends call:
     ASSIGN_SPARSE (14)     items, keys (i64) + rows (count x dim,  none
                            f32) per item: written verbatim (no
                            optimizer, no admission counting)
+    GOODBYE (15)           none: the worker closed its store       none
     EVICT (20)             none                                    JSON {table name: rows
                                                                    evicted} (TTL, now)
     CHECKPOINT (30)        JSON {action, path, ...} (the actions   JSON: the action's
@@ -122,8 +123,8 @@ An error reply has a nonzero ``status`` and one UTF-8 frame with the
 message; the client re-raises it as the matching `kvsparse.errors` class
 (`raise_remote_error`). Codes (`ERROR_CODES`): 1 ProtocolError, 2
 InvalidArgument, 3 ShapeError, 4 DTypeError, 5 KeyTypeError, 6 UnknownKey, 7
-DuplicateKey, 8 NonFiniteGradient, 9 CapacityError, 10 ServerError (anything
-else), 11 CheckpointError, 12 LimitExceeded, 13 WorkerLeft, 14
+DuplicateKey, 8 NonFiniteGradient, 9 CapacityError (and a server's MemoryError), 10
+ServerError (anything else), 11 CheckpointError, 12 LimitExceeded, 13 WorkerLeft, 14
 UpdateOverflow, 15 SharedMemoryMissing (a client that predates a code raises
 ServerError with the message). The reply to a message whose header cannot be read echoes its
 request id when the size and magic are right, else 0, with op 0 if the op is
@@ -211,6 +212,8 @@ class Op(enum.IntEnum):
     STATS = 13
     # Rows written verbatim, no optimizer (issue 12: MXNet's init of a key at any time).
     ASSIGN_SPARSE = 14
+    # A worker closed its store: a normal end, not a departure to warn about.
+    GOODBYE = 15
     # Admission and eviction (issue 5); 20 leaves room for other new ops.
     EVICT = 20
     # Checkpoints, loads and inference export (issue 5): a JSON body with an "action".
@@ -601,10 +604,16 @@ def decode_tree(frames, *, what: str):
 
 
 def error_code(exc: BaseException) -> int:
-    """The wire code of an exception (ServerError's for anything unexpected)."""
+    """The wire code of an exception (ServerError's for anything unexpected).
+
+    A builtin MemoryError (a server out of memory) is CapacityError's: the
+    worker gets a MemoryError, as docs/api.md says.
+    """
     for cls, code in ERROR_CODES.items():
         if isinstance(exc, cls):
             return code
+    if isinstance(exc, MemoryError):
+        return ERROR_CODES[errors.CapacityError]
     return ERROR_CODES[errors.ServerError]
 
 

@@ -1,16 +1,19 @@
 """The inference export: one NumPy ``.npz`` per shard with the keys and values of sparse tables.
 
 ``KVStore.export(path)`` makes each shard write ``part-{i:05d}-of-{n:05d}.npz``
-(`part_name`): for the j-th table, ``t{j}_keys`` (int64, sorted ascending,
-unique) and ``t{j}_values`` (rows x dim, in the table's dtype: float32,
-float16, or bfloat16 as uint16 bit patterns), and ``meta``, UTF-8 JSON as a
-uint8 array: ``{"format": EXPORT_FORMAT, "version": EXPORT_VERSION,
-"export_id", "part", "num_parts", "tables": [{"name", "dim", "dtype", "spec"}]}``.
-`kvsparse.serving.EmbeddingLookup` reads it (versions 1 and 2). Optimizer
-slots are not exported.
+(`part_name`): for each table, ``{name}_keys`` (int64, sorted ascending,
+unique) and ``{name}_values`` (rows x dim, in the table's dtype: float32,
+float16, or bfloat16 as uint16 bit patterns), named by the table's name, and
+``meta``, UTF-8 JSON as a uint8 array: ``{"format": EXPORT_FORMAT, "version":
+EXPORT_VERSION, "export_id", "part", "num_parts", "tables": [{"name", "dim",
+"dtype", "spec", "keys", "values"}]}`` ("keys" and "values" name the table's
+arrays). `kvsparse.serving.EmbeddingLookup` reads it (versions 1 to 3;
+`array_names`). Optimizer slots are not exported.
 
-Version 2 (issue 12): tables record their "dtype" and 16-bit tables' values
-are stored in it; version 1 had float32 values and no dtype.
+Version 3: arrays named by the table (``user_keys``); versions 1 and 2 named
+them by position (``t0_keys``). Version 2: tables record their "dtype" and
+16-bit tables' values are stored in it; version 1 had float32 values and no
+dtype.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from kvsparse.shard.checkpoint.format import BLOCK_ROWS
 from kvsparse.shard.state import ShardState
 
 EXPORT_FORMAT = "kvsparse-export"
-EXPORT_VERSION = 2
+EXPORT_VERSION = 3
 # Versions EmbeddingLookup reads.
-READABLE_EXPORT_VERSIONS = (1, 2)
+READABLE_EXPORT_VERSIONS = (1, 2, 3)
 # The name part_name gives; group 1 is the part, group 2 the number of parts.
 PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})\.npz$")
 
@@ -37,6 +40,23 @@ PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})\.npz$")
 def part_name(part: int, num_parts: int) -> str:
     """The file name of export part `part` of `num_parts`."""
     return f"part-{part:05d}-of-{num_parts:05d}.npz"
+
+
+def array_names(table: dict, position: int) -> tuple:
+    """(keys array, values array) of a table of an export part's meta, at position in it.
+
+    Version 3 names them in the meta (by the table's name); older parts by position.
+
+    Example:
+        >>> array_names({"name": "user", "keys": "user_keys", "values": "user_values"}, 0)
+        ('user_keys', 'user_values')
+        >>> array_names({"name": "user"}, 1)
+        ('t1_keys', 't1_values')
+    """
+    return (
+        str(table.get("keys", f"t{position}_keys")),
+        str(table.get("values", f"t{position}_values")),
+    )
 
 
 def export_shard(state: ShardState, path, shard_index, num_shards, table_ids, export_id) -> dict:
@@ -49,7 +69,7 @@ def export_shard(state: ShardState, path, shard_index, num_shards, table_ids, ex
         state: this shard.
         path: the export directory (created if missing).
         shard_index, num_shards: this shard's place; the part's number and count.
-        table_ids: the sparse tables to export, in order (t0, t1, ...).
+        table_ids: the sparse tables to export, in order.
         export_id: the same for every part of one export.
 
     Returns:
@@ -62,8 +82,9 @@ def export_shard(state: ShardState, path, shard_index, num_shards, table_ids, ex
     os.makedirs(path, exist_ok=True)
     arrays, meta = {}, {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "export_id": export_id}
     meta.update({"part": shard_index, "num_parts": num_shards, "tables": []})
-    for position, table_id in enumerate(table_ids):
+    for table_id in table_ids:
         entry = state.sparse_entry(int(table_id))
+        keys_name, values_name = f"{entry.name}_keys", f"{entry.name}_values"
         chunks = list(entry.table.iter_chunks(BLOCK_ROWS))
         keys = np.concatenate([c[0] for c in chunks]) if chunks else np.empty(0, np.int64)
         values = (
@@ -72,20 +93,27 @@ def export_shard(state: ShardState, path, shard_index, num_shards, table_ids, ex
             else np.empty((0, entry.table.dim), np.float32)
         )
         order = np.argsort(keys, kind="stable")
-        arrays[f"t{position}_keys"] = keys[order]
+        arrays[keys_name] = keys[order]
         dtype = entry.table.dtype
         values = values[order]
         if dtype == "float16":
             values = _core.narrow(values, dtype).view(np.float16)
         elif dtype == "bfloat16":  # bit patterns: .npz readers need no ml_dtypes
             values = _core.narrow(values, dtype)
-        arrays[f"t{position}_values"] = values
+        arrays[values_name] = values
         meta["tables"].append(
-            {"name": entry.name, "dim": entry.table.dim, "dtype": dtype, "spec": entry.spec}
+            {
+                "name": entry.name,
+                "dim": entry.table.dim,
+                "dtype": dtype,
+                "spec": entry.spec,
+                "keys": keys_name,
+                "values": values_name,
+            }
         )
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     final = os.path.join(path, part_name(shard_index, num_shards))
     with AtomicFile(final, suffix=".npz") as f:
         np.savez(f, **arrays)
-    rows = sum(int(a.shape[0]) for k, a in arrays.items() if k.endswith("_keys"))
+    rows = sum(int(arrays[table["keys"]].shape[0]) for table in meta["tables"])
     return {"file": os.path.basename(final), "rows": rows}
