@@ -133,7 +133,7 @@ class WaitTimeout(KVSparseError, TimeoutError):
 
 
 class WorkerLeft(ServerUnavailable):
-    """A worker that this call waits for left the job (issue 11, defect 9).
+    """A worker that this call waits for left the job.
 
     Raised by a BSP push, a barrier, an SSP pull, a follower's set_optimizer
     or dense init that waits for a worker whose connection to a server

@@ -1,4 +1,4 @@
-"""A session's link to a shard served in this very process (colocated mode, issue 14).
+"""A session's link to a shard served in this very process (colocated mode).
 
 A colocated worker hosts one shard (`kvsparse.server.embedded.EmbeddedServer`)
 and reaches it without a network socket: `LocalSocket.send_multipart` runs

@@ -292,7 +292,7 @@ class RemoteBackend:
     def init_dense(self, table_id, name, values, dtype="float32"):
         """Rank 0 sends the values; the others wait until rank 0's are in place.
 
-        dtype: what the servers store (issue 12); values travel as float32.
+        dtype: what the servers store; values travel as float32.
         """
         values = np.ascontiguousarray(values, np.float32).reshape(-1)
         requests = {
@@ -303,7 +303,7 @@ class RemoteBackend:
         }
         self._exchange(ops.InitDense, requests)
         # Dense keys created after a server's last checkpoint are created again when it
-        # restarts (issue 11, defect 13): rank 0's values; another rank's declaration
+        # restarts: rank 0's values; another rank's declaration
         # waits for them, as it did here.
         for server, request in requests.items():
             self.session.remember(("dense", int(table_id), server), request, server=server)
@@ -331,8 +331,8 @@ class RemoteBackend:
         )
         if self.rank == 0:
             # A restarted server gets rank 0's last call again, so that the other ranks'
-            # calls, which wait for rank 0's, can complete there (issue 11, defect 10);
-            # the last store-wide call, and the last one of each set of tables.
+            # calls, which wait for rank 0's, can complete there; the last
+            # store-wide call, and the last one of each set of tables.
             replay = ops.SetOptimizer.encode_request(spec, calls, True, table_ids, learning_rate)
             what = "set_optimizer" if table_ids is None else ("set_optimizer", tuple(table_ids))
             if learning_rate is not None:

@@ -33,18 +33,18 @@ behind the push on each server's connection: a server serves a client's
 requests in order (the fast path hands a client's requests to Python while
 Python holds one of them), so the pull still reads what the push wrote. The
 caller allows it only where a server answers a push once it is applied, not
-when it holds it for a BSP round of several workers (issue 10: the torch
-adapter's training thread no longer waits for the acknowledgements, and its
-next prefetch does not wait for them before it sends its pull).
+when it holds it for a BSP round of several workers (the torch adapter's
+training thread no longer waits for the acknowledgements, and its next
+prefetch does not wait for them before it sends its pull).
 
 A pull may also be sent without waiting (``exchange(..., pipelined=True,
 wait=False)``): the exchange returns a `Pending` at once, and its replies are
 read later, by `Pending.result` or by the session's next exchange (which
 reads every pending exchange's replies, in send order, before it sends
 anything that may not go out behind them). A pull's failure is kept for
-`Pending.result`; a push's is raised by whatever collects it (issue 10: the
-torch adapter sends the next batch's pull from the training thread and reads
-it in the next forward, with no prefetch thread holding the GIL meanwhile).
+`Pending.result`; a push's is raised by whatever collects it (the torch
+adapter sends the next batch's pull from the training thread and reads it in
+the next forward, with no prefetch thread holding the GIL meanwhile).
 
 Server restarts (``retry_window`` > 0): a restarted or silent server is
 greeted again, sent what `Session.remember` was given, and sent the request
@@ -288,7 +288,7 @@ class Session:
         monitor: a monitor's session: no liveness pings (see the module
             docstring).
         local: {server index: endpoint} of shards served in this process
-            (colocated mode, issue 14; see `kvsparse.client.local`).
+            (colocated mode; see `kvsparse.client.local`).
 
     Thread safety: a session may be shared by threads. The sockets are used
     under a lock (ZeroMQ sockets are not thread-safe), but a thread waiting
@@ -781,8 +781,8 @@ class Session:
         refused = self._links.handshake_error(server)
         if refused is None and self.retry_window <= 0:
             # Nothing will come from an address that refuses connections: say so now, not
-            # after the timeout (issue 11, defect 11). With a retry window, servers may be
-            # (re)starting: the recovery keeps trying, and names the failure at its end.
+            # after the timeout. With a retry window, servers may be (re)starting: the
+            # recovery keeps trying, and names the failure at its end.
             refused = self._links.connection_failure(server)
         if refused is not None:
             self._links.reset(server)

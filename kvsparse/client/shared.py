@@ -1,4 +1,4 @@
-"""A worker's shared-memory segment, for the servers on its host (issue 10).
+"""A worker's shared-memory segment, for the servers on its host.
 
 Over ``ipc://`` the server is on the worker's host, so rows need not cross a
 socket: the worker offers every such server one segment of its memory in

@@ -4,9 +4,8 @@
 server (so that a server can tell a worker that left from one whose
 connection was re-made, `kvsparse.server.liveness`), and reads the socket
 monitors: a refused security handshake (CurveZMQ) and a refused or
-unresolvable address (issue 11, defect 11) become `ServerUnavailable` errors
-naming the address. `kvsparse.client.session.Session` holds one and is the
-only user.
+unresolvable address become `ServerUnavailable` errors naming the address.
+`kvsparse.client.session.Session` holds one and is the only user.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ from kvsparse import errors
 # memory. pyzmq's zero-copy send hands the buffer's release to its garbage-collector
 # thread: measured here (send + receive on loopback, process CPU per message), copying
 # is cheaper up to ~256 KiB (64 KiB: 115 vs 143 us; 128 KiB: 134 vs 168 us), zero-copy
-# from ~512 KiB (1 MiB: 412 vs 340 us). pyzmq's default threshold is 64 KiB. (Issue 10:
-# a MovieLens step pushes ~100 KB per server.)
+# from ~512 KiB (1 MiB: 412 vs 340 us). pyzmq's default threshold is 64 KiB. (A
+# MovieLens step pushes ~100 KB per server.)
 COPY_THRESHOLD = 256 * 1024
 
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -60,7 +59,7 @@ class ServerSockets:
         client_id: the session's client id, in each socket's routing id (a
             reconnected socket keeps its name; a replaced one gets a new one).
         local: {server index: endpoint} for shards served in this process
-            (colocated mode, issue 14): that server's socket is a
+            (colocated mode): that server's socket is a
             `kvsparse.client.local.LocalSocket` (no network, no monitor).
 
     Threads: not thread-safe (ZeroMQ sockets are not); its `Session` holds a

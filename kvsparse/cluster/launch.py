@@ -44,7 +44,7 @@ starts two workers running ``python train.py`` with ``KVSPARSE_SERVERS``,
   saves on that interval while training runs, full then deltas
   (`kvsparse.store.periodic`), for serving replicas that follow the
   directory; ``keep`` (``--keep N``) bounds the delta chain.
-- ``colocated`` (``--colocated``, issue 14): no server processes; worker
+- ``colocated`` (``--colocated``): no server processes; worker
   ``r`` hosts shard ``r`` itself (`kvsparse.store.colocated`). The launcher
   gives each worker a shard address (tcp: a port of ``host`` the launcher
   binds and listens on for the whole job, whose socket the worker inherits

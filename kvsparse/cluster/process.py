@@ -74,7 +74,7 @@ PLACEMENT_VARIABLES = (
     config.STALENESS,
     config.BIND,
     config.SERVER_ID,
-    config.PEERS,  # colocated mode (issue 14): only `kvsparse launch --colocated` sets it
+    config.PEERS,  # colocated mode: only `kvsparse launch --colocated` sets it
     config.RESTARTED,  # a worker started again by `kvsparse launch --restart-workers`
 )
 # The exit status of `python -m kvsparse.server` when it cannot bind its address.

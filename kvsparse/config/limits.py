@@ -28,8 +28,8 @@ class ServerLimits:
     naming the limit and the ``kvsparse server`` flag that raises it; the
     server goes on serving. The defaults fit training jobs (a step's pull is
     far below them) while keeping a careless or hostile peer from making a
-    server allocate gigabytes (issue 11, defect 16: two pulls of 200,000 ids
-    of a 4096-wide table once grew a server from 44 MiB to 6.3 GiB).
+    server allocate gigabytes (two pulls of 200,000 ids of a
+    4096-wide table once grew a server from 44 MiB to 6.3 GiB).
 
     Attributes:
         max_reply_bytes: the largest reply one request may ask for (a pull of

@@ -14,7 +14,7 @@ RANK = "KVSPARSE_RANK"
 NUM_WORKERS = "KVSPARSE_NUM_WORKERS"
 TIMEOUT = "KVSPARSE_TIMEOUT"
 STALENESS = "KVSPARSE_STALENESS"
-# Colocated mode (issue 14, `kvsparse launch --colocated`): every worker's shard address,
+# Colocated mode (`kvsparse launch --colocated`): every worker's shard address,
 # in rank order; worker r binds the r-th and the workers are the servers.
 PEERS = "KVSPARSE_PEERS"
 # `kvsparse launch --colocated --restart-workers`: how many times this worker process was
@@ -36,7 +36,7 @@ SERVER_ID = "KVSPARSE_SERVER_ID"
 KEYS = "KVSPARSE_KEYS"  # CurveZMQ key directory (`kvsparse keys DIR`)
 RETRY_WINDOW = "KVSPARSE_RETRY_WINDOW"  # seconds a worker keeps retrying a restarted server
 CHECKPOINT_DIR = "KVSPARSE_CHECKPOINT_DIR"
-# kvsparse launch --save-every / --keep (issue 13): rank 0 saves into CHECKPOINT_DIR.
+# kvsparse launch --save-every / --keep: rank 0 saves into CHECKPOINT_DIR.
 SAVE_EVERY = "KVSPARSE_SAVE_EVERY"
 SAVE_KEEP = "KVSPARSE_SAVE_KEEP"
 NUM_THREADS = "KVSPARSE_NUM_THREADS"  # threads a batch of the C++ core may use

@@ -49,11 +49,11 @@ declare their tables again and resend the request in flight: training goes
 on from the checkpoint (pushes after it are lost). A shard whose actor ran
 out of restarts is started again by `ServerGroup.restart_dead`.
 
-Colocated workers (issue 14). `start_colocated` is ``kvsparse launch
---colocated`` on Ray: one `ColocatedWorker` actor per worker, whose shard
-address (a free port of its node) is kept in the same registry; its
-`ColocatedGroup.submit` runs the training code in every actor with the
-``KVSPARSE_*`` variables of a launched colocated worker, so that the code's
+Colocated workers. `start_colocated` is ``kvsparse launch --colocated`` on
+Ray: one `ColocatedWorker` actor per worker, whose shard address (a free
+port of its node) is kept in the same registry; its `ColocatedGroup.submit`
+runs the training code in every actor with the ``KVSPARSE_*`` variables of
+a launched colocated worker, so that the code's
 ``kvsparse.create('dist_sparse')`` hosts the actor's shard. With
 ``max_restarts``, an actor that Ray restarts runs its call again, binds the
 same address and restores its shard from ``checkpoint_dir`` (as

@@ -17,7 +17,7 @@ from kvsparse.cluster import process as server_process
 from kvsparse.ray import registry
 from kvsparse.ray.registry import DEFAULT_RETRY_WINDOW, NAMESPACE, START_TIMEOUT, actor_name
 
-# -- colocated workers: each worker actor hosts its shard (issue 14) ------------------------
+# -- colocated workers: each worker actor hosts its shard -----------------------------------
 
 WORKER_NAME_PREFIX = "kvsparse-worker"
 

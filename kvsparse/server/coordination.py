@@ -7,12 +7,12 @@
 - `OptimizerEpochs`: another rank's n-th SET_OPTIMIZER waits for rank 0's n-th.
 - `DenseInitWaiters`: a FLAG_DECLARE INIT_DENSE waits for rank 0's values.
 
-Workers that left (issue 11, defect 9): `Coordination.rank_left` records a
-rank whose connections all closed (`kvsparse.server.liveness`); each class
-then fails, with `kvsparse.errors.WorkerLeft` naming the rank, every held
-request that waits for it (``fail_waiting_for``), and `Coordination.fail_stuck`
-does the same for a request held later, so nothing waits for a worker that
-is gone. A rank that says anything again is back (`Coordination.rank_back`).
+Workers that left: `Coordination.rank_left` records a rank whose connections
+all closed (`kvsparse.server.liveness`); each class then fails, with
+`kvsparse.errors.WorkerLeft` naming the rank, every held request that waits for
+it (``fail_waiting_for``), and `Coordination.fail_stuck` does the same for a
+request held later, so nothing waits for a worker that is gone. A rank that
+says anything again is back (`Coordination.rank_back`).
 
 A held request is any object with ``finish(frames)`` and ``fail(exc)``
 (`kvsparse.server.dispatch.InFlightRequest`); these classes call one of them exactly
@@ -264,7 +264,7 @@ def apply_pushes(state, kind: PushKind, table_id: int, parts: list) -> None:
 
 
 def apply_tables(state, kind: PushKind, tables: list) -> None:
-    """Applies each table's summed pushes: all the tables or none (issue 11).
+    """Applies each table's summed pushes: all the tables or none.
 
     tables: (table_id, parts) pairs, parts as in `apply_pushes`. One
     request's tables on this shard: if one table's update fails (an overflow,
@@ -460,9 +460,9 @@ class OptimizerEpochs:
     """SET_OPTIMIZER: rank 0's n-th call sets it; another rank's n-th call waits for that one.
 
     A follower whose spec differs from rank 0's n-th fails with InvalidArgument.
-    A restarted server learns rank 0's last call from its replay (issue 11,
-    defect 10); the calls before it are unknown there, and a follower's call
-    of one of them is not checked.
+    A restarted server learns rank 0's last call from its replay; the calls
+    before it are unknown there, and a follower's call of one of them is not
+    checked.
     """
 
     _UNKNOWN = object()  # a call of rank 0 made before this server started

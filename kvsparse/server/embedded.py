@@ -1,4 +1,4 @@
-"""A shard served from a thread of a worker process (colocated mode, issue 14).
+"""A shard served from a thread of a worker process (colocated mode).
 
 `EmbeddedServer` runs an ordinary `kvsparse.server.server.Server` (the same
 dispatch, handlers, coordination, resend cache, checkpoints, metrics) on a
@@ -18,8 +18,8 @@ it waits), and `handle` for the whole request. A reply that the caller's
 thread produces for a remote peer (the last push of a BSP round) is queued for
 the serving thread (`kvsparse.server.loop.EventLoop`).
 
-GIL-free serving (issue 14): the other workers' PULL_SPARSE and PUSH_SPARSE
-are read and answered by the server's C++ thread without the GIL
+GIL-free serving: the other workers' PULL_SPARSE and PUSH_SPARSE are read and
+answered by the server's C++ thread without the GIL
 (`kvsparse.server.fastpath`), so a worker busy in Python does not stall its
 peers; only what the fast path leaves to Python (HELLO, errors, BSP and SSP
 coordination, checkpoints, stats...) waits for this process's GIL. With the

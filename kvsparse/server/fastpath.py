@@ -1,11 +1,11 @@
 """The serving fast path: PULL_SPARSE and PUSH_SPARSE answered by a C++ thread, GIL-free.
 
-Issues 10 and 14. A server's Python dispatch costs ~0.6 ms of CPU per small
-request (the table work ~0.1 ms), and it needs the GIL, so a colocated worker
-busy in Python stalled the peers its shard serves. With the fast path a C++
-thread (`kvsparse._core.FastServeLoop`, csrc/serve_loop.h) reads the ROUTER
-socket. It answers, itself and without the GIL, the pulls and pushes it can
-answer from start to end (registered client, new request id, a mode that holds
+A server's Python dispatch costs ~0.6 ms of CPU per small request (the table
+work ~0.1 ms), and it needs the GIL, so a colocated worker busy in Python
+stalled the peers its shard serves. With the fast path a C++ thread
+(`kvsparse._core.FastServeLoop`, csrc/serve_loop.h) reads the ROUTER socket.
+It answers, itself and without the GIL, the pulls and pushes it can answer
+from start to end (registered client, new request id, a mode that holds
 nothing: pulls without an SSP gate, pushes under ASP or under BSP with one
 worker; registered tables, within the limits, no error). It forwards every
 other message unchanged over an inproc PAIR socket to the Python serving

@@ -107,7 +107,7 @@ class Handlers:
     def run(self, header: protocol.Header, payload: list, pending):
         """Runs the op's handler (after HELLO, for a rank in range); raises what it raises."""
         handler = self._table.get(header.op)
-        if handler is None:  # LOOKUP, SERVING_STATUS: a serving replica's (issue 13)
+        if handler is None:  # LOOKUP, SERVING_STATUS: a serving replica's
             raise errors.ProtocolError(
                 f"op {Op(header.op).name} is answered by a serving replica (kvsparse serve), "
                 "not by a training server"
@@ -213,7 +213,7 @@ class Handlers:
         request = ops.SetOptimizer.decode_request(header, payload)
         spec, epoch, replay, table_ids, learning_rate = request
         epochs = self._coordination.optimizer
-        # What followers must agree on: the spec, and the tables it is for (issue 12).
+        # What followers must agree on: the spec, and the tables it is for.
         agreed = spec if table_ids is None else {"spec": spec, "table_ids": table_ids}
         if learning_rate is not None:
             agreed = {"learning_rate": learning_rate, "table_ids": table_ids}
@@ -268,8 +268,8 @@ class Handlers:
         entries = [self._state.sparse_entry(t) for t, _, _, _ in described]  # all exist first
         targets = None
         if segment is None:
-            # The reply's size is known before any row is made (issue 11, defect 16), in the
-            # dtype each item's rows travel in (2 bytes an element with a 16-bit wire_dtype).
+            # The reply's size is known before any row is made, in the dtype each item's rows
+            # travel in (2 bytes an element with a 16-bit wire_dtype).
             self._limits.check_pull(
                 pending.routing,
                 [
@@ -335,7 +335,7 @@ class Handlers:
                 pending, header.rank, header.clock, kind, parsed, self._job.num_workers
             )
             return DEFERRED if held else []
-        # All the request's tables or none (issue 11).
+        # All the request's tables or none.
         apply_tables(self._state, kind, [(table_id, [part]) for table_id, *part in parsed])
         return []
 
@@ -353,7 +353,7 @@ class Handlers:
 
     def _get_optimizer_states(self, header, payload, pending):
         ops.GetOptimizerStates.decode_request(header, payload)
-        # Bounded like a pull (issue 11, defect 16): checked before the arrays are built.
+        # Bounded like a pull: checked before the arrays are built.
         self._limits.check_reply(
             pending.routing,
             self._state.optimizer_state_bytes(),
@@ -438,7 +438,7 @@ class Handlers:
         from kvsparse.shard import checkpoint
 
         body = ops.Checkpoint.decode_request(header, payload)
-        if self._checkpoint_paths is not None:  # confined to the root (issue 11, defect 16)
+        if self._checkpoint_paths is not None:  # confined to the root
             body["path"] = self._checkpoint_paths.resolve(body.get("path"))
         shard_index, num_shards = self._job.server_index, self._job.num_servers
         action = body.get("action")
@@ -462,7 +462,7 @@ class Handlers:
         else:
             seq, parent = int(body["seq"]), body.get("parent")
             since, epoch = checkpoint.begin_save(state, bool(body.get("incremental")), path, parent)
-            # Taken at the moment of the tables' snapshot (issue 11).
+            # Taken at the moment of the tables' snapshot.
             server = restart.snapshot(self._resend, self._coordination)
             job = lambda: checkpoint.save_shard(  # noqa: E731
                 state, path, seq, shard_index, num_shards, since, parent, server

@@ -1,9 +1,9 @@
 """A server's limits on what one peer may make it do (`kvsparse.config.ServerLimits`).
 
-Issue 11, defect 16: a peer that created a 4096-wide table and sent two
-pulls of 200,000 ids (1.6 MB each) without reading the replies grew a
-server from 44 MiB to 6.3 GiB; ``--max-message-size`` bounds what a peer
-sends, not what its requests make the server build. Two objects close that:
+A peer that created a 4096-wide table and sent two pulls of 200,000 ids
+(1.6 MB each) without reading the replies grew a server from 44 MiB to
+6.3 GiB; ``--max-message-size`` bounds what a peer sends, not what its
+requests make the server build. Two objects close that:
 
 - `RequestLimits` checks a request before any work: a pull whose reply
   (ids x row bytes, known from the table's dim) exceeds ``max_reply_bytes``,

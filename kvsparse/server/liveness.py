@@ -1,7 +1,7 @@
 """Which workers are still connected to this server, and what happens when one leaves.
 
-Issue 11, defect 9: under BSP a worker that exited (cleanly or killed) left
-the others blocked for ever, answering their liveness pings all along. Now:
+Under BSP a worker that exited (cleanly or killed) once left the others
+blocked for ever, answering their liveness pings all along. Now:
 
 1. The event loop reports every closed connection (`kvsparse.server.loop`):
    a worker process that exits or is killed has its socket closed by the

@@ -12,15 +12,15 @@ the loop then receives only what that thread forwards, over a PAIR socket,
 and still sends its replies on the ROUTER (holding the guard, the shard mutex
 both threads share).
 
-Peers that leave (issue 11, defect 9): a socket monitor reports each closed
-connection (a worker that exited or was killed: its kernel closes the
-socket), and ZeroMQ's own heartbeats (ZMTP PING/PONG, answered by the
-peer's I/O thread without Python) close a connection whose peer stopped
-answering (a stopped process, a host that died). The loop only tells
-``on_disconnect``; it cannot say which peer closed (the monitor names a file
-descriptor), so the server asks with `EventLoop.routable` which peers are
-still there. Clients choose their routing ids (`kvsparse.client.session`), so
-a client that reconnects is routable again under the same id.
+Peers that leave: a socket monitor reports each closed connection (a worker
+that exited or was killed: its kernel closes the socket), and ZeroMQ's own
+heartbeats (ZMTP PING/PONG, answered by the peer's I/O thread without Python)
+close a connection whose peer stopped answering (a stopped process, a host
+that died). The loop only tells ``on_disconnect``; it cannot say which peer
+closed (the monitor names a file descriptor), so the server asks with
+`EventLoop.routable` which peers are still there. Clients choose their
+routing ids (`kvsparse.client.session`), so a client that reconnects is
+routable again under the same id.
 
 Example:
     >>> loop = EventLoop("tcp://127.0.0.1:0")              # doctest: +SKIP
@@ -64,8 +64,8 @@ class EventLoop:
             closed; 0: no heartbeats.
         guard: a lock serve() holds while it handles what a poll returned
             (never while it waits), for a server whose state other threads
-            use too (issue 14: a colocated worker runs requests to its own
-            shard on its own thread, holding the same lock). None: no lock.
+            use too (a colocated worker runs requests to its own shard on
+            its own thread, holding the same lock). None: no lock.
         use_fd: a tcp socket already bound and listening, whose file
             descriptor the ROUTER takes over (ZeroMQ closes it) instead of
             binding ``bind`` itself (ZMQ_USE_FD: `kvsparse launch --colocated`
@@ -215,7 +215,7 @@ class EventLoop:
                     break
                 on_message(frames)
                 # Asked rather than found by a failing recv: raising zmq.Again cost more
-                # than the question, once per wake-up (issue 10).
+                # than the question, once per wake-up.
                 if not socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     break
         if wake_fd in events:

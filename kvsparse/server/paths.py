@@ -1,4 +1,4 @@
-"""Where a server's CHECKPOINT requests may read and write (issue 11, defect 16).
+"""Where a server's CHECKPOINT requests may read and write.
 
 A CHECKPOINT request names a directory; the server saves, loads or exports
 there with its own permissions. Without keys anyone who reaches the port may

@@ -2,8 +2,8 @@
 
 A server restored from a checkpoint (``kvsparse server --restore``) holds
 the tables as they were at the save. So that it also answers its clients as
-the server it replaces would have (issue 11), each shard file of a server's
-save carries a ``server`` section, taken at the same moment as the tables:
+the server it replaces would have, each shard file of a server's save
+carries a ``server`` section, taken at the same moment as the tables:
 
 - ``resend``: the resend records of answered requests that changed the shard
   (`kvsparse.server.resend.ResendCache.answered`): a push applied before the

@@ -101,7 +101,7 @@ class Server:
             heartbeats.
         guard: a lock serve() holds while it handles messages (not while it
             waits), so that other threads holding it may call handle() and
-            `attach` too (`kvsparse.server.embedded`, issue 14). None: none.
+            `attach` too (`kvsparse.server.embedded`). None: none.
         fast_path: answer PULL_SPARSE and PUSH_SPARSE on a C++ thread without the
             GIL (`kvsparse.server.fastpath`); None: on (``kvsparse server``
             passes ``KVSPARSE_FAST_PATH``). Needs guard None or a
@@ -181,7 +181,7 @@ class Server:
         # Random per start: a client that sees it change knows this shard restarted.
         self.incarnation = secrets.randbits(32) or 1
         self.state = ShardState()
-        # Workers on this host read and write their rows here (issue 10, the same-host path).
+        # Workers on this host read and write their rows here (the same-host path).
         self._segments = SharedSegments()
         # Counted on the serving thread; read by a metrics thread only through snapshots.
         self.metrics = ServerMetrics()

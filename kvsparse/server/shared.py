@@ -1,4 +1,4 @@
-"""The shared-memory segments of the workers on this server's host (issue 10).
+"""The shared-memory segments of the workers on this server's host.
 
 A worker on the server's host offers a segment in its HELLO (a memfd, named
 by its pid and descriptor, `kvsparse.client.shared`); the server maps it and

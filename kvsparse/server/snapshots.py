@@ -6,11 +6,10 @@ pipe and leaves with ``os._exit``, never touching ZeroMQ. The server's event
 loop watches the pipe with its sockets (`kvsparse.server.loop.EventLoop.watch`)
 and answers the request when the child is done.
 
-The child closes every file descriptor it inherited (issue 11, defect 14):
-the server's listening socket and client connections, whose copies kept a
-replacement server from binding the port ("Address already in use") and
-clients from seeing the dead server's connections close until the writer
-exited.
+The child closes every file descriptor it inherited: the server's
+listening socket and client connections, whose copies kept a replacement
+server from binding the port ("Address already in use") and clients from
+seeing the dead server's connections close until the writer exited.
 """
 
 from __future__ import annotations
