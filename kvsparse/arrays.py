@@ -79,7 +79,7 @@ def as_numpy(obj, *, what: str, writable: bool = False) -> np.ndarray:
 
 
 # str(dtype) per dtype: NumPy computes a dtype's name in Python (6-8 us a call, several
-# calls per pull and push; issue 10). Few distinct dtypes ever reach the store.
+# calls per pull and push). Few distinct dtypes ever reach the store.
 _dtype_texts: dict = {}
 
 
@@ -95,7 +95,7 @@ def _is_bfloat16(array: np.ndarray) -> bool:
 
     `_core.from_dlpack` gives a bfloat16 tensor as uint16 bits (NumPy has no
     bfloat16) with ``base.dlpack_dtype == "bfloat16"``; those bits must never
-    be read as integers (issue 11: 1.5 pushed in bfloat16 became -16320).
+    be read as integers (1.5 pushed in bfloat16 became -16320).
     """
     dtype = array.dtype
     if _dtype_text(dtype) == "bfloat16":
@@ -166,7 +166,7 @@ def as_float32(obj, *, what: str) -> np.ndarray:
     return array.astype(np.float32)
 
 
-# The dtypes a table or dense key stores (issue 12); the first is the default.
+# The dtypes a table or dense key stores; the first is the default.
 TABLE_DTYPES = ("float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32"}
 
@@ -240,7 +240,7 @@ def check_rows_shape(shape: tuple, ids_shape: tuple, dim: int, *, what: str) -> 
     The two shapes rows of ids may have (pushed, or an ``out=`` pulled into):
     one row per id in the ids' own shape, or the ids flattened (what adapters
     send after dropping padding ids). Checking only the size let rows of shape
-    (3, 2, 4) for ids of shape (2, 3) land on the wrong ids (issue 11).
+    (3, 2, 4) for ids of shape (2, 3) land on the wrong ids.
     """
     shape, ids_shape = tuple(shape), tuple(ids_shape)
     exact = ids_shape + (dim,)

@@ -28,8 +28,8 @@ def _number(value, what: str) -> float:
 class Initializer:
     """Base class: a named initializer with up to two parameters (a, b).
 
-    Parameters are checked when the initializer is made (issue 11): a number,
-    finite, and in range for the kind (the core's rules, csrc/initializer.cc).
+    Parameters are checked when the initializer is made: a number, finite, and
+    in range for the kind (the core's rules, csrc/initializer.cc).
 
     Raises:
         InvalidArgument: a parameter that is not a finite number, or out of range.

@@ -70,9 +70,9 @@ class Optimizer:
             if "learning_rate" in settings:
                 raise TypeError(f"{type(self).__name__}: give lr or learning_rate, not both")
             settings["learning_rate"] = settings.pop("lr")
-        # multi_precision (issue 12): float16 / bfloat16 dense keys and sparse tables keep a
-        # float32 master copy that the optimizer updates (MXNet's multi_precision); not a
-        # formula setting.
+        # multi_precision: float16 / bfloat16 dense keys and sparse tables keep a float32
+        # master copy that the optimizer updates (MXNet's multi_precision); not a formula
+        # setting.
         unknown = (
             set(settings)
             - set(self.defaults)
@@ -85,7 +85,7 @@ class Optimizer:
         self._check()
 
     def _check(self) -> None:
-        """Refuses bad settings now (issue 11), with the core's own rules for ranges."""
+        """Refuses bad settings now, with the core's own rules for ranges."""
         name = type(self).__name__
         for setting, value in self.settings.items():
             if setting in _NON_NUMERIC or (setting == "clip_gradient" and value is None):

@@ -17,8 +17,8 @@ from kvsparse.arrays import table_dtype
 MAX_DIM = 4096
 _NONFINITE_POLICIES = ("raise", "skip")
 _EVICTIONS = ("lfu", "lru")
-# How a sparse table's pulled rows and pushed gradients travel between workers and servers
-# (issue 10). The first is the default.
+# How a sparse table's pulled rows and pushed gradients travel between workers and servers.
+# The first is the default.
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
 _POLICY_DEFAULTS = {
     "min_count": 1,
@@ -211,7 +211,7 @@ class SparseTable:
             },
             # Only when set, likewise; the store leaves it out of what servers get.
             **({} if self.wire_dtype is None else {"wire_dtype": self.wire_dtype}),
-            # Only when not float32 (issue 12): checkpoints of float32 tables are unchanged.
+            # Only when not float32: checkpoints of float32 tables are unchanged.
             **({} if self.dtype == "float32" else {"dtype": self.dtype}),
             **({} if self.slot_dtype in (None, "float32") else {"slot_dtype": self.slot_dtype}),
         }

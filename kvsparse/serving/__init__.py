@@ -4,7 +4,7 @@
 - `kvsparse serve` (`main`, `server`): a replica process that serves a
   checkpoint directory over ZeroMQ and HTTP, and with ``--follow`` applies
   each new checkpoint atomically (`state`, `follow`); `Client` looks rows up
-  from one or more replicas (issue 13).
+  from one or more replicas.
 
 Example:
     >>> from kvsparse.serving import Client, EmbeddingLookup

@@ -29,8 +29,8 @@ the cores are all taken, a lookup thread then waits for a scheduler tick
 (4 ms) at a time. Measured in process on 2 cores other work shared, lookups
 of 64 ids while 1e5-row deltas were applied: p99 0.14-4.2 ms (idle
 0.06-0.16 ms) and p99.9 12-16 ms; with the applier at nice 10, p99 0.10-0.13
-ms and p99.9 4.3-5.6 ms, as idle, the updates taking longer (issue 13). The
-apply holds the GIL for under a millisecond at a time, so a descheduled
+ms and p99.9 4.3-5.6 ms, as idle, the updates taking longer. The apply
+holds the GIL for under a millisecond at a time, so a descheduled
 applier seldom holds up a lookup.
 
 Example:

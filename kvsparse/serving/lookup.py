@@ -59,7 +59,7 @@ class LookupTable:
         if values.dtype.name not in ("float16", "bfloat16"):
             values = values.astype(np.float32, copy=False)
         self.values = np.ascontiguousarray(values)
-        self.dtype = self.values.dtype.name  # what lookups return (issue 12)
+        self.dtype = self.values.dtype.name  # what lookups return
         self.dim = int(self.values.shape[1])
         self.spec = spec
         self.default = default

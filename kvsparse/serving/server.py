@@ -50,7 +50,7 @@ log = logging.getLogger("kvsparse.serving")
 
 DEFAULT_MAX_BATCH = 1 << 20  # ids in one lookup request
 DEFAULT_WORKERS = 2
-DEFAULT_APPLY_NICENESS = 10  # the follower's: lookups first (issue 13)
+DEFAULT_APPLY_NICENESS = 10  # the follower's: lookups first
 LISTENING_PREFIX = "kvsparse serve listening on "
 HTTP_PREFIX = "kvsparse serve http on "
 

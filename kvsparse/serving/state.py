@@ -1,9 +1,9 @@
 """What a serving replica holds: its tables, in two copies, and the updates that reach them.
 
-A serving replica (`kvsparse serve`, issue 13) answers lookups from C++
-tables (`kvsparse._core.Table`: the batch lookup runs without the GIL) and
-takes each new checkpoint over *atomically*: a lookup sees the state before
-an update or after it, never a mix.
+A serving replica (`kvsparse serve`) answers lookups from C++ tables
+(`kvsparse._core.Table`: the batch lookup runs without the GIL) and takes
+each new checkpoint over *atomically*: a lookup sees the state before an
+update or after it, never a mix.
 
 How: left-right (two copies of every table, `ServingState`). Lookups read
 the *active* copy; an update is applied to the other one (which no lookup
@@ -13,7 +13,7 @@ too. Lookups never wait for an update, so their latency does not grow while
 a large delta lands; the price is twice the rows' memory. Nor do they wait
 for the GIL: an update's rows are checked (zlib) and written (C++,
 `_core.assign_marked_rows`) with it released, and what runs with it held
-lasts under a millisecond at a time (1e5-row deltas, issue 13). Building the new
+lasts under a millisecond at a time (1e5-row deltas). Building the new
 state aside and swapping a reference needs a third copy for a delta (or a
 copy per delta); a lock that lookups take would stall them for the whole
 apply (tens of milliseconds for 10^5 rows).
@@ -242,8 +242,8 @@ class Update:
             for keys, values in change.blocks:
                 for start in range(0, keys.size, _ROWS_PER_ASSIGN):
                     part = slice(start, start + _ROWS_PER_ASSIGN)
-                    # Widened to the marker column in C++, without the GIL (issue 13): the
-                    # NumPy widening copy held it about 3 ms per 65,536 rows, the longest
+                    # Widened to the marker column in C++, without the GIL: the NumPy
+                    # widening copy held it about 3 ms per 65,536 rows, the longest
                     # stretch of an apply (0.5 ms now), while lookup threads waited. Rows
                     # of checkpoints are float32 views of the file (no copy here); 16-bit
                     # export parts are widened a chunk at a time.

@@ -102,9 +102,9 @@ class SparseEntry:
 class DenseEntry:
     """This shard's slice of a dense key, its optimizer slots and step counter.
 
-    A float16 / bfloat16 key (issue 12) stores its values as 16-bit patterns
-    (`dtype`); pushes widen them, run the optimizer in float32 and round the
-    result once (nearest, ties to even). With an optimizer whose spec says
+    A float16 / bfloat16 key stores its values as 16-bit patterns (`dtype`);
+    pushes widen them, run the optimizer in float32 and round the result
+    once (nearest, ties to even). With an optimizer whose spec says
     multi_precision, such a key also keeps `master`, a float32 copy the
     optimizer updates; the values are then that copy rounded (MXNet's
     multi_precision). Slots are float32.
@@ -279,13 +279,13 @@ class ShardState:
         self.checkpoint_base: tuple | None = None
         # (realpath, seq, epoch) of this shard's saves not known to be committed yet: one
         # becomes the base once its manifest exists, never before (a save that failed on
-        # another shard must not become the next delta's parent: issue 11, defect 15).
+        # another shard must not become the next delta's parent).
         self.uncommitted_saves: list[tuple] = []
         # A store-wide load in two steps: every shard loads into a new ShardState (kept
         # here), and only once all of them succeeded does each take it over.
         self.staged_load: ShardState | None = None
         # Wall time (time.time()) of the newest push or assign applied, None before the
-        # first: checkpoints record it, serving replicas measure freshness by it (issue 13).
+        # first: checkpoints record it, serving replicas measure freshness by it.
         self.newest_push: float | None = None
 
     def clear(self) -> None:
@@ -298,8 +298,8 @@ class ShardState:
         """Takes over loaded's tables, dense keys, optimizer and checkpoint bookkeeping.
 
         A load builds a new ShardState and hands it over here only once it is
-        complete, so a failed load changes nothing (issue 11, defect 6).
-        Counters stay. Not thread-safe (ShardState's rule); loaded is not used after.
+        complete, so a failed load changes nothing. Counters stay. Not thread-safe
+        (ShardState's rule); loaded is not used after.
         """
         self.sparse.clear()
         self.sparse.update(loaded.sparse)
@@ -391,7 +391,7 @@ class ShardState:
                 entry.set_optimizer(spec)
 
     def set_table_optimizers(self, table_ids: list, spec: dict | None) -> None:
-        """Gives each table (sparse or dense) of table_ids its own optimizer spec (issue 12).
+        """Gives each table (sparse or dense) of table_ids its own optimizer spec.
 
         Such a table keeps it when the store-wide optimizer changes; spec None
         puts the tables back on the store-wide optimizer. Slots and steps of
@@ -487,7 +487,7 @@ class ShardState:
         return entry.table.apply_gradients(keys, grads, skip_nonfinite=skip)
 
     def push_sparse_tables(self, pushes: list) -> None:
-        """Applies one request's pushes to several tables: all of them or none (issue 11).
+        """Applies one request's pushes to several tables: all of them or none.
 
         pushes: (table_id, keys, grads, step) tuples, one per table (a table
         twice: its keys and rows are concatenated; duplicate ids are summed).
@@ -629,7 +629,7 @@ class ShardState:
         self.push_dense_keys([(table_id, grad)])
 
     def push_dense_keys(self, pushes: list) -> None:
-        """Applies one request's pushes to several dense keys: all of them or none (issue 11).
+        """Applies one request's pushes to several dense keys: all of them or none.
 
         pushes: (table_id, gradient) pairs (a key twice: its gradients are
         summed). Every update is computed on copies and checked first; only

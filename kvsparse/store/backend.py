@@ -11,12 +11,12 @@ What a backend receives is already validated and planned by the frontend:
 keys of a sparse request are unique, grouped by shard (``offsets[s]`` to
 ``offsets[s + 1]`` belong to shard ``s``), gradient rows summed per key, and
 every array C-contiguous. Sparse rows move in the item's *wire dtype*
-(issue 10; 'float32' where an item does not name one): a push's rows come
-already rounded to it, as uint16 bit patterns for 'float16' / 'bfloat16', and
-a pull returns its rows in it; the frontend widens them into the caller's
-output. The local backend rounds as the servers' replies are rounded, so
-both backends give the same numbers. A backend never sees a user's key: tables are named
-by their 64-bit table id (`kvsparse.placement.table_id_of`).
+('float32' where an item does not name one): a push's rows come already
+rounded to it, as uint16 bit patterns for 'float16' / 'bfloat16', and a pull
+returns its rows in it; the frontend widens them into the caller's output.
+The local backend rounds as the servers' replies are rounded, so both
+backends give the same numbers. A backend never sees a user's key: tables
+are named by their 64-bit table id (`kvsparse.placement.table_id_of`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Backend(Protocol):
         self, table_id: int, name: str, values: np.ndarray, dtype: str = "float32"
     ) -> None:
         """Creates dense key `table_id` holding flat float32 `values` (rank 0's win), stored
-        in dtype ('float32', 'float16' or 'bfloat16'; issue 12)."""
+        in dtype ('float32', 'float16' or 'bfloat16')."""
 
     def set_optimizer(self, spec: dict | None, table_ids: list | None = None) -> None:
         """Sets (`Optimizer.to_dict()`) or removes (None) the store-wide optimizer; with

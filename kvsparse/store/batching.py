@@ -50,7 +50,7 @@ def sparse_push(
             pulled batch's reuses its plan. None: always plan afresh.
         wire_dtype: how the rows travel: 'float32', or 'float16' / 'bfloat16',
             to which the summed rows are rounded here, once (uint16 bit
-            patterns; issue 10).
+            patterns).
         rows_buffer: (count, dim) -> a float32 array to sum float32 rows into, or None
             (the backend's shared memory: `RemoteBackend.rows_buffer`); None: a new array.
 

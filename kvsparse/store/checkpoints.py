@@ -93,7 +93,7 @@ class Checkpoints:
             "incremental": bool(incremental),
             "parent": parent,
         }
-        # A save that failed on any shard leaves no shard file behind (issue 11, defect 15).
+        # A save that failed on any shard leaves no shard file behind.
         replies = self._everywhere(body, undo={"action": CheckpointAction.ABORT, "seq": seq})
         pushes = [replies[s].get("newest_push") for s in range(n)]
         pushes = [p for p in pushes if p is not None]
@@ -103,7 +103,7 @@ class Checkpoints:
             "parent": parent,
             "num_shards": n,
             "created": time.time(),
-            # Wall time of the newest push any shard file holds (issue 13: a serving
+            # Wall time of the newest push any shard file holds (a serving
             # replica's freshness is now minus this); None if no shard saw a push.
             "newest_push": max(pushes) if pushes else None,
             "shards": [replies[s] for s in range(n)],
@@ -114,7 +114,7 @@ class Checkpoints:
         try:
             self._backend.checkpoint({0: commit})
         except (errors.KVSparseError, OSError):
-            # No manifest: no checkpoint; its shard files go (issue 11, defect 15).
+            # No manifest: no checkpoint; its shard files go.
             self._undo({"action": CheckpointAction.ABORT, "path": path, "seq": seq})
             raise
         return seq
@@ -155,7 +155,7 @@ class Checkpoints:
         path = self.resolve(path)
         backend = self._backend
         if backend.rank == 0:
-            # All or nothing (issue 11, defect 6): every server reads its part aside first;
+            # All or nothing: every server reads its part aside first;
             # only when all of them could does each take it over.
             load = {"action": CheckpointAction.LOAD, "path": path, "stage": True}
             manifest = self._everywhere(load, undo={"action": CheckpointAction.DISCARD})[0]

@@ -1,4 +1,4 @@
-"""Colocated mode (issue 14): a shard inside every worker, no separate server processes.
+"""Colocated mode: a shard inside every worker, no separate server processes.
 
 Worker ``r`` of ``N`` hosts shard ``r`` of every table and dense key in an
 `kvsparse.server.embedded.EmbeddedServer` (the ``kvsparse server`` code, on a

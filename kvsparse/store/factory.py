@@ -111,7 +111,7 @@ def create_colocated_store(
     servers=None,
     settings=None,
 ) -> KVStore:
-    """A KVStore whose worker r hosts shard r of every table (colocated mode, issue 14).
+    """A KVStore whose worker r hosts shard r of every table (colocated mode).
 
     Args:
         kind: 'colocated' (BSP, as 'dist_sparse'), or a dist kind whose

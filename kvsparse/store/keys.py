@@ -46,7 +46,7 @@ class KeyInfo:
     own_optimizer: bool | None = None
     # sparse: SparseTable(wire_dtype=...), None: the store's (`KVStore.wire_dtype_of`).
     wire_dtype: str | None = None
-    # What the servers store and pulls return by default (issue 12): a sparse
+    # What the servers store and pulls return by default: a sparse
     # table's SparseTable(dtype=...), a dense key's value dtype at init.
     dtype: str = "float32"
 
@@ -87,9 +87,9 @@ class KeyInfo:
             shape=tuple(record["shape"]),
             boundaries=record["boundaries"],
             nonfinite=record["nonfinite"],
-            # Manifests from before issue 10 have none: the store's wire dtype.
+            # Manifests from before per-table wire dtypes have none: the store's wire dtype.
             wire_dtype=wire_dtype,
-            # Manifests from before issue 12 have none: float32.
+            # Manifests from before half-precision tables have none: float32.
             dtype=table_dtype(record.get("dtype", "float32"), f"key {record['key']!r}: dtype"),
         )
 

@@ -54,7 +54,7 @@ from kvsparse.store.keys import KeyInfo, KeyRegistry
 from kvsparse.store.plans import PlanCache
 from kvsparse.table import SparseTable, check_wire_dtype
 
-# Admission/eviction counters of sparse tables (issue 5), summed over shards by stats().
+# Admission/eviction counters of sparse tables, summed over shards by stats().
 _POLICY_COUNTERS = (
     "admissions",
     "evictions",
@@ -280,9 +280,9 @@ class KVStore(StoreFront):
             key: int or str, or a list of them.
             value: a SparseTable, or an array (NumPy / DLPack) for a dense
                 key; a list matching a list of keys. A float16 or bfloat16
-                array makes a dense key stored in that dtype (issue 12: the
-                optimizer runs in float32, each update rounds once; pulls
-                return that dtype); other float dtypes are stored as float32.
+                array makes a dense key stored in that dtype (the optimizer
+                runs in float32, each update rounds once; pulls return that
+                dtype); other float dtypes are stored as float32.
 
         Raises:
             DuplicateKey: the key was initialized already, differently (an
@@ -353,7 +353,7 @@ class KVStore(StoreFront):
                 (where `defers_pulls`; else once pulled); its ``wait()``
                 fills the outputs and returns them. The pull reads the rows
                 as of when it was sent: a push sent after it does not change
-                them. (The torch adapter's prefetch: issue 10.)
+                them. (The torch adapter's prefetch relies on this.)
 
         Returns:
             The output array (or list of them); a `PendingPull` with wait=False.
@@ -423,7 +423,7 @@ class KVStore(StoreFront):
                 at exit (a failure logged). A pull after the push still reads
                 what it wrote.
                 The arrays pushed must not change until then. (The torch
-                adapter's ``push_together(kv, wait=False)``: issue 10.)
+                adapter's ``push_together(kv, wait=False)`` relies on this.)
 
         Raises:
             NonFiniteGradient: NaN/inf in a gradient (nothing applied).
@@ -521,7 +521,7 @@ class KVStore(StoreFront):
         return self.pull(key, out, priority)
 
     def assign(self, key, value) -> None:
-        """Writes rows of sparse table(s) verbatim, at any time (issue 12).
+        """Writes rows of sparse table(s) verbatim, at any time.
 
         No optimizer runs and admission does not count the rows: what MXNet's
         ``init`` of a key's value does, and what restoring weights needs.
@@ -665,7 +665,7 @@ class KVStore(StoreFront):
         """Restores what save_optimizer_states wrote (the keys must be initialized)."""
         self._optimizer_file.load(fname)
 
-    # -- checkpoints and export (issue 5; format: docs/checkpoint-format.md) --------------
+    # -- checkpoints and export (format: docs/checkpoint-format.md) -----------------------
 
     def save(self, path=None, incremental: bool = False) -> int:
         """Writes a checkpoint of every table into directory path; returns its number.
@@ -801,7 +801,7 @@ class KVStore(StoreFront):
                 total = totals.setdefault(name, {"kind": table["kind"], "rows": 0, "bytes": 0})
                 total["rows"] += table["rows"]
                 total["bytes"] += table["bytes"]
-                # Admission/eviction counters of sparse tables (issue 5).
+                # Admission/eviction counters of sparse tables.
                 for field in _POLICY_COUNTERS:
                     if field in table:
                         total[field] = total.get(field, 0) + table[field]

@@ -35,11 +35,11 @@ class LocalBackend:
 
     Threads: safe to call from several threads at once. Every method runs
     under one lock, because the C++ table is not thread-safe and the bridge
-    releases the GIL inside each table call (issue 11: a local store used
-    from 4 threads crashed). The GIL stays released inside the C++ work, so
-    other Python threads keep running; the store's own preparation (id
-    planning, summing duplicate rows, gathering pulled rows) runs outside
-    this lock, in parallel.
+    releases the GIL inside each table call (a local store used from 4
+    threads crashed). The GIL stays released inside the C++ work, so other
+    Python threads keep running; the store's own preparation (id planning,
+    summing duplicate rows, gathering pulled rows) runs outside this lock,
+    in parallel.
     """
 
     num_shards = 1
@@ -63,7 +63,7 @@ class LocalBackend:
 
     @_serialized
     def init_dense(self, table_id, name, values, dtype="float32"):
-        """Creates the dense key holding values (stored in dtype, issue 12)."""
+        """Creates the dense key holding values (stored in dtype)."""
         self.state.create_dense(table_id, name, values, dtype)
 
     @_serialized
@@ -119,8 +119,8 @@ class LocalBackend:
 
     def push_sparse(self, items, wait=True):
         """items: [(table_id, keys, offsets, summed rows[, wire_dtype])]; rows of a 16-bit
-        wire dtype are widened as a server widens them. All of them or none (issue 11).
-        Applied before it returns, whatever wait says (nothing to wait for in process)."""
+        wire dtype are widened as a server widens them. All of them or none. Applied
+        before it returns, whatever wait says (nothing to wait for in process)."""
         del wait
         self.clock += 1
         pushes = []
@@ -135,7 +135,7 @@ class LocalBackend:
         self.state.counters.requests += 1
         for table_id, keys, rows in pushes:
             self.state.check_sparse_push(table_id, keys, rows)
-        # All the tables or none, as a server applies a request (issue 11).
+        # All the tables or none, as a server applies a request.
         self.state.push_sparse_tables([(t, keys, rows, False) for t, keys, rows in pushes])
 
     @_serialized
@@ -147,7 +147,7 @@ class LocalBackend:
 
     @_serialized
     def push_dense(self, items, wait=True):
-        """items: [(table_id, flat gradient)]: all of them or none (issue 11); applied
+        """items: [(table_id, flat gradient)]: all of them or none; applied
         before it returns, whatever wait says."""
         del wait
         self.clock += 1

@@ -1,4 +1,4 @@
-"""Saves on a timer while training runs, with bounded delta chains (issue 13).
+"""Saves on a timer while training runs, with bounded delta chains.
 
 ``kvsparse launch --checkpoint-dir DIR --save-every S [--keep N]`` gives the
 workers ``KVSPARSE_SAVE_EVERY`` / ``KVSPARSE_SAVE_KEEP``; rank 0's store

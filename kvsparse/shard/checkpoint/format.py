@@ -30,12 +30,12 @@ from kvsparse.shard.checkpoint.files import AtomicFile
 FORMAT = "kvsparse-checkpoint"
 # 2: tables record their initializer's stream version (kvsparse.initializers: the v2
 # streams give unseen ids other rows than v1). Version 1 files are read as stream v1.
-# 3: sparse tables carry their admission candidates (issue 11, defect 12); files of
+# 3: sparse tables carry their admission candidates; files of
 # versions 1 and 2 have none, and load with none.
 # 4: sparse blocks of tables with an eviction policy carry each row's touch count and last
 # step ("meta"); sections record the spec the table was created with ("init_spec") when a
 # set_optimizer(key=...) gave it its own optimizer since; a server's file holds its resend
-# records, rank 0's set_optimizer calls and the job's configuration ("server") (issue 11).
+# records, rank 0's set_optimizer calls and the job's configuration ("server").
 VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
 MAGIC = b"KVSPCKPT"
@@ -49,7 +49,7 @@ PROGRESS_ROWS = 1_000_000  # a tqdm bar for files with at least this many rows
 
 
 # Defined with the other error classes so that it crosses the wire (and a forked
-# writer's pipe) as itself, not as ServerError or InvalidArgument (issue 11).
+# writer's pipe) as itself, not as ServerError or InvalidArgument.
 CheckpointError = errors.CheckpointError
 
 

@@ -76,7 +76,7 @@ def write_shard_file(state: ShardState, final_path: str, *, since: int | None, i
             **info,
             "kind": "full" if since is None else "delta",
             "default_optimizer": state.default_optimizer,
-            # Wall time of the newest push this file holds (issue 13: freshness), or None.
+            # Wall time of the newest push this file holds (freshness), or None.
             "newest_push": state.newest_push,
             "sparse": [],
             "dense": [],
@@ -87,12 +87,12 @@ def write_shard_file(state: ShardState, final_path: str, *, since: int | None, i
             if since is not None:
                 section["removed"] = writer.removed_block(entry.table.removed_since(since))
             # Whole in every delta too (they are not stamped with epochs): a restarted
-            # server that lost them drops the push that admits an id (issue 11, defect 12).
+            # server that lost them drops the push that admits an id.
             section["candidates"] = writer.candidates_block(*entry.table.candidates())
             # Rows are stamped with epochs >= 1: since 0 is every row.
             # Buffers reused: each block is written out before the next is read.
             # The rows' touch counts and last steps, for a table whose eviction ranks by them:
-            # a restarted server evicts what the old one would have (issue 11).
+            # a restarted server evicts what the old one would have.
             tracks_meta = entry.table.tracks_row_meta
             for keys, values, slots, steps in entry.table.iter_state(since or 0, BLOCK_ROWS, True):
                 meta = entry.table.read_row_meta(keys) if tracks_meta else None
@@ -112,7 +112,7 @@ def write_shard_file(state: ShardState, final_path: str, *, since: int | None, i
                     "optimizer": entry.optimizer_spec,
                     "own_optimizer": entry.own_optimizer,
                     "step": int(entry.step),
-                    # Issue 12, a per-key field (absent: float32) read by any version.
+                    # A per-key field (absent: float32) read by any version.
                     **({} if entry.dtype == "float32" else {"dtype": entry.dtype}),
                     **block,
                 }
@@ -303,7 +303,7 @@ def load_shard_state(state: ShardState, path: str, shard_index: int, num_shards:
 
     All or nothing: the checkpoint is read into a new ShardState (`read_shard_state`)
     that replaces state's tables only once complete; a missing or corrupt file
-    leaves state as it was (issue 11, defect 6). Not thread-safe: it replaces
+    leaves state as it was. Not thread-safe: it replaces
     every table of state.
 
     Returns:
