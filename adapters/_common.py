@@ -14,9 +14,9 @@ from kvsparse.arrays import table_dtype
 from kvsparse.table import SparseTable
 
 # One lock per store, shared by all adapters. A KVStore is safe to call from
-# several threads (issue 11); the adapters still take this lock around their
-# calls, which come from threads of their own (a prefetch) or of the framework
-# (JAX and TensorFlow host callbacks), so that a check and the call it guards
+# several threads; the adapters still take this lock around their calls, which
+# come from threads of their own (a prefetch) or of the framework (JAX and
+# TensorFlow host callbacks), so that a check and the call it guards
 # (ensure_table's lookup and init) run as one.
 _store_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _store_locks_guard = threading.Lock()
@@ -82,10 +82,10 @@ def check_trainable(kv, key) -> None:
 
     With no optimizer (neither ``SparseTable(optimizer=...)`` nor
     ``kv.set_optimizer``) a push replaces the rows by the pushed values: an
-    adapter's backward would silently overwrite the table with its gradients
-    (issue 11). Adapters call this before every gradient push. A table whose
-    optimizer this store cannot know (keys learned from a checkpoint) passes.
-    Safe to call from several threads at once.
+    adapter's backward would silently overwrite the table with its gradients.
+    Adapters call this before every gradient push. A table whose optimizer
+    this store cannot know (keys learned from a checkpoint) passes. Safe to
+    call from several threads at once.
 
     Raises:
         kvsparse.errors.InvalidArgument: the table has no optimizer.
@@ -117,7 +117,7 @@ class TableOptions:
     seed: int = 0
     partitioner: object = None
     nonfinite: str = "raise"
-    # The table's storage dtype (issue 12): a name or a framework dtype; None: float32.
+    # The table's storage dtype: a name or a framework dtype; None: float32.
     dtype: object = None
 
     def ensure(self, kv, key, embedding_dim=None) -> int:

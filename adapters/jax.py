@@ -152,7 +152,7 @@ class _Table:
         self.kv = kv
         self.key = key
         self.dim = dim
-        # The table's dtype (issue 12): jnp.float32, float16 or bfloat16 rows.
+        # The table's dtype: jnp.float32, float16 or bfloat16 rows.
         self.dtype = jnp.dtype(kv.key_info(key).dtype)
 
     # JAX may run callbacks on a thread of its own, while the caller's thread

@@ -133,7 +133,7 @@ def mxnet_error_class(cls: type) -> type:
     return mapped
 
 
-# What a pull of a key of each table dtype gives in MXNet (NumPy dtypes; issue 12).
+# What a pull of a key of each table dtype gives in MXNet (NumPy dtypes).
 _MX_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.float32}
 
 
@@ -386,7 +386,7 @@ def _map_optimizer(optimizer, *, warn: bool, lr=None, wd=None) -> optimizers.Opt
         "clip_gradient": _clip(optimizer),
     }
     if getattr(optimizer, "multi_precision", False):
-        # A float32 master copy of float16 / bfloat16 dense keys on the servers (issue 12).
+        # A float32 master copy of float16 / bfloat16 dense keys on the servers.
         common["multi_precision"] = True
     # learning_rate: the lr_scheduler's rate at the optimizer's num_update, if it has one.
     lr = float(optimizer.learning_rate if lr is None else lr)
@@ -489,13 +489,13 @@ class _ServerOptimizer:
     and a change of its settings after that gets a warning. A key whose
     learning rate or weight decay differs from the optimizer's (Gluon's
     ``lr_mult`` / ``wd_mult``, MXNet's ``wd_mult`` 0 for biases) gets its own
-    optimizer on the servers, with its own lr and wd (issue 12); a key
-    initialized later gets its own when it is initialized. A change of the
-    learning rate (``Trainer.set_learning_rate``, ``optimizer.set_learning_rate``,
-    an ``lr_scheduler``, which counts the pushes of each key as MXNet's updater
+    optimizer on the servers, with its own lr and wd; a key initialized later gets
+    its own when it is initialized. A change of the learning rate
+    (``Trainer.set_learning_rate``, ``optimizer.set_learning_rate``, an
+    ``lr_scheduler``, which counts the pushes of each key as MXNet's updater
     counts its updates) reaches the servers before the next push as
-    ``kv.set_learning_rate``: every optimizer state stays. Not safe to call
-    from several threads at once (its store is not).
+    ``kv.set_learning_rate``: every optimizer state stays. Not safe to call from
+    several threads at once (its store is not).
 
     Args:
         store: the kvsparse.KVStore underneath.
@@ -663,7 +663,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
         self._server_optimizer = _ServerOptimizer(store)
         self._keys: list = []  # in init order
         self._compression = None  # a GradientCompression, after set_gradient_compression
-        # Storage dtype of the sparse tables init() makes from now on (issue 12); None:
+        # Storage dtype of the sparse tables init() makes from now on; None:
         # the weight's own (float16 weights make float16 tables).
         self.table_dtype = None
 
@@ -747,7 +747,7 @@ class KVSparseStore(StoreFront, _NativeKVStore):
                 raise errors.ShapeError(
                     f"key {k!r}: a sparse weight must be 2-D (rows, dim), got {value.shape}"
                 )
-            # A float16 weight makes a float16 table (issue 12), as MXNet keeps its dtype;
+            # A float16 weight makes a float16 table, as MXNet keeps its dtype;
             # kv.table_dtype = 'float16' stores float32 weights' tables in float16 (pulls
             # into the float32 weights widen, exactly).
             dtype = np.dtype(value.dtype).name

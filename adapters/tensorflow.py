@@ -311,7 +311,7 @@ class Embedding(keras.layers.Layer):
                     f"Embedding {key!r} without a store needs embedding_dim"
                 )
             self.embedding_dim = int(embedding_dim)
-            # The table's storage dtype (issue 12); rows come out in it.
+            # The table's storage dtype; rows come out in it.
             self.table_dtype = tf.as_dtype(table_dtype_name(table_dtype or "float32"))
         else:
             self.embedding_dim = int(embedding_dim) if embedding_dim is not None else None
@@ -342,8 +342,8 @@ class Embedding(keras.layers.Layer):
             options = dataclasses.replace(options, dtype=self.table_dtype.name)
         dim = options.ensure(kv, self.key, self.embedding_dim)
         self.embedding_dim = dim
-        # The table's storage dtype (issue 12); rows come out in it (bfloat16 is pulled as
-        # float32 and cast, exactly: NumPy has no bfloat16 TF could adopt through DLPack).
+        # The table's storage dtype; rows come out in it (bfloat16 is pulled as float32
+        # and cast, exactly: NumPy has no bfloat16 TF could adopt through DLPack).
         self.table_dtype = tf.as_dtype(kv.key_info(self.key).dtype)
         self.kv = kv
 

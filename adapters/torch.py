@@ -84,7 +84,7 @@ class _PrefetchThread:
 
     One per store, started by its first prefetch and ended when the store is
     garbage-collected: a thread started per prefetch cost the training thread
-    about 0.4 ms a step (issue 10, benchmarks/end_to_end.py's profile).
+    about 0.4 ms a step (benchmarks/end_to_end.py's profile).
     """
 
     def __init__(self):
@@ -175,7 +175,7 @@ class _BackgroundPull(_PullOutcome):
 
 
 class _DeferredPull(_PullOutcome):
-    """A pull sent from the calling thread and read when its rows are wanted (issue 10).
+    """A pull sent from the calling thread and read when its rows are wanted.
 
     Where the store defers pulls (`kvsparse.KVStore.defers_pulls`): the
     requests go out now, behind the step's push, and the servers answer while
@@ -287,7 +287,7 @@ class _SparseRows(torch.autograd.Function):
         return None, None, None
 
 
-# The torch dtype of each table dtype (issue 12), and back (`torch_dtype`, `TORCH_DTYPES`).
+# The torch dtype of each table dtype, and back (`torch_dtype`, `TORCH_DTYPES`).
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -304,7 +304,7 @@ class _Lookup:
         self.key = key
         self.dim = dim
         self.padding_idx = padding_idx
-        self.dtype = dtype  # the table's: rows come out in it (issue 12)
+        self.dtype = dtype  # the table's: rows come out in it
         self.prefetched: _Prefetch | None = None
         self.prefetch_hits = 0
         self.prefetch_misses = 0
@@ -355,7 +355,7 @@ class _Lookup:
         # A contiguous gradient reaches the store as the same memory (DLPack);
         # only an odd layout (an expanded or transposed gradient) is copied.
         grad = grad.contiguous()
-        # The ids the forward pulled: the store reuses that pull's plan (issue 10),
+        # The ids the forward pulled: the store reuses that pull's plan,
         # unless padding ids are dropped here, which makes them another batch.
         if self.padding_idx is not None:
             keep = ids != self.padding_idx
@@ -546,7 +546,7 @@ def push_together(kv, wait: bool = True):
     """Within the block, the modules' backward pushes to kv go out as one push at its end.
 
     A step's tables then cost one request per server instead of one per table
-    (issue 10: the DeepFM example's two tables, 4 exchanges a step -> 2 with
+    (the DeepFM example's two tables, 4 exchanges a step -> 2 with
     `prefetch_together`). A table pushed twice in the block (a module called
     twice) gets one push of the summed gradients. If the block raises, nothing
     is pushed. On a synchronous store every worker must use the same blocks.
@@ -556,9 +556,9 @@ def push_together(kv, wait: bool = True):
     wait=False)``); the servers' acknowledgements are collected by the
     store's next call, typically the `prefetch` of the next batch, which then
     pulls rows that include this push. The training thread no longer waits
-    for them (issue 10: about 0.8 ms a step of the MovieLens DeepFM). A
-    failure the servers report (a worker that left, a server gone) is then
-    raised by that next call: with a prefetch, by the next forward.
+    for them (about 0.8 ms a step of the MovieLens DeepFM). A failure the
+    servers report (a worker that left, a server gone) is then raised by
+    that next call: with a prefetch, by the next forward.
 
     Raises:
         kvsparse.errors.InvalidArgument: a block for kv is already open, or a
@@ -585,7 +585,7 @@ def prefetch_together(modules, ids) -> None:
     """Starts one background pull of the next batch's rows for several modules at once.
 
     As each module's `prefetch(ids)`, but their tables go out in one request
-    per server (issue 10). `ids` is one tensor for every module, or one per
+    per server. `ids` is one tensor for every module, or one per
     module. The modules must share one store.
 
     Raises:
@@ -980,7 +980,7 @@ class DenseGradientSync:
         if self.kv.num_workers == 1:
             # The mean over one worker is its own gradient: the push and pull would only
             # send it to the servers and back (2 of the 6 round trips of a MovieLens step,
-            # benchmarks/end_to_end.py profile, issue 10).
+            # benchmarks/end_to_end.py profile).
             with torch.no_grad():
                 for p in self.parameters:
                     if p.grad is None:
