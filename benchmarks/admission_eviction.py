@@ -1,4 +1,4 @@
-"""Cost of admission and eviction on one shard's table (issue 5).
+"""Cost of admission and eviction on one shard's table.
 
 Fills a table to max_rows, then pushes batches of new ids so that every push
 evicts a batch (LFU and LRU), and times TTL sweeps and the per-row metadata

@@ -1,4 +1,4 @@
-"""Benchmark: W1 with 2 workers, colocated (issue 14) against 2 workers + 2 servers.
+"""Benchmark: W1 with 2 workers, colocated against 2 workers + 2 servers.
 
 Workload W1 of benchmarks/pull_push.py (one table of dim 64, float32, Adagrad;
 batches of 65,536 ids drawn Zipf(1.1) over 10^8 ids; a step is

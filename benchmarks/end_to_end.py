@@ -23,7 +23,7 @@ run, side by side:
 - dist_sparse_ipc: dist_sparse with the servers on ipc:// sockets (what `kvsparse launch`
                 gives on one host): rows through the worker's shared memory.
 - dist_sparse_push_wait: the same, but each push waits for its acknowledgements in the
-                training thread (``push_together(kv)``, the loop before issue 10's wait=False).
+                training thread (``push_together(kv)``, the loop before ``wait=False``).
 - dist_sparse_per_table: the same, one push and one prefetch per table (the loop
                 before `push_together` / `prefetch_together`: 4 exchanges a step, not 2).
 - dist_sparse_nofast: dist_sparse with servers that serve every request in Python

@@ -1,4 +1,4 @@
-"""Server CPU per small request, serving fast path on vs off (issue 10).
+"""Server CPU per small request, serving fast path on vs off.
 
 One worker (this process) runs row_sparse_pull + push of 512 ids (of 100,000) of a dim-16
 Adagrad table on one ``python -m kvsparse.server`` subprocess (ASP), the e2e-shaped loop;

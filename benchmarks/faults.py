@@ -74,7 +74,8 @@ saved_once = False
 
 
 def save(step):
-    # Deltas after the first full checkpoint, as long jobs do (and defect 15 needs).
+    # Deltas after the first full checkpoint, as long jobs do (a save that fails must
+    # not become the next delta's parent).
     global saved_once
     say(saving=step)
     try:

@@ -1,4 +1,4 @@
-"""Plan once per step (issue 10): a local-store step with and without plan reuse.
+"""Plan once per step: a local-store step with and without plan reuse.
 
 A step is row_sparse_pull(key, row_ids=ids) then push(key, (ids, grads)) of the same
 batch: W1's table (dim 64, Adagrad, Normal(0, 0.01)) on kvsparse.create('local'), batches

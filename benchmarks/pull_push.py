@@ -25,15 +25,15 @@ time). In the same run, side by side:
                 call, so this row is compared with dist_sparse_ipc, not with them.
 - dist_sparse_fp16, dist_sparse_bf16: dist_sparse over tcp with
                 ``wire_dtype='float16'`` / ``'bfloat16'``: pulled rows and pushed
-                gradients travel as 16-bit values (issue 10); the tables stay float32.
+                gradients travel as 16-bit values; the tables stay float32.
 - adapter_*:    W1 through kvsparse's PyTorch / TensorFlow / MXNet adapters
                 (benchmarks/peers/adapters.py), each in its own process on 2 fresh servers,
                 as a ratio to the same process driving the store with NumPy first.
 - dist_sparse_2w, colocated_2w: W1 with 2 workers under BSP, each on its own batches
                 (benchmarks/colocated.py's jobs): 2 workers + 2 servers, against 2
-                colocated workers hosting a shard each (issue 14); rows/s per worker
-                (the mean of the two), the ratio colocated_2w / dist_sparse_2w, and the
-                share of each colocated worker's rows served in process. Their tables use
+                colocated workers hosting a shard each; rows/s per worker (the mean of
+                the two), the ratio colocated_2w / dist_sparse_2w, and the share of each
+                colocated worker's rows served in process. Their tables use
                 colocated.py's settings (the default Uniform initializer, cold).
 
 Peers with fixed-size tables (torch_rpc, mxnet_pslite) get the ids folded into a 2M-row
@@ -132,7 +132,7 @@ DESCRIPTIONS = {
     "adapter_tensorflow": "kvsparse.adapters.tensorflow.Embedding forward+backward",
     "adapter_mxnet": "mx.kv.create('dist_sparse') row_sparse_pull + push, row_sparse",
     "dist_sparse_2w": "2 workers (BSP, own batches) + 2 servers; rows/s per worker",
-    "colocated_2w": "2 colocated workers, a shard in each (issue 14); rows/s per worker",
+    "colocated_2w": "2 colocated workers, a shard in each; rows/s per worker",
 }
 SERVER_LINE = r"kvsparse server listening on ((?:tcp|ipc)://\S+)"
 RAW_LINE = r"raw zmq server listening on (tcp://\S+)"
@@ -931,8 +931,8 @@ def parse_args(argv=None):
     return args
 
 
-# W1 with 2 workers (issue 14): benchmarks/colocated.py's jobs, each worker on its own
-# batches (worker r takes batches r, r + 2, ...) of a workload twice as long as the others'.
+# W1 with 2 workers: benchmarks/colocated.py's jobs, each worker on its own batches (worker
+# r takes batches r, r + 2, ...) of a workload twice as long as the others'.
 TWO_WORKER_SYSTEMS = {"dist_sparse_2w": "dist_sparse", "colocated_2w": "colocated"}
 
 

@@ -1,4 +1,4 @@
-"""Serving replica benchmark (issue 13): lookup latency idle and while deltas land; freshness.
+"""Serving replica benchmark: lookup latency idle and while deltas land; freshness.
 
 One ``kvsparse serve --follow`` process serves a table of --rows rows (dim
 --dim) saved by a local store in this process. Measured, in one run:
@@ -20,14 +20,14 @@ What a delta window adds is the replica's apply and nothing else. The
 deltas are pushed and saved before any measurement, then their manifests are
 held back in a side directory (a checkpoint exists once its manifest does);
 a delta lands when its manifest is renamed back, and the next one once the
-lookup replies carry the previous one's sequence number. Before this (issue
-13), the trainer pushed and saved in this process while it measured: its
-push, its save and its /healthz polling took the measuring client's GIL and
-a core of the machine, which a training job on other machines does not; on
-a 2-core machine that alone made the ZeroMQ p99 at batch 64 1.5x worse with
-the replica following nothing.
+lookup replies carry the previous one's sequence number. Before this, the
+trainer pushed and saved in this process while it measured: its push, its
+save and its /healthz polling took the measuring client's GIL and a core of
+the machine, which a training job on other machines does not; on a 2-core
+machine that alone made the ZeroMQ p99 at batch 64 1.5x worse with the
+replica following nothing.
 
-Targets (the issue): freshness p99 <= save interval + 2 s; p99 lookup latency
+Targets: freshness p99 <= save interval + 2 s; p99 lookup latency
 during a delta apply <= 3x its idle p99; zero failed lookups.
 
 Run: ``python benchmarks/serving.py`` (writes benchmarks/results/serving.json).

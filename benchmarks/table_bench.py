@@ -8,15 +8,15 @@ For 100k-key batches at dims 8 and 64 it times:
 and the table's memory against the raw bytes of its content (keys + values +
 Adagrad slot). Ratios > 1 mean kvsparse is faster.
 
-Initialization (issue: FillInitialRow was 65% of a server's time): the
-rows/s of a Normal(0, 0.01) initializer (Table.initial_values) against a
-memset of the same bytes (ndarray.fill(0) of a preallocated array: the write
-bandwidth limit) and NumPy's float32 standard_normal of the same count; and
-a pull of unseen ids followed by the push of the same ids (fresh ids on a
-warm table each time). A bounded cache of the rows a pull generated, for the
-push to copy instead of generating again, was measured with this script at
-commit e31a12e and removed: it did not pay (0.61x at dim 8, 0.62x at dim 64,
-1.15x at dim 256, one thread).
+Initialization (FillInitialRow was once 65% of a server's time): the rows/s
+of a Normal(0, 0.01) initializer (Table.initial_values) against a memset of
+the same bytes (ndarray.fill(0) of a preallocated array: the write bandwidth
+limit) and NumPy's float32 standard_normal of the same count; and a pull of
+unseen ids followed by the push of the same ids (fresh ids on a warm table
+each time). A bounded cache of the rows a pull generated, for the push to
+copy instead of generating again, was measured with this script at commit
+e31a12e and removed: it did not pay (0.61x at dim 8, 0.62x at dim 64, 1.15x
+at dim 256, one thread).
 
 Threads: the core uses KVSPARSE_NUM_THREADS (default: the cores); run with
 KVSPARSE_NUM_THREADS=1 for the single-thread figures.
@@ -24,8 +24,8 @@ KVSPARSE_NUM_THREADS=1 for the single-thread figures.
 Run: python benchmarks/table_bench.py [--rows 1000000] [--batch 100000] [--repeat 7]
 Writes benchmarks/results/table_bench.json.
 
-Half-precision tables (issue 12): ``--half-only`` times, for each dim, with
-no optimizer and with Adagrad, tables of float32 / float16 / bfloat16 values
+Half-precision tables: ``--half-only`` times, for each dim, with no
+optimizer and with Adagrad, tables of float32 / float16 / bfloat16 values
 and float32 or 16-bit slots: their bytes (memory_bytes without push scratch)
 against the float32 table's, and lookup / apply_gradients rates beside the
 float32 table's, the same ids and gradients for each. Writes
@@ -288,7 +288,7 @@ def main(argv=None):
     parser.add_argument(
         "--half-only",
         action="store_true",
-        help="only the half-precision tables against float32 (issue 12)",
+        help="only the half-precision tables against float32",
     )
     args = parser.parse_args(argv)
     if args.half_only:

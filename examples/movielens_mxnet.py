@@ -108,7 +108,7 @@ def parse_args(argv=None):
         "--table-dtype",
         default="float32",
         choices=["float32", "float16", "bfloat16"],
-        help="how the servers store the two tables (issue 12); Gluon computes in float32",
+        help="how the servers store the two tables; Gluon computes in float32",
     )
     return parser.parse_args(argv)
 

@@ -1,4 +1,4 @@
-"""Online learning on MovieLens-100k: train on a stream, serve fresh embeddings (issue 13).
+"""Online learning on MovieLens-100k: train on a stream, serve fresh embeddings.
 
 The 100,000 ratings are replayed in timestamp order as a stream of batches.
 A torch DeepFM (`movielens_torch.DeepFM`: its embedding tables on a kvsparse
