@@ -62,13 +62,15 @@ using namespace wire;  // NOLINT: the generated constants, read as if declared h
 
 // The C++ type each field is read as must have the field's width in protocol.HEADER /
 // ITEM_DTYPE: a changed format then fails the build here instead of misreading the wire.
-static_assert(kHeaderVersionBytes == sizeof(uint16_t) && kHeaderOpBytes == sizeof(uint16_t) &&
-                  kHeaderFlagsBytes == sizeof(uint32_t) && kHeaderStatusBytes == sizeof(uint32_t) &&
+static_assert(kHeaderMagicBytes == kWireMagicSize && kHeaderVersionBytes == sizeof(uint16_t) &&
+                  kHeaderOpBytes == sizeof(uint16_t) && kHeaderFlagsBytes == sizeof(uint32_t) &&
+                  kHeaderStatusBytes == sizeof(uint32_t) &&
                   kHeaderRequestIdBytes == sizeof(uint64_t) &&
-                  kHeaderClientIdBytes == sizeof(uint64_t) && kHeaderRankBytes == sizeof(int32_t) &&
-                  kHeaderNumItemsBytes == sizeof(uint32_t) && kHeaderClockBytes == sizeof(int64_t) &&
+                  kHeaderClientIdBytes == sizeof(uint64_t) &&
+                  kHeaderRankBytes == sizeof(int32_t) && kHeaderNumItemsBytes == sizeof(uint32_t) &&
+                  kHeaderClockBytes == sizeof(int64_t) &&
                   kHeaderNumFramesBytes == sizeof(uint32_t) &&
-                  kHeaderIncarnationBytes == sizeof(uint32_t) && kHeaderMagicBytes == kWireMagicSize,
+                  kHeaderIncarnationBytes == sizeof(uint32_t),
               "the header fields serve_loop.cc reads have the widths of protocol.HEADER");
 static_assert(kItemTableIdBytes == sizeof(uint64_t) && kItemCountBytes == sizeof(int64_t) &&
                   kItemDimBytes == sizeof(int32_t) && kItemFlagsBytes == sizeof(uint32_t),
@@ -280,7 +282,8 @@ bool FastServeLoop::ParseHeader(Header* header) {
   header->num_items = Read<uint32_t>(data, kHeaderNumItemsOffset);
   header->clock = Read<int64_t>(data, kHeaderClockOffset);
   header->num_frames = Read<uint32_t>(data, kHeaderNumFramesOffset);
-  return Read<uint16_t>(data, kHeaderVersionOffset) == kWireVersion && (header->flags & ~kKnownFlags) == 0 &&
+  return Read<uint16_t>(data, kHeaderVersionOffset) == kWireVersion &&
+         (header->flags & ~kKnownFlags) == 0 &&
          Read<uint32_t>(data, kHeaderStatusOffset) == 0 &&
          Read<uint32_t>(data, kHeaderIncarnationOffset) == 0 &&
          header->num_items <= kMaxItems && header->num_frames <= kMaxFrames &&
@@ -329,7 +332,8 @@ bool FastServeLoop::ParseItems(const Header& header, size_t frames_per_item,
     item.dim = Read<int32_t>(at, kItemDimOffset);
     item.flags = Read<uint32_t>(at, kItemFlagsOffset);
     if (item.count < 0 || item.dim < 0 || item.dim > kWireMaxDim ||
-        (item.flags & ~kKnownItemFlags) != 0 || (item.flags >> kItemDtypeShift) > kMaxWireDtypeCode) {
+        (item.flags & ~kKnownItemFlags) != 0 ||
+        (item.flags >> kItemDtypeShift) > kMaxWireDtypeCode) {
       return false;
     }
     if (tables_.find(item.table_id) == tables_.end()) return false;
