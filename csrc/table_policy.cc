@@ -3,6 +3,7 @@
 #include "table.h"
 
 #include <cstdint>
+#include <new>
 #include <vector>
 
 #include "table_internal.h"
