@@ -17,6 +17,7 @@
 
 #include "batch.h"
 #include "half.h"
+#include "wire_constants.h"
 
 namespace kvsparse {
 
@@ -53,25 +54,29 @@ bool ZmqApi::Load(const char* path, ZmqApi* api, std::string* error) {
   return complete;
 }
 
-// ---- wire layout (kvsparse/wire/protocol.py) ----------------------------------------
+// ---- wire layout: csrc/wire_constants.h, generated from kvsparse/wire/protocol.py ------
 
 namespace {
 
-constexpr size_t kHeaderSize = 56;
-constexpr size_t kItemSize = 24;
-constexpr uint16_t kVersion = 1;
-constexpr uint16_t kOpPullSparse = 6;
-constexpr uint16_t kOpPushSparse = 7;
-constexpr uint32_t kFlagShared = 4;  // rows in the client's shared segment (FLAG_SHARED)
-constexpr uint32_t kKnownFlags = 1 | 2 | kFlagShared;  // FLAG_DECLARE | FLAG_MONITOR | ...
-constexpr uint32_t kMaxItems = 65536;
-constexpr uint32_t kMaxFrames = 2 * kMaxItems + 2;
-constexpr int32_t kMaxWireDim = 4096;
-constexpr uint32_t kItemFlagStep = 1;
-constexpr uint32_t kItemDtypeShift = 8;
-constexpr uint32_t kKnownItemFlags = kItemFlagStep | (0xFFu << kItemDtypeShift);
-constexpr uint32_t kMaxDtypeCode = 2;  // 0 float32, 1 float16, 2 bfloat16
-constexpr size_t kBatch = 1024;        // messages per hold of the mutex
+using namespace wire;  // NOLINT: the generated constants, read as if declared here
+
+// The C++ type each field is read as must have the field's width in protocol.HEADER /
+// ITEM_DTYPE: a changed format then fails the build here instead of misreading the wire.
+static_assert(kHeaderMagicBytes == kWireMagicSize && kHeaderVersionBytes == sizeof(uint16_t) &&
+                  kHeaderOpBytes == sizeof(uint16_t) && kHeaderFlagsBytes == sizeof(uint32_t) &&
+                  kHeaderStatusBytes == sizeof(uint32_t) &&
+                  kHeaderRequestIdBytes == sizeof(uint64_t) &&
+                  kHeaderClientIdBytes == sizeof(uint64_t) &&
+                  kHeaderRankBytes == sizeof(int32_t) && kHeaderNumItemsBytes == sizeof(uint32_t) &&
+                  kHeaderClockBytes == sizeof(int64_t) &&
+                  kHeaderNumFramesBytes == sizeof(uint32_t) &&
+                  kHeaderIncarnationBytes == sizeof(uint32_t),
+              "the header fields serve_loop.cc reads have the widths of protocol.HEADER");
+static_assert(kItemTableIdBytes == sizeof(uint64_t) && kItemCountBytes == sizeof(int64_t) &&
+                  kItemDimBytes == sizeof(int32_t) && kItemFlagsBytes == sizeof(uint32_t),
+              "the item fields serve_loop.cc reads have the widths of protocol.ITEM_DTYPE");
+
+constexpr size_t kBatch = 1024;  // messages per hold of the mutex
 // Rows written by the lookup straight into a message's buffer only from this size up:
 // smaller messages live inside zmq_msg_t, whose alignment zmq.h does not promise.
 constexpr size_t kDirectRowBytes = 64;
@@ -268,17 +273,19 @@ bool FastServeLoop::ParseHeader(Header* header) {
   ZmqMsg* head = &frames_[1];
   if (zmq_.msg_size(head) != kHeaderSize) return false;
   const auto* data = static_cast<const unsigned char*>(zmq_.msg_data(head));
-  if (std::memcmp(data, "KVSP", 4) != 0) return false;
-  header->request_id = Read<uint64_t>(data, 16);
-  header->client_id = Read<uint64_t>(data, 24);
-  header->op = Read<uint16_t>(data, 6);
-  header->flags = Read<uint32_t>(data, 8);
-  header->rank = Read<int32_t>(data, 32);
-  header->num_items = Read<uint32_t>(data, 36);
-  header->clock = Read<int64_t>(data, 40);
-  header->num_frames = Read<uint32_t>(data, 48);
-  return Read<uint16_t>(data, 4) == kVersion && (header->flags & ~kKnownFlags) == 0 &&
-         Read<uint32_t>(data, 12) == 0 && Read<uint32_t>(data, 52) == 0 &&
+  if (std::memcmp(data, kWireMagic, kWireMagicSize) != 0) return false;
+  header->request_id = Read<uint64_t>(data, kHeaderRequestIdOffset);
+  header->client_id = Read<uint64_t>(data, kHeaderClientIdOffset);
+  header->op = Read<uint16_t>(data, kHeaderOpOffset);
+  header->flags = Read<uint32_t>(data, kHeaderFlagsOffset);
+  header->rank = Read<int32_t>(data, kHeaderRankOffset);
+  header->num_items = Read<uint32_t>(data, kHeaderNumItemsOffset);
+  header->clock = Read<int64_t>(data, kHeaderClockOffset);
+  header->num_frames = Read<uint32_t>(data, kHeaderNumFramesOffset);
+  return Read<uint16_t>(data, kHeaderVersionOffset) == kWireVersion &&
+         (header->flags & ~kKnownFlags) == 0 &&
+         Read<uint32_t>(data, kHeaderStatusOffset) == 0 &&
+         Read<uint32_t>(data, kHeaderIncarnationOffset) == 0 &&
          header->num_items <= kMaxItems && header->num_frames <= kMaxFrames &&
          header->rank >= 0 && header->clock >= 0 &&
          header->num_frames == frames_.size() - 2;
@@ -320,12 +327,13 @@ bool FastServeLoop::ParseItems(const Header& header, size_t frames_per_item,
   for (size_t i = 0; i < num_items; ++i) {
     Item& item = (*items)[i];
     const unsigned char* at = data + i * kItemSize;
-    item.table_id = Read<uint64_t>(at, 0);
-    item.count = Read<int64_t>(at, 8);
-    item.dim = Read<int32_t>(at, 16);
-    item.flags = Read<uint32_t>(at, 20);
-    if (item.count < 0 || item.dim < 0 || item.dim > kMaxWireDim ||
-        (item.flags & ~kKnownItemFlags) != 0 || (item.flags >> kItemDtypeShift) > kMaxDtypeCode) {
+    item.table_id = Read<uint64_t>(at, kItemTableIdOffset);
+    item.count = Read<int64_t>(at, kItemCountOffset);
+    item.dim = Read<int32_t>(at, kItemDimOffset);
+    item.flags = Read<uint32_t>(at, kItemFlagsOffset);
+    if (item.count < 0 || item.dim < 0 || item.dim > kWireMaxDim ||
+        (item.flags & ~kKnownItemFlags) != 0 ||
+        (item.flags >> kItemDtypeShift) > kMaxWireDtypeCode) {
       return false;
     }
     if (tables_.find(item.table_id) == tables_.end()) return false;
@@ -394,18 +402,18 @@ const float* FastServeLoop::AlignedRows(const ZmqMsg* frame, int64_t count, int6
 void FastServeLoop::PackReply(const Header& header, uint32_t num_frames, uint32_t num_items,
                               unsigned char* out) const {
   // protocol.pack_reply: the request's fields, flags and status 0, the incarnation stamped.
-  std::memcpy(out, "KVSP", 4);
-  Write<uint16_t>(out, 4, kVersion);
-  Write<uint16_t>(out, 6, header.op);
-  Write<uint32_t>(out, 8, 0);
-  Write<uint32_t>(out, 12, 0);
-  Write<uint64_t>(out, 16, header.request_id);
-  Write<uint64_t>(out, 24, header.client_id);
-  Write<int32_t>(out, 32, header.rank);
-  Write<uint32_t>(out, 36, num_items);
-  Write<int64_t>(out, 40, header.clock);
-  Write<uint32_t>(out, 48, num_frames);
-  Write<uint32_t>(out, 52, incarnation_);
+  std::memcpy(out, kWireMagic, kWireMagicSize);
+  Write<uint16_t>(out, kHeaderVersionOffset, kWireVersion);
+  Write<uint16_t>(out, kHeaderOpOffset, header.op);
+  Write<uint32_t>(out, kHeaderFlagsOffset, 0);
+  Write<uint32_t>(out, kHeaderStatusOffset, 0);
+  Write<uint64_t>(out, kHeaderRequestIdOffset, header.request_id);
+  Write<uint64_t>(out, kHeaderClientIdOffset, header.client_id);
+  Write<int32_t>(out, kHeaderRankOffset, header.rank);
+  Write<uint32_t>(out, kHeaderNumItemsOffset, num_items);
+  Write<int64_t>(out, kHeaderClockOffset, header.clock);
+  Write<uint32_t>(out, kHeaderNumFramesOffset, num_frames);
+  Write<uint32_t>(out, kHeaderIncarnationOffset, incarnation_);
 }
 
 bool FastServeLoop::SendReply(std::vector<ZmqMsg>* frames) {
@@ -454,7 +462,7 @@ bool FastServeLoop::ServePull(const Header& header, Client* client) {
   for (size_t i = 0; i < num_items && ok; ++i) {
     const Item& item = items_[i];
     const TableEntry& entry = tables_.at(item.table_id);
-    Write<int32_t>(reply_items + i * kItemSize, 16, static_cast<int32_t>(entry.dim));
+    Write<int32_t>(reply_items + i * kItemSize, kItemDimOffset, static_cast<int32_t>(entry.dim));
     const int64_t n = item.count * entry.dim;
     const size_t bytes = static_cast<size_t>(n * ElementBytes(item.flags));
     if (static_cast<int64_t>(bytes) >= track_bytes_) {
@@ -574,7 +582,7 @@ bool FastServeLoop::ServeSharedPull(const Header& header, Client* client,
   std::vector<ZmqMsg> reply(3 + num_items);
   unsigned char* reply_items = StartPullReply(&reply);  // the rows frames stay empty
   for (size_t i = 0; i < num_items; ++i) {
-    Write<int32_t>(reply_items + i * kItemSize, 16,
+    Write<int32_t>(reply_items + i * kItemSize, kItemDimOffset,
                    static_cast<int32_t>(tables_.at(items_[i].table_id).dim));
   }
   SendPullReply(header, client, &reply, started);
@@ -734,9 +742,9 @@ bool FastServeLoop::ServePush(const Header& header, Client* client) {
   auto* head = static_cast<unsigned char*>(zmq_.msg_data(&reply[1]));
   PackReply(header, memory_error ? 1 : 0, 0, head);
   if (memory_error) {
-    // protocol.error_reply of a MemoryError: CapacityError (9, a MemoryError in the worker,
-    // as docs/api.md promises), "MemoryError: <message>".
-    Write<uint32_t>(head, 12, 9);
+    // protocol.error_reply of a MemoryError: CapacityError (a MemoryError in the worker, as
+    // docs/api.md promises), "MemoryError: <message>".
+    Write<uint32_t>(head, kHeaderStatusOffset, kErrorCapacityError);
     const std::string text = "MemoryError: " + memory_message;
     zmq_.msg_init_size(&reply[2], text.size());
     std::memcpy(zmq_.msg_data(&reply[2]), text.data(), text.size());

@@ -165,8 +165,8 @@ cdef PolicyConfig _policy_config(policy) except *:
 cdef object _arg(obj, dtype, int ndim, str name, bint output=False):
     """obj as a C-contiguous ndarray of dtype and ndim, or a kvsparse error naming it.
 
-    Inputs that are not contiguous are copied; outputs must be contiguous and
-    writable, since a copy would silently drop the results.
+    Inputs that are not contiguous or not aligned are copied; outputs must be
+    contiguous, aligned and writable, since a copy would silently drop the results.
     """
     if not isinstance(obj, np.ndarray):
         if output:
@@ -180,6 +180,12 @@ cdef object _arg(obj, dtype, int ndim, str name, bint output=False):
         if output:
             raise errors.ShapeError(f"{name} must be C-contiguous")
         obj = np.ascontiguousarray(obj)
+    if not obj.flags.aligned:
+        # The core reads and writes the elements in place, and a misaligned int64 or float
+        # is undefined behaviour in C++ (np.frombuffer at an odd offset makes one).
+        if output:
+            raise errors.InvalidArgument(f"{name} is not aligned to its dtype")
+        obj = obj.copy()
     if output and not obj.flags.writeable:
         raise errors.InvalidArgument(f"{name} is read-only")
     return obj

@@ -183,3 +183,25 @@ cdef class FastServeLoop:
     def clients(self):
         """The number of clients registered."""
         return self.c_loop.get().clients()
+
+
+from wire_constants cimport kWireConstantCount, kWireConstants, kWireMagic, kWireMagicSize
+
+
+def wire_constants():
+    """The wire constants compiled into the C++ fast path, by their Python names.
+
+    Returns a dict: ``"MAGIC"`` (bytes) and every integer of csrc/wire_constants.h
+    (``"HEADER_SIZE"``, ``"Op.PULL_SPARSE"``, ``"FLAG_SHARED"``, ``"HEADER.op.offset"``...),
+    as `kvsparse.wire.generate_cpp.constants` names them. tests/test_wire_constants.py
+    compares it with `kvsparse.wire.protocol`. Thread-safe (reads constants).
+
+    Example:
+        >>> wire_constants()["HEADER_SIZE"]
+        56
+    """
+    cdef int c_index
+    values = {"MAGIC": kWireMagic[:kWireMagicSize]}
+    for c_index in range(kWireConstantCount):
+        values[kWireConstants[c_index].name.decode("ascii")] = kWireConstants[c_index].value
+    return values

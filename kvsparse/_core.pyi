@@ -165,6 +165,9 @@ def assign_marked_rows(
 ) -> None: ...
 
 # The serving fast path (cython_src/serve_loop.pxi)
+# The wire constants compiled into it (csrc/wire_constants.h), by their Python names.
+def wire_constants() -> dict[str, int | bytes]: ...
+
 class ShardLock:
     """The shard mutex (a C++ std::recursive_mutex); acquire waits without the GIL."""
 
