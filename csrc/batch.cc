@@ -139,7 +139,7 @@ inline __attribute__((always_inline)) void AddRowChecked(float* __restrict dst,
 // Each output row is copied from its first input row and added to after: no
 // memset of the output first, which cost a quarter of a W1 push's sum (5.8 MB
 // zeroed, then read again), and the non-finite check of the sums (another
-// pass over them) is proven unneeded from the inputs (issue 10).
+// pass over them) is proven unneeded from the inputs.
 KVSPARSE_BATCH_CLONES
 bool SumRowsByIndex(const float* rows, const int64_t* index, int64_t n, int64_t dim,
                     int64_t num_unique, float* out) {
@@ -250,7 +250,7 @@ void GatherFromShards(const float* const* shard_rows, const int64_t* offsets,
 #if defined(__SSE2__)
   // A large out goes around the caches: it does not fit them, and a plain
   // store first reads each line it writes. W1's pull (65,536 x 64 floats,
-  // 16 MB) gathered in 1.8 ms instead of 2.8 (issue 10).
+  // 16 MB) gathered in 1.8 ms instead of 2.8.
   if (n * static_cast<int64_t>(row_bytes) >= kStreamOutBytes && dim % 4 == 0 &&
       reinterpret_cast<uintptr_t>(out) % 16 == 0) {
     for (int64_t i = 0; i < n; ++i) {

@@ -87,7 +87,7 @@ struct Kernels {
 };
 
 // Portable kernels: branch-free loops the compiler vectorizes (SSE2 on x86-64: about
-// 1.5 ns a value for float16, 0.7 ns for bfloat16, measured on the issue-10 machine).
+// 1.5 ns a value for float16, 0.7 ns for bfloat16, measured on one benchmark machine).
 void NarrowHalfPortable(const float* __restrict values, int64_t n, uint16_t* __restrict out) {
   for (int64_t i = 0; i < n; ++i) out[i] = FloatToHalfBits(values[i]);
 }

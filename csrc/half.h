@@ -1,15 +1,15 @@
 // Half-precision rows on the wire: float32 <-> float16 / bfloat16 conversions.
 //
 // Tables stay float32; a table whose wire dtype is float16 or bfloat16 sends
-// pulled rows and pushed gradients as 16-bit values (issue 10). Narrowing
-// rounds to nearest, ties to even, as an IEEE conversion does: a float16
-// overflows to inf above 65504 (from 65520 up), inf stays inf, and a NaN stays
-// a NaN of the same sign with its quiet bit set and the top of its payload
-// kept. Widening is exact (every 16-bit value is a float32); a NaN keeps its
-// sign and payload and comes out quiet, as IEEE conversions make it. On x86-64
-// CPUs with F16C and AVX2 the conversions use them (chosen at run time); the
-// portable loops elsewhere are branch-free so that the compiler vectorizes
-// them, and give the same bits. Large arrays are split over threads.
+// pulled rows and pushed gradients as 16-bit values. Narrowing rounds to
+// nearest, ties to even, as an IEEE conversion does: a float16 overflows to inf
+// above 65504 (from 65520 up), inf stays inf, and a NaN stays a NaN of the same
+// sign with its quiet bit set and the top of its payload kept. Widening is
+// exact (every 16-bit value is a float32); a NaN keeps its sign and payload
+// and comes out quiet, as IEEE conversions make it. On x86-64 CPUs with F16C
+// and AVX2 the conversions use them (chosen at run time); the portable loops
+// elsewhere are branch-free so that the compiler vectorizes them, and give the
+// same bits. Large arrays are split over threads.
 //
 //   std::vector<uint16_t> wire(n);
 //   kvsparse::NarrowFloats(kvsparse::HalfKind::kFloat16, rows, n, wire.data());
@@ -34,7 +34,7 @@ void NarrowFloats(HalfKind kind, const float* values, int64_t n, uint16_t* out);
 void WidenHalves(HalfKind kind, const uint16_t* halves, int64_t n, float* out);
 
 // NarrowFloats / WidenHalves on the calling thread only: for one table row at
-// a time (issue 12: half-precision tables convert a row per read or write).
+// a time (half-precision tables convert a row per read or write).
 void NarrowFloatsSerial(HalfKind kind, const float* values, int64_t n, uint16_t* out);
 void WidenHalvesSerial(HalfKind kind, const uint16_t* halves, int64_t n, float* out);
 

@@ -83,10 +83,9 @@ struct FreeArray {
 // A buffer reused from call to call: grows (never shrinks), by at least half
 // its size, to hold the largest size asked for. Per-push scratch of a table
 // was a fresh huge-page mapping each time, whose page faults and kernel
-// zeroing cost ~20% of a warm Adagrad push (issue 10); growing to the exact
-// size still remapped on most pushes while a table filled up (each push
-// updates a few more stored rows than the last). Not thread-safe: one owner
-// at a time.
+// zeroing cost ~20% of a warm Adagrad push; growing to the exact size still
+// remapped on most pushes while a table filled up (each push updates a few
+// more stored rows than the last). Not thread-safe: one owner at a time.
 //
 // Example:
 //   ScratchArray<float> scratch;
@@ -121,7 +120,7 @@ class ScratchArray {
 // compiler keeps. GCC 12 -O1..-O3 deleted every __builtin_prefetch of
 // EmbeddingTable::UpdateExistingRows, calls to a helper with only prefetches
 // in it included (it counts as a pure function whose result goes unused): a
-// push prefetched nothing (issue 10; found in the disassembly).
+// push prefetched nothing (found in the disassembly).
 inline void PrefetchLine(const void* p) {
 #if defined(__x86_64__) || defined(__i386__)
   asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));

@@ -37,8 +37,8 @@ inline int64_t MaxThreads() {
 // An exception thrown by fn in a worker thread is caught there and rethrown
 // on the calling thread once every range has finished (the first one thrown
 // wins); an exception escaping a std::thread is std::terminate, the whole
-// process (issue 11, defect 8). A worker that cannot be started (no memory
-// for its stack, a thread limit) leaves its range to the calling thread.
+// process. A worker that cannot be started (no memory for its stack, a thread
+// limit) leaves its range to the calling thread.
 template <typename Fn>
 void ParallelFor(int64_t n, int64_t min_per_thread, Fn fn) {
   const int64_t threads = std::min(MaxThreads(), std::max<int64_t>(1, n / min_per_thread));

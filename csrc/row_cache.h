@@ -1,8 +1,8 @@
 // InitialRowCache: the initial rows a table generated recently for ids it
 // does not store, so that a push of those ids copies them instead of
-// generating them a second time (issue 10: a W1 step pulls a batch, then
-// pushes it; about half of its ids are new, and each new row was generated
-// twice, once for the pull's reply and once for the push).
+// generating them a second time (a W1 step pulls a batch, then pushes it;
+// about half of its ids are new, and each new row was generated twice, once
+// for the pull's reply and once for the push).
 //
 // An initial row is a pure function of (initializer, table seed, id), so an
 // entry never goes stale: the cache can only miss, never be wrong. It is

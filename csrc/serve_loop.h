@@ -1,5 +1,5 @@
 // FastServeLoop: a server's PULL_SPARSE and PUSH_SPARSE answered on a C++ thread,
-// without the GIL (issues 10 and 14).
+// without the GIL.
 //
 // The thread owns the reading of the server's ROUTER socket (which pyzmq created,
 // configured and bound). It waits with ::poll on the socket's ZMQ_FD and on a

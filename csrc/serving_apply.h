@@ -1,4 +1,4 @@
-// Writing checkpoint rows into a serving replica's tables (issue 13).
+// Writing checkpoint rows into a serving replica's tables.
 //
 // A serving replica (kvsparse/serving/state.py) stores each table one column
 // wider than its rows: the last column is a marker (1.0 for a stored id), so
