@@ -52,7 +52,7 @@ _OPTIMIZER_FIELDS = (
     "learning_rate", "weight_decay", "rescale_grad", "clip_gradient", "momentum", "nesterov",
     "lr_decay", "epsilon", "initial_accumulator_value", "beta1", "beta2", "lr_power", "l1",
     "l2", "beta", "alpha", "centered", "step_mode", "kind", "formula",
-    # A float32 master copy of 16-bit rows (the table) and dense keys (the shard), issue 12.
+    # A float32 master copy of 16-bit rows (the table) and dense keys (the shard).
     "multi_precision",
 )
 
@@ -226,9 +226,9 @@ cdef class Table:
         seed: the table seed of the deterministic initializer.
         policy: admission/eviction settings (kvsparse.table.policy_of), or None.
         dtype: how values are stored: 'float32' (default), 'float16' or
-            'bfloat16' (issue 12). The interface stays float32: 16-bit rows
-            are widened exactly when read, updated in float32 and rounded to
-            nearest, ties to even, once per write.
+            'bfloat16'. The interface stays float32: 16-bit rows are widened
+            exactly when read, updated in float32 and rounded to nearest, ties
+            to even, once per write.
         slot_dtype: how optimizer slots are stored (same choices); None: float32.
 
     Raises:
@@ -249,8 +249,8 @@ cdef class Table:
 
     cdef EmbeddingTable* _table(self) except NULL:
         # __cinit__ builds the C++ table or raises, so every Table has one: Table.__new__
-        # runs __cinit__ too (issue 11, defect 8: built in __init__, a Table.__new__(Table)
-        # had none and len() segfaulted). Kept as a cheap guard.
+        # runs __cinit__ too (when it was built in __init__, a Table.__new__(Table) had none
+        # and len() segfaulted). Kept as a cheap guard.
         if self.c_table.get() == NULL:
             raise errors.InvalidArgument(
                 "this Table was not initialized: create it as Table(dim, ...)"
@@ -551,7 +551,7 @@ cdef class Table:
             values, slots, steps = self.read_state(keys)
             yield keys, values, slots, steps
 
-    # -- change tracking for incremental checkpoints (issue 5) ------------------------------
+    # -- change tracking for incremental checkpoints ----------------------------------------
 
     @property
     def change_epoch(self):
@@ -646,7 +646,7 @@ cdef class Table:
         cdef EmbeddingTable* c_table = self._table()
         c_table.PruneRemoved(through)
 
-    # -- admission and eviction (issue 5; semantics in csrc/table.h) ------------------------
+    # -- admission and eviction (semantics in csrc/table.h) ---------------------------------
 
     def evict_expired(self):
         """Drops rows (and candidates) untouched for ttl_steps; returns the rows dropped.
@@ -685,7 +685,8 @@ cdef class Table:
     def candidates(self):
         """(keys, counts, last_steps), int64: the ids seen fewer than min_count times.
 
-        For checkpoints (issue 11, defect 12); in no particular order.
+        For checkpoints (a restarted server that lost them would drop the push
+        that admits an id); in no particular order.
 
         Example:
             >>> t = Table(1, policy={"min_count": 3})
@@ -737,7 +738,8 @@ cdef class Table:
     def read_row_meta(self, keys_arg):
         """(touches, last_steps), int64, of stored ids: what eviction ranks rows by.
 
-        Zeros where the policy keeps none. For checkpoints (issue 11). Raises
+        Zeros where the policy keeps none. For checkpoints (so that a
+        restarted server evicts the rows it would have evicted). Raises
         InvalidArgument for an id that is not stored.
 
         Example:
@@ -992,7 +994,7 @@ def gather_from_shards(list shard_rows, offsets_arg, slot_arg,
                              &out[0, 0])
 
 
-# -- 16-bit rows on the wire (csrc/half.h; issue 10) ------------------------------------------
+# -- 16-bit rows on the wire (csrc/half.h) ----------------------------------------------------
 #
 # A table's wire dtype says how its pulled rows and pushed gradients travel: float32, or
 # 16-bit values as uint16 bit patterns. Tables stay float32.

@@ -1,4 +1,4 @@
-# The GIL-free serving fast path (csrc/serve_loop.h; issues 10 and 14), and the shard
+# The GIL-free serving fast path (csrc/serve_loop.h), and the shard
 # mutex it shares with the Python serving thread. Included by _core.pyx.
 from libcpp.memory cimport unique_ptr as _unique_ptr
 from libcpp.string cimport string

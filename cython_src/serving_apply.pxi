@@ -1,4 +1,4 @@
-# A serving replica's writes (issue 13; included at the end of _core.pyx).
+# A serving replica's writes (included at the end of _core.pyx).
 from serving_apply cimport AssignMarkedRows
 
 

@@ -10,7 +10,7 @@ from status cimport Status
 cdef extern from "table.h" namespace "kvsparse" nogil:
     const int64_t kMaxDim
 
-    # Admission and eviction (issue 5).
+    # Admission and eviction.
     cdef enum class EvictionKind(int):
         kLfu
         kLru
@@ -31,7 +31,7 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
 
     Status ValidatePolicy(const PolicyConfig& policy)
 
-    # Storage of values / slots (issue 12).
+    # Storage of values / slots.
     cdef enum class StorageType(int):
         kFloat32
         kFloat16
@@ -89,18 +89,20 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         Status ReserveRows(int64_t rows) except +
         int64_t NextChangedRows(int64_t* cursor, int64_t max_rows, uint32_t since,
                                 int64_t* keys_out, float* values, float* slots, int64_t* steps) except +
-        # Admission and eviction (issue 5).
+        # Admission and eviction.
         int64_t EvictExpired() except +
         void AdvanceStep()
         PolicyStats policy_stats()
-        # Admission candidates for checkpoints (issue 11, defect 12).
+        # Admission candidates for checkpoints (a restarted server that lost them would drop
+        # the push that admits an id).
         int64_t CandidateCount()
         int64_t ReadCandidates(int64_t* keys, int64_t* counts, int64_t* last_steps,
                                int64_t capacity)
         Status WriteCandidates(const int64_t* keys, const int64_t* counts,
                                const int64_t* last_steps, int64_t n) except +
         void ClearCandidates()
-        # Per-row policy metadata for checkpoints (issue 11).
+        # Per-row policy metadata for checkpoints (so that a restarted server evicts the rows
+        # it would have evicted).
         bint TracksRowMeta()
         Status ReadRowMeta(const int64_t* keys, int64_t n, int64_t* touches,
                            int64_t* last_steps) except +
