@@ -11,7 +11,7 @@ class methods:
 - ``decode_reply(header, payload, ...)`` (worker): typed values of a
   successful reply (an error reply is raised by the session before).
 
-Sparse rows may travel as 16-bit values (a table's wire dtype, issue 10;
+Sparse rows may travel as 16-bit values (a table's wire dtype;
 the layout in `kvsparse.wire.protocol`): the server's codecs convert (a
 pull's reply rows are narrowed by ``encode_reply``, a push's rows widened to
 float32 by ``decode_request``, so the server's state sees float32 only); the
@@ -303,7 +303,7 @@ class HelloRequest(NamedTuple):
     rank: int
     num_servers: int
     server_index: int
-    # The worker's shared-memory segment, offered to a server on its host (issue 10):
+    # The worker's shared-memory segment, offered to a server on its host:
     # {"pid", "fd", "bytes", "token"} (protocol module docstring, "Shared memory"); None: none.
     shared: Optional[dict] = None
 
@@ -491,7 +491,7 @@ class InitDenseRequest(NamedTuple):
     name: str
     size: int
     values: Optional[np.ndarray]
-    # What the server stores (issue 12): 'float32', 'float16' or 'bfloat16'.
+    # What the server stores: 'float32', 'float16' or 'bfloat16'.
     dtype: str = "float32"
 
 
@@ -552,15 +552,15 @@ class InitDense(_Codec):
 class SetOptimizerRequest(NamedTuple):
     """SET_OPTIMIZER: an `Optimizer.to_dict()` spec (None: none) and the call's number.
 
-    replay: rank 0 sends its last call again to a restarted server (issue 11,
-    defect 10): recorded as call ``epoch``, applied only if the server's
-    optimizer differs (a restored one keeps its slots).
+    replay: rank 0 sends its last call again to a restarted server: recorded
+    as call ``epoch``, applied only if the server's optimizer differs (a
+    restored one keeps its slots).
     """
 
     spec: Optional[dict]
     epoch: int
     replay: bool = False
-    # The tables it is for (None: the store-wide optimizer; else those tables' own, issue 12).
+    # The tables it is for (None: the store-wide optimizer; else those tables' own).
     table_ids: Optional[list] = None
     # Not None: a learning-rate change (spec None): the optimizers' rate becomes this, and
     # every slot and step stays (`ShardState.set_learning_rate`).
@@ -902,7 +902,7 @@ class AssignSparseRequest(NamedTuple):
 
 
 class AssignSparse(_Codec):
-    """ASSIGN_SPARSE: rows of some keys of sparse tables, written verbatim (issue 12).
+    """ASSIGN_SPARSE: rows of some keys of sparse tables, written verbatim.
 
     No optimizer runs and admission does not count them (`_core.Table.assign`):
     what MXNet's ``init`` of a key does, at any time. Rows travel as float32.
@@ -1148,7 +1148,7 @@ LOOKUP_DEFAULTS = ("zeros", "initializer")
 
 
 class Lookup(_Codec):
-    """LOOKUP: rows of ids from a serving replica (`kvsparse serve`, issue 13).
+    """LOOKUP: rows of ids from a serving replica (`kvsparse serve`).
 
     Request: JSON {"table", "default", "shape"} and the ids, int64, flat.
     Reply: JSON {"dim", "version"} (the checkpoint the rows come from) and

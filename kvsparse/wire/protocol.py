@@ -41,7 +41,7 @@ frames (`WIRE_DTYPE_CODES`: 0 float32, 1 float16, 2 bfloat16, others
 refused; PULL_SPARSE and PUSH_SPARSE only, 0 in every other op); every
 other bit 0.
 
-Row dtype (issue 10): a PULL_SPARSE item's code asks for its rows in that
+Row dtype: a PULL_SPARSE item's code asks for its rows in that
 dtype and the reply's item echoes it; a PUSH_SPARSE item's code says what
 its rows frame holds. A 16-bit rows frame holds count x dim little-endian
 IEEE float16 or bfloat16 values (2 bytes each), rounded to nearest, ties to
@@ -99,7 +99,7 @@ both ends call:
                                                                    version, freshness
     =====================  ======================================  =====================
 
-Shared memory (issue 10, the same-host fast path): a worker on a server's host
+Shared memory (the same-host fast path): a worker on a server's host
 may offer a segment of its memory in HELLO (``"shared": {pid, fd, bytes,
 token}``: a memfd sealed against shrinking that the server opens as
 ``/proc/<pid>/fd/<fd>``, `bytes` long, its first 16 bytes the hex `token`).
@@ -174,12 +174,12 @@ MAX_JSON_BYTES = 64 << 20
 FLAG_DECLARE = 1  # INIT_DENSE from a worker other than rank 0: no values, wait for rank 0's
 # STATS from a monitor (`kvsparse stats`), not a worker: answered without HELLO, uncounted.
 FLAG_MONITOR = 2
-# PULL_SPARSE / PUSH_SPARSE whose rows are in the sender's shared-memory segment (issue 10:
-# the same-host fast path; module docstring, "Shared memory").
+# PULL_SPARSE / PUSH_SPARSE whose rows are in the sender's shared-memory segment (the
+# same-host fast path; module docstring, "Shared memory").
 FLAG_SHARED = 4
 KNOWN_FLAGS = FLAG_DECLARE | FLAG_MONITOR | FLAG_SHARED
 ITEM_FLAG_STEP = 1  # PUSH_SPARSE item: the push counts as a table step even with no keys here
-# Bits 8-15 of an item's flags: the dtype code of its rows frames (issue 10; module docstring).
+# Bits 8-15 of an item's flags: the dtype code of its rows frames (module docstring).
 ITEM_DTYPE_SHIFT = 8
 ITEM_DTYPE_MASK = 0xFF << ITEM_DTYPE_SHIFT
 WIRE_DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -210,15 +210,15 @@ class Op(enum.IntEnum):
     GET_OPTIMIZER_STATES = 11
     LOAD_OPTIMIZER_STATES = 12
     STATS = 13
-    # Rows written verbatim, no optimizer (issue 12: MXNet's init of a key at any time).
+    # Rows written verbatim, no optimizer (MXNet's init of a key at any time).
     ASSIGN_SPARSE = 14
     # A worker closed its store: a normal end, not a departure to warn about.
     GOODBYE = 15
-    # Admission and eviction (issue 5); 20 leaves room for other new ops.
+    # Admission and eviction; 20 leaves room for other new ops.
     EVICT = 20
-    # Checkpoints, loads and inference export (issue 5): a JSON body with an "action".
+    # Checkpoints, loads and inference export: a JSON body with an "action".
     CHECKPOINT = 30
-    # A serving replica's lookups and status (issue 13, `kvsparse serve`): answered
+    # A serving replica's lookups and status (`kvsparse serve`): answered
     # without HELLO by the serving process; a training server refuses them.
     LOOKUP = 40
     SERVING_STATUS = 41
@@ -469,7 +469,7 @@ def parse_items(frame, num_items: int) -> np.ndarray:
     items = frame_array(frame, ITEM_DTYPE, num_items, what="items frame")
     # Checked on Python ints: a request carries a few items, and each NumPy reduction over
     # a field of the structured array cost more than the whole loop (the five of them took
-    # ~80 us a request, issue 10).
+    # ~80 us a request).
     for _, count, dim, flags in items.tolist():
         if count < 0:
             raise errors.ProtocolError("items frame: negative count")
