@@ -7,6 +7,12 @@ Fixtures:
         ``server_factory.processes`` lists the `ServerProcess` objects started.
     module_server_factory: the same, shared by the tests of one module.
 
+Parallel runs: pyproject.toml's pytest options run the suite on 2 xdist processes, a file
+at a time per process (``--dist loadfile``), so a module's shared fixtures start once and
+its tests never overlap one another; files run beside other files. Everything a test
+starts is its own: free ports, tmp_path or `socket_dir`, environments passed to children.
+``-n 0`` runs in one process (`.ci/sanitize` does).
+
 Helpers:
     run_workers(script, servers, num_workers, ...): runs a Python script as
         num_workers processes with KVSPARSE_SERVERS / KVSPARSE_RANK /
@@ -26,6 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 import kvsparse
 from kvsparse.server.listening import LISTENING_PREFIX, read_first_line
@@ -33,6 +40,12 @@ from kvsparse.server.listening import LISTENING_PREFIX, read_first_line
 REPO_ROOT = Path(kvsparse.__file__).resolve().parent.parent
 SERVER_START_TIMEOUT = 30.0
 LISTENING = LISTENING_PREFIX
+
+# No per-example deadline: two test processes share 2 cores with their servers, so the time
+# one example takes measures the machine's load, not the code. The example counts stay
+# whatever each test sets.
+settings.register_profile("kvsparse", deadline=None)
+settings.load_profile("kvsparse")
 
 
 def subprocess_env(extra: dict | None = None) -> dict:

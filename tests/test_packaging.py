@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,3 +110,32 @@ def test_debug_switch_turns_checks_on():
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip().splitlines()[-1] == expected
+
+
+def test_sdist_holds_every_source_the_wheel_is_built_from(tmp_path):
+    # .ci/wheel builds its wheel from the sdist; here, only the listing (no compile): every
+    # file of csrc/ and cython_src/ (headers, .pxd and .pxi included), no build output.
+    tree = tmp_path / "src"
+    shutil.copytree(
+        ROOT,
+        tree,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "dist", "*.so", "*.egg-info", "__pycache__", "*.cpp"
+        ),
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "build", "--sdist", "--no-isolation", "--skip-dependency-check"]
+        + ["--outdir", str(tmp_path / "dist"), str(tree)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (sdist,) = (tmp_path / "dist").glob("kvsparse-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    for folder in ("csrc", "cython_src"):
+        for path in (Path(ROOT) / folder).iterdir():
+            if path.is_file() and path.suffix != ".cpp":
+                assert f"{folder}/{path.name}" in names, f"the sdist lacks {folder}/{path.name}"
+    assert not [name for name in names if name.endswith((".so", ".o", ".cpp"))]
