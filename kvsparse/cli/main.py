@@ -122,12 +122,9 @@ def _launch_parser() -> argparse.ArgumentParser:
         "rows through shared memory; the workers are on this host anyway) or tcp (free ports "
         "on --host; the default with --host or --colocated). See docs/operations.md",
     )
-    parser.add_argument(
-        "--timeout",
-        type=config.SETTINGS["timeout"].argument(),
-        default=None,
-        metavar="SECONDS",
-        help="KVSPARSE_TIMEOUT for the workers: seconds to wait for a server",
+    config.SETTINGS["timeout"].add_argument(
+        parser,
+        "KVSPARSE_TIMEOUT for the workers: seconds to wait for a server",
     )
     parser.add_argument(
         "--staleness",
@@ -144,19 +141,15 @@ def _launch_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="set a variable for the workers (repeatable)",
     )
-    parser.add_argument(
-        "--startup-timeout",
-        type=config.SETTINGS["startup_timeout"].argument(),
+    config.SETTINGS["startup_timeout"].add_argument(
+        parser,
+        "seconds to wait for the servers to answer (default: 60)",
         default=60.0,
-        metavar="SECONDS",
-        help="seconds to wait for the servers to answer (default: 60)",
     )
-    parser.add_argument(
-        "--grace-period",
-        type=config.SETTINGS["grace_period"].argument(),
+    config.SETTINGS["grace_period"].add_argument(
+        parser,
+        "seconds between SIGTERM and SIGKILL when stopping (default: 5)",
         default=5.0,
-        metavar="SECONDS",
-        help="seconds between SIGTERM and SIGKILL when stopping (default: 5)",
     )
     parser.add_argument(
         "--restart-servers",
@@ -172,12 +165,9 @@ def _launch_parser() -> argparse.ArgumentParser:
         help="restarts allowed per server with --restart-servers, per worker with "
         "--restart-workers (default: 3)",
     )
-    parser.add_argument(
-        "--retry-window",
-        type=config.SETTINGS["retry_window"].argument(),
-        default=None,
-        metavar="SECONDS",
-        help="KVSPARSE_RETRY_WINDOW for the workers: how long they retry a restarted server "
+    config.SETTINGS["retry_window"].add_argument(
+        parser,
+        "KVSPARSE_RETRY_WINDOW for the workers: how long they retry a restarted server "
         "(default with --restart-servers or --restart-workers: 120)",
     )
     parser.add_argument(
@@ -187,12 +177,9 @@ def _launch_parser() -> argparse.ArgumentParser:
         help="KVSPARSE_CHECKPOINT_DIR for the workers (kv.save() with no path writes there); "
         "restarted servers restore from it",
     )
-    parser.add_argument(
-        "--save-every",
-        type=config.SETTINGS["save_every"].argument(),
-        default=None,
-        metavar="SECONDS",
-        help="rank 0 saves into --checkpoint-dir on this interval while training runs (full "
+    config.SETTINGS["save_every"].add_argument(
+        parser,
+        "rank 0 saves into --checkpoint-dir on this interval while training runs (full "
         "first, then deltas), for serving replicas (kvsparse serve --follow)",
     )
     parser.add_argument(
@@ -253,12 +240,9 @@ def _launch_parser() -> argparse.ArgumentParser:
         help="where the launchers meet: node 0's host and a free port (:PORT takes the host "
         "from SLURM_JOB_NODELIST; default: DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT if set)",
     )
-    hosts.add_argument(
-        "--rendezvous-wait",
-        type=config.SETTINGS["rendezvous_wait"].argument(),
-        default=None,
-        metavar="SECONDS",
-        help="how long node 0 waits for every launcher to join; one that has not is named "
+    config.SETTINGS["rendezvous_wait"].add_argument(
+        hosts,
+        "how long node 0 waits for every launcher to join; one that has not is named "
         "and the job ends on every host (default: 300)",
     )
     return parser

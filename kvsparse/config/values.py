@@ -257,6 +257,19 @@ class Setting:
         text = None if self.variable is None else _get(environ, self.variable)
         return self.default if text is None else self.parse(text)
 
+    def add_argument(self, parser, help: str, *, default=None) -> None:
+        """Adds this setting's flag to an argparse parser (or group), parsed like its variable.
+
+        default: the value when the flag is not given (None: the caller decides later).
+        """
+        parser.add_argument(
+            self.flag,
+            type=self.argument(),
+            default=default,
+            metavar="SECONDS" if self.kind == "seconds" else "BYTES",
+            help=help,
+        )
+
     def argument(self):
         """An argparse ``type=`` for its flag: the same parser, argparse's error."""
         import argparse

@@ -68,19 +68,15 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
         "error naming it and the server goes on serving. Each defaults to its KVSPARSE_* "
         "variable, else the value shown. Sizes take suffixes: 512MiB, 1GiB.",
     )
-    limits.add_argument(
-        "--max-reply-bytes",
-        type=config.SETTINGS["max_reply_bytes"].argument(),
-        metavar="BYTES",
-        help="largest reply one request may ask for, checked before any work (a pull of N ids "
+    config.SETTINGS["max_reply_bytes"].add_argument(
+        limits,
+        "largest reply one request may ask for, checked before any work (a pull of N ids "
         f"of dim D is N*D*4 bytes) (KVSPARSE_MAX_REPLY_BYTES; default: "
         f"{human_bytes(defaults.max_reply_bytes)})",
     )
-    limits.add_argument(
-        "--max-unread-reply-bytes",
-        type=config.SETTINGS["max_unread_reply_bytes"].argument(),
-        metavar="BYTES",
-        help="replies one connection may leave unread in the server; further pulls are refused "
+    config.SETTINGS["max_unread_reply_bytes"].add_argument(
+        limits,
+        "replies one connection may leave unread in the server; further pulls are refused "
         f"until it reads (KVSPARSE_MAX_UNREAD_REPLY_BYTES; default: "
         f"{human_bytes(defaults.max_unread_reply_bytes)})",
     )
@@ -146,13 +142,11 @@ def _parser() -> argparse.ArgumentParser:
         help="serve every request in Python: no C++ thread answering pulls and pushes "
         "without the GIL (also KVSPARSE_FAST_PATH=0; for comparisons, or to fall back)",
     )
-    parser.add_argument(
-        "--max-message-size",
-        type=config.SETTINGS["max_message_size"].argument(),
-        default=DEFAULT_MAX_MESSAGE_SIZE,
-        metavar="BYTES",
-        help="largest message frame accepted; a bigger one drops the sender's connection "
+    config.SETTINGS["max_message_size"].add_argument(
+        parser,
+        "largest message frame accepted; a bigger one drops the sender's connection "
         f"(default: {DEFAULT_MAX_MESSAGE_SIZE}; -1: no limit)",
+        default=DEFAULT_MAX_MESSAGE_SIZE,
     )
     parser.add_argument(
         "--metrics-port",
