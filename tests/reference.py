@@ -971,7 +971,7 @@ class ReferenceTable:
                 applied += 1
                 continue
             # An update that overflows (inf/NaN from finite values) changes nothing: the
-            # row is put back (skip_nonfinite), or the whole push is undone (issue 11).
+            # row is put back (skip_nonfinite), or the whole push is undone.
             if fresh:
                 del self.rows[key], self.slots[key], self.steps[key]
             else:
@@ -1048,7 +1048,7 @@ class ReferenceTable:
 
 
 class ReferencePolicyTable(ReferenceTable):
-    """``ReferenceTable`` plus feature admission and eviction (issue 5).
+    """``ReferenceTable`` plus feature admission and eviction.
 
     ``policy`` is the dict ``kvsparse._core.Table`` takes (``min_count``,
     ``ttl_steps``, ``max_rows``, ``eviction``, ``evict_every``; 0 means "none"
@@ -1256,7 +1256,7 @@ class _RoundingOptimizer(ReferenceOptimizer):
 
 
 class ReferenceHalfTable(ReferenceTable):
-    """ReferenceTable of a table storing float16 / bfloat16 values (and slots) (issue 12).
+    """ReferenceTable of a table storing float16 / bfloat16 values (and slots).
 
     The rule of csrc/table.h (StorageType): values and slots are widened
     exactly, the optimizer runs in float32, and every write rounds to nearest,

@@ -1,7 +1,7 @@
 """A worker process driven line by line from a test: one JSON command in, one JSON answer out.
 
 Run by tests/test_colocated.py as ``python tests/store_driver.py`` with the
-cluster in its environment: ``KVSPARSE_PEERS`` (colocated, issue 14) or
+cluster in its environment: ``KVSPARSE_PEERS`` (colocated) or
 ``KVSPARSE_SERVERS`` (dist_sparse), plus ``KVSPARSE_RANK`` /
 ``KVSPARSE_NUM_WORKERS``. Either way the store is ``kvsparse.create('dist_sparse')``:
 the training code is the same, only the environment differs. The store is

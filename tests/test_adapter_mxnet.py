@@ -197,7 +197,7 @@ def test_init_errors(kv):
         kv.init(2, [nd.ones((2, 2)), nd.ones((2, 2))])
     kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1))
     kv.push(0, row_sparse({1: [1] * DIM}))
-    # Rows are written verbatim (ASSIGN_SPARSE), so init works once gradients flow (issue 12).
+    # Rows are written verbatim (ASSIGN_SPARSE), so init works once gradients flow.
     kv.init(5, row_sparse({1: [1] * DIM}))
     np.testing.assert_array_equal(dense_rows(kv, 5, [1, 2]), [[1] * DIM, [0] * DIM])
 

@@ -616,7 +616,7 @@ def test_prefetch_error_is_raised_by_the_next_forward_not_in_the_thread(kv, monk
     assert len(failing_threads) == 2
 
 
-# -- one request per server for several tables (issue 10) ----------------------------------
+# -- one request per server for several tables ---------------------------------------------
 
 
 def _two_tables(kv, prefix=""):
@@ -792,7 +792,7 @@ def test_one_prefetch_thread_per_store_runs_every_prefetch(kv):
 
 def test_a_dist_prefetch_is_sent_at_once_and_read_by_the_next_forward(two_servers, monkeypatch):
     """Where the store defers pulls, the prefetch sends its requests from the calling
-    thread and the next forward reads the replies: no prefetch thread (issue 10)."""
+    thread and the next forward reads the replies: no prefetch thread."""
     assert two_servers.defers_pulls
     first, vectors = _two_tables(two_servers, "deferred_prefetch_")
     session = two_servers._backend.session

@@ -1,4 +1,4 @@
-"""Issue 11: the public API under any input: each call matches the reference or changes nothing.
+"""The public API under any input: each call matches the reference or changes nothing.
 
 A hypothesis property drives one `local` store and a NumPy reference with the same calls:
 sparse pushes, `row_sparse_pull` into `out=`, dense pushes and pulls, with random dtypes
@@ -7,7 +7,7 @@ sparse pushes, `row_sparse_pull` into `out=`, dense pushes and pulls, with rando
 (NumPy, torch, TensorFlow). Each call either gives exactly what the reference gives, or
 raises a `kvsparse.errors` error and leaves every table as it was. Values are multiples of
 1/4 in a small range, exact in every accepted dtype, so the comparison is exact.
-(tests/test_hardening.py holds the narrower push-only property of the same issue.)
+(tests/test_hardening.py holds a narrower push-only property of the same kind.)
 """
 
 from __future__ import annotations

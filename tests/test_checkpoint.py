@@ -1,4 +1,4 @@
-"""Checkpoints (issue 5): full and incremental saves, loads with resharding, crashes, corruption.
+"""Checkpoints: full and incremental saves, loads with resharding, crashes, corruption.
 
 Layers: the C++ change tracking through `_core.Table`; the file format and
 the local store in-process; real servers (fork-based saves, kill -9, loading

@@ -1,4 +1,4 @@
-"""CLI and error messages (issue 11, "CLI and errors"): one line, the right class, the real flag."""
+"""CLI and error messages: one line, the right class, the real flag."""
 
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def test_distributed_checkpoint_errors_keep_their_class_and_log_no_traceback(ser
         with pytest.raises(errors.CheckpointError, match="truncated"):
             kv.load(str(tmp_path / "good"))
         assert kv.stats()["shards"][0]["address"]  # still serving (what a failed load leaves
-        # in the tables is issue 11's defect 6, tested with the checkpoints)
+        # in the tables is tested with the checkpoints: a load is all or nothing per store)
     finally:
         kv.close()
     server.stop()

@@ -1,4 +1,4 @@
-"""Colocated mode (issue 14): a shard inside every worker, against dist_sparse with N servers.
+"""Colocated mode: a shard inside every worker, against dist_sparse with N servers.
 
 Every test runs real worker processes on 127.0.0.1 (or Unix sockets in a
 temporary directory): colocated workers host their shards themselves;

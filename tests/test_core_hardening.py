@@ -1,12 +1,12 @@
-"""Issue 11, defects 4, 8 and 17 in the C++ core, through kvsparse._core (and the stores).
+"""Hardening of the C++ core, through kvsparse._core (and the stores).
 
-- 4: a finite gradient whose optimizer update overflows a row (inf/NaN in its values or
+- A finite gradient whose optimizer update overflows a row (inf/NaN in its values or
   slots) is refused as UpdateOverflow and nothing of the push is applied; with
   skip_nonfinite, only the overflowing rows are left alone.
-- 8: a push that runs out of memory changes nothing (no admission, eviction or candidate
+- A push that runs out of memory changes nothing (no admission, eviction or candidate
   count before the failure); ParallelFor carries a worker's exception to the calling
   thread and runs a range inline when a thread cannot be started.
-- 17: a table of a few rows costs a few KiB, not megabytes.
+- A table of a few rows costs a few KiB, not megabytes.
 Each test failed before its fix (see the report of the commit that added it).
 """
 
@@ -371,7 +371,7 @@ def test_a_table_of_one_row_costs_a_few_kib():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_two_hundred_one_row_tables_grow_rss_by_megabytes_not_gigabytes():
-    # Before: 200 one-row tables cost 805 MiB (issue 11, defect 17).
+    # Before: 200 one-row tables cost 805 MiB.
     result = run_python(_MANY_SMALL_TABLES)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])

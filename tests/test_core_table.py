@@ -124,9 +124,9 @@ def test_lookup_does_not_insert():
 @pytest.mark.parametrize("initializer", INITIALIZERS, ids=lambda s: s["kind"])
 @pytest.mark.parametrize("dim", [5, 64])
 def test_push_after_lookup_gives_the_same_bits_as_without(initializer, dim):
-    """Issue 10: a lookup keeps the initial rows it generated for unstored ids, and the push
-    that follows copies them instead of generating them again. The cache is direct-mapped
-    and bounded: ids it lost are generated again. Either way, every bit is as without it."""
+    """A lookup keeps the initial rows it generated for unstored ids, and the push that
+    follows copies them instead of generating them again. The cache is direct-mapped and
+    bounded: ids it lost are generated again. Either way, every bit is as without it."""
     rng = np.random.default_rng(dim)
     optimizer = {"kind": "adagrad", "learning_rate": 0.1}
     pulled = _core.Table(dim, initializer, optimizer, seed=7)
@@ -671,10 +671,10 @@ def test_nonfinite_gradient_skip_leaves_only_those_rows(bad, optimizer):
 
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_a_stored_rows_nonfinite_gradient_late_in_a_large_push_changes_nothing(clip):
-    # A stored row's gradient is checked as the row is updated (issue 10), thousands of
-    # rows into the push here: the rows updated before it are put back, the error names
-    # the first bad id in the push's order (the stored 4000, not the new id after it),
-    # and clipping does not let an inf through.
+    # A stored row's gradient is checked as the row is updated, thousands of rows into the
+    # push here: the rows updated before it are put back, the error names the first bad id
+    # in the push's order (the stored 4000, not the new id after it), and clipping does not
+    # let an inf through.
     dim = 8
     table = _core.Table(
         dim, {"kind": "uniform", "a": -1, "b": 1}, {"kind": "adagrad", "clip_gradient": clip}
@@ -1193,9 +1193,9 @@ def test_memory_bytes_matches_resident_growth():
 
 
 def test_every_table_object_has_its_cpp_table():
-    # The C++ table is built in __cinit__, which Table.__new__ runs too (issue 11, defect 8:
-    # built in __init__, Table.__new__(Table) had none and len() of it segfaulted). There is
-    # no way left to get a Table without one.
+    # The C++ table is built in __cinit__, which Table.__new__ runs too (once built in
+    # __init__, Table.__new__(Table) had none and len() of it segfaulted). There is no way
+    # left to get a Table without one.
     with pytest.raises(TypeError):
         _core.Table.__new__(_core.Table)
     with pytest.raises(errors.InvalidArgument, match="dim"):
@@ -1233,7 +1233,7 @@ sys.exit(3)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_a_cpp_allocation_failure_is_a_memory_error_not_an_abort():
     # A C++ exception crossing the Cython boundary without `except +` is std::terminate:
-    # the whole process (a server) aborts (issue 11, defect 8).
+    # the whole process (a server) aborts.
     env = {**os.environ, "KVSPARSE_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-c", _OUT_OF_MEMORY], env=env, capture_output=True, timeout=120
@@ -1243,7 +1243,7 @@ def test_a_cpp_allocation_failure_is_a_memory_error_not_an_abort():
 
 def test_push_scratch_is_reused_and_counted():
     """Pushes reuse one scratch buffer (a fresh mapping each push cost ~20% of a warm
-    Adagrad push, issue 10); its bytes are part of memory_bytes()."""
+    Adagrad push); its bytes are part of memory_bytes()."""
     table = _core.Table(16, {"kind": "zeros"}, {"kind": "adagrad", "learning_rate": 0.1})
     assert table.scratch_bytes() == 0
     keys = np.arange(1000, dtype=np.int64)
@@ -1264,7 +1264,7 @@ def test_push_scratch_is_reused_and_counted():
 
 
 def test_prefault_ahead_backs_the_next_inserts_memory_and_changes_nothing():
-    """A server's idle-time work (issue 10): after a push that inserted rows, the rows
+    """A server's idle-time work: after a push that inserted rows, the rows
     the next inserts will write are backed with memory (the kernel's zeroing done now,
     not in the next push), at most one chunk past the end; no row changes, and the
     tables go on equal to one that never prefaulted. (That it saves time is the

@@ -92,7 +92,7 @@ def test_any_operation_sequence_gives_the_same_tables(server_sets, data, num_ser
     prefix = f"p{next(_example_ids)}_"
     local = kvsparse.create("local")
     # Rows through the sockets, or through this worker's shared memory (the servers are
-    # on this host; issue 10's same-host path).
+    # on this host: the same-host path).
     shared = data.draw(st.booleans(), "shared_memory")
     dist = kvsparse.create(
         "dist_sparse", servers=server_sets[num_servers], timeout=30, shared_memory=shared

@@ -1,4 +1,4 @@
-"""What a server needs to go on after a crash or a failed checkpoint (issue 11, defects 6, 12-15).
+"""What a server needs to go on after a crash or a failed checkpoint.
 
 Real `kvsparse server` processes: killed during a save and replaced on the
 same port, restarted from a checkpoint (``--restore ... --restarted``), made
@@ -71,7 +71,7 @@ def _sgd_table(dim: int = 2, **policy) -> kvsparse.SparseTable:
     )
 
 
-# -- defect 14: the forked writer keeps no inherited socket ------------------------------------
+# -- the forked writer keeps no inherited socket -----------------------------------------------
 
 
 def test_server_killed_during_a_save_is_replaced_on_its_port_at_once(tmp_path):
@@ -117,7 +117,7 @@ def test_server_killed_during_a_save_is_replaced_on_its_port_at_once(tmp_path):
         _stop(server, replacement)
 
 
-# -- defect 15: a failed save cleans up, and the next delta builds on the last real checkpoint -----
+# -- a failed save cleans up, and the next delta builds on the last real checkpoint ----------------
 
 
 def _push_ids(kv, ids, value: float = 1.0, key: str = "t") -> None:
@@ -162,7 +162,7 @@ def test_save_failed_by_a_full_disk_leaves_no_file_and_the_next_delta_is_accepte
     kv.close()
 
 
-# -- defect 6: a load is all or nothing per store ------------------------------------------------
+# -- a load is all or nothing per store ----------------------------------------------------------
 
 
 def _corrupt_first_block(path: str) -> None:
@@ -206,7 +206,7 @@ def test_load_of_a_corrupt_delta_changes_no_server_and_a_later_init_starts_fresh
     kv.close()
 
 
-# -- defect 12: admission counters are in the checkpoint ----------------------------------------
+# -- admission counters are in the checkpoint ---------------------------------------------------
 
 
 def _restart_from(server: ServerProcess, ckpt: str, index: int = 0, count: int = 1):
@@ -278,7 +278,7 @@ def test_a_format_2_checkpoint_still_loads_without_candidates(tmp_path):
     assert loaded._backend.stats()[0]["tables"]["t"]["candidates"] == 0  # format 2 kept none
 
 
-# -- defect 13: dense keys created after the last checkpoint are created again ---------------------
+# -- dense keys created after the last checkpoint are created again --------------------------------
 
 
 def test_dense_key_created_after_the_checkpoint_is_there_after_a_restart(tmp_path):

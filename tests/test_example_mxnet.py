@@ -24,7 +24,7 @@ def test_gluon_deepfm_on_movielens_reaches_auc_075_with_two_servers_and_two_work
 
 
 def test_the_same_model_with_float16_tables_on_the_servers_learns_as_well():
-    # Issue 12: the two tables stored in float16 (half the bytes), Gluon in float32. One
+    # The two tables stored in float16 (half the bytes), Gluon in float32. One
     # epoch keeps it short; the float32 run of the same epoch reaches about 0.77.
     code, out, err = launch_example(
         "movielens_mxnet.py", TIMEOUT, args=("--table-dtype", "float16", "--epochs", "1")

@@ -1,4 +1,4 @@
-"""Issue 13's example, end to end: examples/online_movielens.py, a shortened replay.
+"""The online-serving example, end to end: examples/online_movielens.py, a shortened replay.
 
 The example launches itself (a server, a worker training under ``--save-every``, a
 serving replica that follows the checkpoint directory and one frozen at the first

@@ -1,5 +1,5 @@
-"""The serving fast path (issues 10 and 14): PULL_SPARSE and PUSH_SPARSE answered by a C++
-thread without the GIL must be indistinguishable from the Python path.
+"""The serving fast path: PULL_SPARSE and PUSH_SPARSE answered by a C++ thread without the
+GIL must be indistinguishable from the Python path.
 
 Each comparison runs the same requests against a server with the fast path on and
 one with it off (both real servers on 127.0.0.1, served from a thread of this
@@ -425,7 +425,7 @@ def test_a_push_that_a_round_may_hold_stays_pythons(mode, num_workers, fast):
     assert run(False) == (rows, 0)  # the same row as Python's path gives
 
 
-# -- issue 14: a colocated worker busy in Python does not stall its peers ----------------------
+# -- a colocated worker busy in Python does not stall its peers --------------------------------
 
 _BUSY_HOST = textwrap.dedent(
     """

@@ -1,4 +1,4 @@
-"""Issue 11: the fault-injection suite, short version (the long one: benchmarks/faults.py).
+"""The fault-injection suite, short version (the long one: benchmarks/faults.py).
 
 Every scenario is a real `kvsparse launch -s 2 -n 2 --restart-servers` job with the marker
 worker of benchmarks/faults.py: each push lands on its own marker row, so the final

@@ -1,4 +1,4 @@
-"""Half-precision tables and dense keys (issue 12): float16 / bfloat16 storage, float32 math.
+"""Half-precision tables and dense keys: float16 / bfloat16 storage, float32 math.
 
 - The core's 16-bit tables against tests/reference.py's ReferenceHalfTable (the
   rounding rule: widen exactly, update in float32, round to nearest even once

@@ -1,5 +1,5 @@
-"""Issue 11, defects 1 to 5: threads, half-precision and other dtypes, exact shapes, no
-silent row replacement by an adapter. Each test failed on main before the fix.
+"""Hardening: threads, half-precision and other dtypes, exact shapes, no silent row
+replacement by an adapter. Each test failed on main before the fix.
 
 Threads: 4 threads call one store (local, and dist_sparse over two real servers), and the
 final table is compared with a NumPy reference (SGD's updates are sums, so they commute).

@@ -703,9 +703,10 @@ def test_launch_api_rejects_bad_arguments():
 
 
 def test_servers_reachable_from_other_hosts_get_the_checkpoint_dir_as_their_root():
-    """Such a server without keys refuses every CHECKPOINT path outside a root (issue 11,
-    defect 16): the launcher makes the workers' checkpoint directory that root, so that
-    kv.save() works; loopback, ipc and keyed servers keep accepting any path."""
+    """Such a server without keys refuses every CHECKPOINT path outside a root (anyone who
+    reaches its port could otherwise make it read and write anywhere it may): the launcher
+    makes the workers' checkpoint directory that root, so that kv.save() works; loopback,
+    ipc and keyed servers keep accepting any path."""
     root = server_process.checkpoint_root_arguments
     assert root("tcp://10.0.0.5:0", None, "/ckpt") == ["--checkpoint-root", "/ckpt"]
     assert root("tcp://*:7000", None, "/ckpt") == ["--checkpoint-root", "/ckpt"]

@@ -247,8 +247,8 @@ MAY_IMPORT = {
     "wire": set(),
     "client": {"wire"},
     "shard": set(),
-    # kvsparse.server.embedded: a colocated worker hosts its shard (issue 14,
-    # kvsparse/store/colocated.py); the rest of the server wing stays out of reach.
+    # kvsparse.server.embedded: a colocated worker hosts its shard
+    # (kvsparse/store/colocated.py); the rest of the server wing stays out of reach.
     "store": {"client", "shard", "kvsparse.server.embedded"},
     "server": {"shard", "wire"},
     # kvsparse.serving.client is a client: the training client's sockets and exchange.

@@ -1,4 +1,4 @@
-"""Server limits (issue 11, defect 16): what one peer may make a server allocate or touch.
+"""Server limits: what one peer may make a server allocate or touch.
 
 A raw ZeroMQ peer (no kvsparse client) sends pulls and never reads the
 replies; the server's resident memory, read from /proc, must stay far below
@@ -137,7 +137,7 @@ def error_text(payload) -> str:
 
 
 def test_unread_pulls_of_a_wide_table_do_not_grow_the_server(server_with, context):
-    """Defect 16, scaled down: on main two such pulls (1.1 GiB of rows each) grew the server
+    """Scaled down: before these limits, two such pulls (1.1 GiB of rows each) grew the server
     by 2.3 GiB. With the default limits both are refused before any row is made."""
     server = server_with()
     pid = server.process.pid

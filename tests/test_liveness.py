@@ -1,14 +1,14 @@
-"""Liveness (issue 11, defects 9-11): nothing waits for ever for a worker or server that is gone.
+"""Liveness: nothing waits for ever for a worker or server that is gone.
 
 - A worker that leaves a BSP job (exits cleanly, is killed, or is stopped past
   the servers' heartbeat timeout) makes the others' rounds, barriers and
   follower calls fail with `WorkerLeft` naming its rank, instead of blocking
-  for ever while the servers answer pings (defect 9).
+  for ever while the servers answer pings.
 - ``kvsparse launch`` logs a worker's clean early exit and names it when the
   others then fail.
-- A restarted server serves a late rank's ``set_optimizer`` (defect 10),
+- A restarted server serves a late rank's ``set_optimizer``,
   also under ``kvsparse launch --restart-servers`` in ASP.
-- A refused or unresolvable server address fails at once, named (defect 11).
+- A refused or unresolvable server address fails at once, named.
 
 Every worker is a real process against real servers, under a timeout.
 """
@@ -273,7 +273,7 @@ def test_launch_names_the_worker_that_left_early(tmp_path):
     assert re.search(r"\[worker 0\] kvsparse\.errors\.WorkerLeft: worker rank 1 ", output), output
 
 
-# -- defect 10: a restarted server and a late rank's set_optimizer ----------------------------
+# -- a restarted server and a late rank's set_optimizer ---------------------------------------
 
 LATE_FOLLOWER = r"""
 import kvsparse
@@ -382,7 +382,7 @@ def test_asp_job_survives_a_kill_of_shard_0_before_a_late_rank_starts(tmp_path):
     assert re.search(r"\[worker 1\] done", output), output
 
 
-# -- defect 11: refused and unresolvable addresses ----------------------------------------------
+# -- refused and unresolvable addresses ---------------------------------------------------------
 
 
 def _closed_port() -> str:

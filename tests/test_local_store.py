@@ -26,7 +26,7 @@ def sparse(dim=4, **kw):
     return kvsparse.SparseTable(dim=dim, **kw)
 
 
-# -- the contract of the issue, line by line --------------------------------------------------
+# -- the API contract, line by line -----------------------------------------------------------
 
 
 def test_contract_example_runs(kv, tmp_path):

@@ -1,4 +1,4 @@
-"""MXNet's distributed-store semantics through ``mx.kv.create('dist_sparse')`` (issue 12).
+"""MXNet's distributed-store semantics through ``mx.kv.create('dist_sparse')``.
 
 The multi-worker checks run under ``kvsparse launch -s 2 -n 2`` (2 real servers, 2
 workers, started by the launcher as a user's job is) and compare with what MXNet's own

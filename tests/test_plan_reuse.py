@@ -1,4 +1,4 @@
-"""Plan once per step (issue 10): a push of the ids just pulled reuses the pull's plan.
+"""Plan once per step: a push of the ids just pulled reuses the pull's plan.
 
 Every test counts `_core.plan_batch` calls and compares the store's results with
 a store that plans every call afresh (``kv._plans.enabled = False``) or with a

@@ -3,7 +3,7 @@
 Over real servers on 127.0.0.1: the next call of the store collects the
 acknowledgements before it sends anything, so it reads what the push wrote,
 and it raises the push's failure (a server's UpdateOverflow here: the servers
-refuse it, the client cannot know). close() collects them too. (Issue 10.)
+refuse it, the client cannot know). close() collects them too.
 """
 
 from __future__ import annotations

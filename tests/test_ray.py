@@ -268,7 +268,7 @@ def test_restart_dead_starts_a_shard_out_of_restarts_on_its_address(ray_cluster)
         assert group.restart_dead() == []
 
 
-# -- colocated workers on Ray: each worker actor hosts its shard (issue 14) ----------------
+# -- colocated workers on Ray: each worker actor hosts its shard ---------------------------
 
 
 def _colocated_job():

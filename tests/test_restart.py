@@ -1,4 +1,4 @@
-"""Issue 11, hardening: failed batches change nothing; a restarted server goes on as before.
+"""Hardening: failed batches change nothing; a restarted server goes on as before.
 
 - A push of several keys to one server is applied all or nothing there: one
   key's update failing (an overflow) leaves every key of the request as it

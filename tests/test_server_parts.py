@@ -61,7 +61,7 @@ class AppliedState:
     def push_dense(self, table_id, grad):
         self.calls.append(("dense", table_id, grad.tolist()))
 
-    # One request's (or one BSP wave's) tables, all or nothing (issue 11).
+    # One request's (or one BSP wave's) tables, all or nothing.
     def push_sparse_tables(self, pushes):
         for table_id, keys, rows, step in pushes:
             if keys.size:

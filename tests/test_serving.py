@@ -1,4 +1,4 @@
-"""Inference export and `kvsparse.serving.EmbeddingLookup` (issue 5)."""
+"""Inference export and `kvsparse.serving.EmbeddingLookup`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`kvsparse serve` (issue 13): real replica processes on 127.0.0.1, driven over ZeroMQ and HTTP.
+"""`kvsparse serve`: real replica processes on 127.0.0.1, driven over ZeroMQ and HTTP.
 
 The HTTP side is driven with `requests` and with `curl`; each test compares
 the replica's rows with the training store's.
@@ -628,7 +628,7 @@ def test_launch_save_every_feeds_a_following_replica(tmp_path, replicas):
     out, err = job.communicate(timeout=30)
     assert job.returncode == 0, err.decode()
     assert len(seqs) >= 4, seqs  # it followed the saves as they came
-    assert max(freshness) < 0.4 + 2.0, freshness  # the issue's bound: interval + 2 s
+    assert max(freshness) < 0.4 + 2.0, freshness  # the bound: interval + 2 s
     assert set(values) == {1}  # every answer one step of the job, never a mix
     manifests = sorted(checkpoints.glob("ckpt-*.manifest.json"))
     kinds = [json.loads(m.read_text())["kind"] for m in manifests]

@@ -1,4 +1,4 @@
-"""A serving replica's state in process (issue 13): the C++ write of a delta's rows, updates
+"""A serving replica's state in process: the C++ write of a delta's rows, updates
 refused or failing half-way, and what concurrent lookups see.
 
 `test_serving_replica.py` drives whole replica processes; these tests reach the

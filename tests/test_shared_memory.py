@@ -1,4 +1,4 @@
-"""Rows through a worker's shared memory to the servers on its host (issue 10).
+"""Rows through a worker's shared memory to the servers on its host.
 
 Real server processes on ipc:// sockets (the default turns shared memory on
 for them) and on tcp (off unless asked for). Tables built with shared memory

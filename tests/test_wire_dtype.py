@@ -1,4 +1,4 @@
-"""Half-precision on the wire (issue 10): ``wire_dtype='float16'|'bfloat16'``.
+"""Half-precision on the wire: ``wire_dtype='float16'|'bfloat16'``.
 
 Layers, each against a reference that does not use kvsparse's conversions:
 
@@ -450,7 +450,7 @@ def test_push_codec_sends_16_bit_rows_and_the_server_side_widens_them(dtype):
 
 def test_float32_messages_are_unchanged_and_bad_codes_refused():
     keys, rows = np.array([1, 2], np.int64), np.ones((2, 4), np.float32)
-    # A float32 item's flags are those of before issue 10.
+    # A float32 item's flags are those from before half-precision wire dtypes existed.
     push = ops.PushSparse.encode_request([(5, keys, rows, True)])
     assert push.frames[0].tolist() == [(5, 2, 4, ITEM_FLAG_STEP)]
     pull = ops.PullSparse.encode_request([(5, keys)])
