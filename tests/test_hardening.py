@@ -109,25 +109,36 @@ def test_threads_share_one_dist_store(server_factory):
 
 
 def test_threads_racing_to_init_one_key_create_it_once():
-    kv = kvsparse.create("local")
-    outcomes: list = []
-    barrier = threading.Barrier(THREADS)
+    # The same spec from every thread: an identical init is a no-op, so all succeed and the
+    # table is made once (a push through it is applied once). Different specs: exactly one
+    # thread's table is made and the others get DuplicateKey.
+    for same in (True, False):
+        kv = kvsparse.create("local")
+        outcomes: list = []
+        barrier = threading.Barrier(THREADS)
 
-    def init():
-        barrier.wait()
-        try:
-            kv.init("raced", zeros_table())
-            outcomes.append("created")
-        except errors.DuplicateKey:
-            outcomes.append("duplicate")
+        def init(index, kv=kv, outcomes=outcomes, barrier=barrier, same=same):
+            barrier.wait()
+            try:
+                kv.init("raced", zeros_table(dim=DIM if same else DIM + index))
+                outcomes.append("created")
+            except errors.DuplicateKey:
+                outcomes.append("duplicate")
 
-    threads = [threading.Thread(target=init) for _ in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(outcomes) == ["created"] + ["duplicate"] * (THREADS - 1)
-    kv.close()
+        threads = [threading.Thread(target=init, args=(i,)) for i in range(THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if same:
+            assert outcomes == ["created"] * THREADS
+        else:
+            assert sorted(outcomes) == ["created"] + ["duplicate"] * (THREADS - 1)
+        dim = kv.row_sparse_pull("raced", row_ids=np.array([7])).shape[1]
+        kv.push("raced", (np.array([7]), np.ones((1, dim), np.float32)))
+        row = kv.row_sparse_pull("raced", row_ids=np.array([7]))
+        np.testing.assert_array_equal(row, np.ones((1, dim), np.float32))
+        kv.close()
 
 
 # -- 2 and 4. dtypes -----------------------------------------------------------------------

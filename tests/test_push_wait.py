@@ -184,9 +184,23 @@ def test_an_exit_waits_at_most_ten_seconds_for_a_server_that_does_not_answer():
         done = run_program(
             [server.address],
             f"""
-            import os, signal
+            import os, signal, time
             kv.init("t", kvsparse.SparseTable(dim=2))
             os.kill({server.process.pid}, signal.SIGSTOP)
+            # A stop takes effect asynchronously: on a loaded machine a server thread that
+            # is running may still take the push. Send it once the whole process stopped.
+            def stopped():
+                task = "/proc/{server.process.pid}/task"
+                for thread in os.listdir(task):
+                    with open(f"{{task}}/{{thread}}/stat") as stat:
+                        if stat.read().rpartition(")")[2].split()[0] not in ("T", "t"):
+                            return False
+                return True
+            for _ in range(500):
+                if stopped():
+                    break
+                time.sleep(0.01)
+            assert stopped(), "the server did not stop"
             kv.push("t", (np.array([1], np.int64), np.ones((1, 2), np.float32)), wait=False)
             """,
         )
