@@ -251,12 +251,7 @@ class _Cluster:
 
     def tier_arguments(self, index: int) -> list:
         """``--memory-budget`` and ``--spill-dir`` of server index (empty without a budget)."""
-        if not self.memory_budget:
-            return []
-        arguments = ["--memory-budget", str(self.memory_budget)]
-        if self.spill_dir is not None:
-            arguments += ["--spill-dir", os.path.join(self.spill_dir, f"server-{index}")]
-        return arguments
+        return process.tier_arguments(self.memory_budget, self.spill_dir, f"server-{index}")
 
     def tier_environment(self, rank: int) -> dict:
         """What a colocated worker's shard takes as its budget and spill directory."""
