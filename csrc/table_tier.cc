@@ -156,7 +156,10 @@ Status EmbeddingTable::EnableTier(const TierConfig& config) {
   tier->owner = ::getpid();
   tier->stats.memory_budget = config.budget->limit();
   tier_ = std::move(tier);
-  if (!config.spill_dir.empty()) {
+  // A table whose policy bounds it (max_rows, ttl_steps) keeps its rows in
+  // memory: its policy is its limit, and it counts against the budget.
+  const bool bounded = config_.policy.max_rows > 0 || config_.policy.ttl_steps > 0;
+  if (!config.spill_dir.empty() && !bounded) {
     Status s = RemoveDirectoryContents(config.spill_dir);
     if (s.ok()) s = OpenTierStore();
     if (!s.ok()) {
@@ -365,7 +368,12 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
 void EmbeddingTable::CompactRows() {
   const int64_t chunk = int64_t{1} << RowsPerChunkLog2(config_.dim);
   const int64_t live = index_.size();
-  const int64_t target = std::max(chunk, (live + chunk - 1) / chunk * chunk);
+  // Whole chunks, or within chunk 0 the power of two that holds the rows.
+  int64_t target = (live + chunk - 1) / chunk * chunk;
+  if (live < chunk) {
+    target = ChunkedRows<float>::kFirstChunkRows;
+    while (target < live) target *= 2;
+  }
   if (BackedRows() <= target) return;
   if (next_row_ > target) {
     std::vector<uint32_t> low;
@@ -417,10 +425,16 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
     const int64_t free_now = static_cast<int64_t>(free_rows_.size()) +
                              std::max<int64_t>(0, BackedRows() - next_row_);
     const int64_t new_rows = std::max<int64_t>(0, incoming - static_cast<int64_t>(free_rows_.size()));
-    // A push keeps the state of each row it updates twice (saved, new) in scratch.
-    const int64_t scratch = std::max<int64_t>(
-        0, 2 * static_cast<int64_t>(keep.size()) * RowStateFloats() * 4 -
-               static_cast<int64_t>(push_fresh_state_.bytes() + push_saved_state_.bytes()));
+    // A push keeps the state of each row it names in scratch (saved, or new),
+    // and its arrays grow by half at least (ScratchArray::Get).
+    auto grown = [](int64_t capacity, int64_t need) -> int64_t {
+      return need <= capacity ? 0 : std::max(need, capacity + capacity / 2) - capacity;
+    };
+    const int64_t u = static_cast<int64_t>(keep.size());
+    const int64_t scratch =
+        4 * (grown(static_cast<int64_t>(push_fresh_state_.bytes() / 4), u * RowStateFloats()) +
+             grown(static_cast<int64_t>(push_saved_state_.bytes() / 4), u * RowStateFloats()) +
+             grown(static_cast<int64_t>(push_saved_meta_.bytes() / 4), u * 4));
     const int64_t growth =
         (new_rows > 0 ? RowGrowthBytes(next_row_ + new_rows - 1) : 0) +
         index_.GrowthBytes(index_.size() + incoming) + scratch;
@@ -450,6 +464,26 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
     if (compact) CompactRows();
   }
   return Status::Ok();
+}
+
+void EmbeddingTable::ShrinkToBudget() {
+  if (tier_ == nullptr || tier_->store == nullptr) return;
+  const int64_t limit = tier_->config.budget->limit();
+  const std::vector<int64_t> keep;
+  for (int round = 0; round < 4; ++round) {
+    const int64_t held = tier_->config.budget->UsedByOthers(this) + TierBytes();
+    if (held <= limit) return;
+    const int64_t evict = std::min(index_.size(), (held - limit) / BytesPerRow() + 1);
+    if (evict > 0 && !EvictRows(evict, keep).ok()) return;
+    CompactRows();
+    ReportMemory();
+  }
+}
+
+int64_t EmbeddingTable::TierBatchRows() const {
+  if (tier_ == nullptr) return INT64_MAX;
+  const int64_t per_row = BytesPerRow() + 2 * RowStateFloats() * 4;
+  return std::max<int64_t>(1, tier_->config.budget->limit() / 4 / per_row);
 }
 
 Status EmbeddingTable::PrepareRows(const int64_t* keys, int64_t n, bool insert) {
