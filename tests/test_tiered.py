@@ -968,8 +968,9 @@ def test_local_store_save_restore_and_export_of_a_tiered_table(tmp_path):
         _assert_same_state(_store_state(loaded), _store_state(fresh))
 
 
-def test_reshard_a_tiered_checkpoint_from_two_shards_onto_three(tmp_path):
-    """Two tiered shards save; three tiered shards (and three in RAM) restore it by key hash."""
+def test_a_tiered_shard_restores_its_part_of_a_checkpoint_by_key_hash(tmp_path):
+    """One tiered shard's checkpoint restored onto three tiered shards (ShardState, in
+    process): each holds the rows of its hash, most on disk, as the RAM table had them."""
     from kvsparse.placement import table_id_of
     from kvsparse.shard import checkpoint
     from kvsparse.shard.state import ShardState
@@ -998,6 +999,86 @@ def test_reshard_a_tiered_checkpoint_from_two_shards_onto_three(tmp_path):
             np.testing.assert_array_equal(got, want)
         rows_seen += len(keys)
     assert rows_seen == len(ram_table)
+
+
+def _tiered_servers(factory, n, tmp_path, budget="2MiB"):
+    """n real servers with a memory budget and each its own spill directory."""
+    servers = []
+    for _ in range(n):
+        spill = tmp_path / f"spill-server-{len(factory.processes)}"
+        server = ServerProcess(extra_args=["--memory-budget", budget, "--spill-dir", str(spill)])
+        factory.processes.append(server)  # stopped at teardown
+        servers.append(server.address)
+    return servers
+
+
+def _export_rows(path):
+    """{key: (keys, values)} of every table in an export directory, parts joined, by key."""
+    parts: dict = {}
+    for part in sorted(Path(path).glob("*.npz")):
+        with np.load(part) as data:
+            meta = json.loads(bytes(data["meta"]).decode())
+            for table in meta["tables"]:
+                keys, values = data[table["keys"]], data[table["values"]]
+                parts.setdefault(table["name"], []).append((keys, values))
+    out = {}
+    for name, chunks in parts.items():
+        keys = np.concatenate([k for k, _ in chunks])
+        values = np.concatenate([v for _, v in chunks])
+        order = np.argsort(keys)
+        out[name] = (keys[order], values[order])
+    return out
+
+
+def test_two_tiered_servers_save_and_three_tiered_servers_load_and_export(server_factory, tmp_path):
+    """Two servers with a budget of a fifth of their shard save while most rows are on disk;
+    the checkpoint loads onto three such servers (resharded by key hash) and gives what the
+    same training gives all in RAM (a local store): rows and, through two more steps of
+    Adam, their slots and step counters; the export of the three equals the RAM one's."""
+    path = str(tmp_path / "ckpt")
+    in_ram = kvsparse.create("local")
+    two = kvsparse.create("dist_sparse", servers=_tiered_servers(server_factory, 2, tmp_path))
+    try:
+        for kv in (two, in_ram):
+            _init_store(kv)
+            _train_store(kv, 4, seed=6)
+        tiers = two.stats()["tables"]["emb"]["tier"]
+        assert tiers["rows_on_disk"] > len(STORE_IDS) // 2, tiers
+        np.testing.assert_array_equal(
+            two.row_sparse_pull("emb", row_ids=STORE_IDS),
+            in_ram.row_sparse_pull("emb", row_ids=STORE_IDS),
+        )
+        assert two.save(path) == 1
+    finally:
+        two.close()
+    for process in server_factory.processes:
+        process.kill()  # kill -9: the checkpoint is all that is left
+    three = kvsparse.create("dist_sparse", servers=_tiered_servers(server_factory, 3, tmp_path))
+    try:
+        assert three.load(path) == 1
+        assert three.stats()["tables"]["emb"]["tier"]["rows_on_disk"] > 0
+        np.testing.assert_array_equal(
+            three.row_sparse_pull("emb", row_ids=STORE_IDS),
+            in_ram.row_sparse_pull("emb", row_ids=STORE_IDS),
+        )
+        np.testing.assert_array_equal(three.pull("w"), in_ram.pull("w"))
+        for kv in (three, in_ram):
+            _train_store(kv, 2, seed=7)  # Adam's next steps use the restored slots and steps
+        np.testing.assert_array_equal(
+            three.row_sparse_pull("emb", row_ids=STORE_IDS),
+            in_ram.row_sparse_pull("emb", row_ids=STORE_IDS),
+        )
+        three.export(str(tmp_path / "export-three"))
+        in_ram.export(str(tmp_path / "export-ram"))
+        exported, expected = (
+            _export_rows(tmp_path / name) for name in ("export-three", "export-ram")
+        )
+        assert exported.keys() == expected.keys()
+        for name in expected:
+            for got, want in zip(exported[name], expected[name]):
+                np.testing.assert_array_equal(got, want, err_msg=name)
+    finally:
+        three.close()
 
 
 # ---------------------------------------------------------------------------
