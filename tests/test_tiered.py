@@ -278,7 +278,7 @@ def spread_ids(rng, n):
 
 
 # ---------------------------------------------------------------------------
-# 1, 2: eviction and reload cycles under every optimizer, against the RAM table and the
+# Eviction and reload cycles under every optimizer, against the RAM table and the
 # reference; the budget and tier_stats after every step
 # ---------------------------------------------------------------------------
 
@@ -543,7 +543,8 @@ def test_tier_stats_count_what_moved(tmp_path):
     assert before["disk_index_bytes"] > 0, before
     assert before["row_lookups"] == 0 or before["disk_hits"] <= before["row_lookups"], before
     # One pull of every id, each once: each is a lookup of a stored id; every row on disk
-    # when it is asked for (at least those on disk now) is a disk hit, read back.
+    # when it is asked for (at least those on disk now) is a disk hit, and read (a pull
+    # reads through: it need not bring the row back into memory).
     for start in range(0, n, 50):
         part = keys[start : start + 50]
         np.testing.assert_array_equal(tiered.lookup(part), in_ram.lookup(part))
@@ -558,7 +559,7 @@ def test_tier_stats_count_what_moved(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# 8: ids never stored cost no disk read
+# Ids never stored cost no disk read
 # ---------------------------------------------------------------------------
 
 
@@ -586,7 +587,7 @@ def test_lookups_of_ids_never_stored_read_nothing_from_disk(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# 7: a budget without a disk tier refuses the insert that would pass it
+# A budget without a disk tier refuses the insert that would pass it
 # ---------------------------------------------------------------------------
 
 
@@ -681,7 +682,7 @@ def test_a_single_batch_larger_than_the_budget_is_refused_even_with_a_disk_tier(
 
 
 # ---------------------------------------------------------------------------
-# 5: a full disk during write-back
+# A full disk during write-back
 # ---------------------------------------------------------------------------
 
 
@@ -772,7 +773,7 @@ def test_a_real_full_file_system_under_the_spill_dir(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# 6: a corrupted record is detected and named, never served
+# a corrupted record is detected and named, never served
 # ---------------------------------------------------------------------------
 
 
@@ -876,7 +877,7 @@ def test_the_spill_dir_is_emptied_at_open_and_removed_with_the_table(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# 3: the store: save / restore / reshard 2 -> 3 / export of a tiered table
+# the store: save / restore / reshard 2 -> 3 / export of a tiered table
 # ---------------------------------------------------------------------------
 
 STORE_DIM = 256
@@ -1135,7 +1136,8 @@ def test_a_server_with_a_spill_dir_serves_a_table_larger_than_its_budget(tmp_pat
             kv.row_sparse_pull("emb", row_ids=ids), local.row_sparse_pull("emb", row_ids=ids)
         )
         tier = kv.stats()["tables"]["emb"]["tier"]
-        assert tier["rows_on_disk"] > 0, tier
+        assert tier["rows_on_disk"] > 0 and tier["disk_hits"] > 0, tier
+        assert tier["hit_rate"] == pytest.approx(1 - tier["disk_hits"] / tier["row_lookups"])
     finally:
         kv.close()
         server.stop()
