@@ -773,7 +773,7 @@ def test_a_real_full_file_system_under_the_spill_dir(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# a corrupted record is detected and named, never served
+# A corrupted record is detected and named, never served
 # ---------------------------------------------------------------------------
 
 
@@ -877,7 +877,7 @@ def test_the_spill_dir_is_emptied_at_open_and_removed_with_the_table(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# the store: save / restore / reshard 2 -> 3 / export of a tiered table
+# The store: save / restore / reshard 2 -> 3 / export of a tiered table
 # ---------------------------------------------------------------------------
 
 STORE_DIM = 256
