@@ -106,6 +106,12 @@ class ScratchArray {
     return data_;
   }
   size_t bytes() const { return capacity_ * sizeof(T); }
+  // Gives the memory back (a table over its memory budget); the next Get allocates.
+  void Release() {
+    std::free(data_);
+    data_ = nullptr;
+    capacity_ = 0;
+  }
   ScratchArray() = default;
   ScratchArray(const ScratchArray&) = delete;
   ScratchArray& operator=(const ScratchArray&) = delete;

@@ -215,8 +215,7 @@ Status EmbeddingTable::SetOptimizer(const OptimizerConfig& optimizer) {
   policy_.ResetSteps(index_);
   if (tier_ == nullptr) return Status::Ok();
   s = MigrateDiskRows(old_slots, old_master);
-  ReportMemory();
-  ShrinkToBudget();
+  SettleBudget();
   return s;
 }
 
@@ -234,7 +233,7 @@ Status EmbeddingTable::Assign(const int64_t* keys, int64_t n, const float* value
   Status s = PrepareRows(keys, n, /*insert=*/true);
   if (!s.ok()) return s;
   s = AssignInMemory(keys, n, values);
-  ReportMemory();
+  SettleBudget();
   return s;
 }
 
@@ -260,7 +259,11 @@ int64_t EmbeddingTable::Remove(const int64_t* keys, int64_t n) {
   // leaves the table as it was, never a row both free and stored.
   int64_t present = 0;
   for (int64_t i = 0; i < n; ++i) present += index_.Find(keys[i]) >= 0;
-  if (present == 0) return RemoveFromDisk(keys, n);
+  if (present == 0) {
+    const int64_t removed = RemoveFromDisk(keys, n);
+    SettleBudget();
+    return removed;
+  }
   free_rows_.reserve(free_rows_.size() + static_cast<size_t>(present));
   if (change_epoch_ > 1) removed_.reserve(removed_.size() + static_cast<size_t>(present));
   int64_t removed = 0;
@@ -274,7 +277,7 @@ int64_t EmbeddingTable::Remove(const int64_t* keys, int64_t n) {
     ++removed;
   }
   removed += RemoveFromDisk(keys, n);
-  ReportMemory();
+  SettleBudget();
   return removed;
 }
 

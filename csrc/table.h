@@ -361,11 +361,19 @@ class EmbeddingTable {
   void CompactRows();
   // Room for incoming more rows in memory within the budget (keep: the
   // request's ids, sorted; resident_kept of them are in memory).
-  // The request's scratch (a push's saved and new row states) is counted too.
-  Status MakeRoom(int64_t incoming, const std::vector<int64_t>& keep, int64_t resident_kept);
+  // The request's scratch (a push's saved and new row states: fresh of the
+  // keep ids are new) is counted too.
+  Status MakeRoom(int64_t incoming, const std::vector<int64_t>& keep, int64_t resident_kept,
+                  int64_t fresh);
   // Moves rows to disk and gives memory back until the shard is within its
   // budget (after SetOptimizer made every row wider).
   void ShrinkToBudget();
+  // After an operation: reports the table's bytes and shrinks back within the
+  // budget where the operation's bookkeeping (the disk index, free lists)
+  // took it past.
+  void SettleBudget();
+  // Frees the push scratch (not while a push is begun); whether it held any.
+  bool ReleaseScratch();
   // Rows per piece when a tiered table writes a large batch piece by piece
   // (WriteState: a checkpoint's block can be larger than the budget).
   int64_t TierBatchRows() const;

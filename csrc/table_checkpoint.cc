@@ -108,7 +108,7 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
     *StepOf(row) = static_cast<uint32_t>(steps[i]);
     *StampOf(row) = change_epoch_;
   }
-  ReportMemory();
+  SettleBudget();
   return Status::Ok();
 }
 

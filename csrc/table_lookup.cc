@@ -187,7 +187,7 @@ Status EmbeddingTable::LookupOrInsert(const int64_t* keys, int64_t n, float* out
   Status prepared = PrepareRows(keys, n, /*insert=*/true);
   if (!prepared.ok()) return prepared;
   Status s = LookupOrInsertInMemory(keys, n, out);
-  ReportMemory();
+  SettleBudget();
   return s;
 }
 

@@ -46,9 +46,8 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
   PushPlan plan;
   const int64_t saved_table_step = table_step_;
   s = BeginPlan(keys, n, grads, policy, &plan);
-  if (!s.ok()) return s;
-  s = FinishPlan(plan, saved_table_step, applied);
-  ReportMemory();
+  if (s.ok()) s = FinishPlan(plan, saved_table_step, applied);
+  SettleBudget();  // a refused push grew its scratch too
   return s;
 }
 
@@ -67,7 +66,10 @@ Status EmbeddingTable::BeginPush(const int64_t* keys, int64_t n, const float* gr
   }
   const int64_t saved_table_step = table_step_;
   Status s = BeginPlan(keys, n, grads, policy, plan.get());
-  if (!s.ok()) return s;
+  if (!s.ok()) {
+    SettleBudget();
+    return s;
+  }
   // Commit reads no gradient: the caller's array may go.
   plan->grads = nullptr;
   plan->summed.clear();
@@ -83,7 +85,7 @@ Status EmbeddingTable::FinishPush(int64_t* applied) {
   }
   std::unique_ptr<PushPlan> plan = std::move(pending_push_);
   Status s = FinishPlan(*plan, pending_table_step_, applied);
-  ReportMemory();
+  SettleBudget();
   return s;
 }
 
@@ -92,6 +94,7 @@ void EmbeddingTable::CancelPush() {
   std::unique_ptr<PushPlan> plan = std::move(pending_push_);
   RestoreExistingRows(*plan);
   table_step_ = pending_table_step_;
+  SettleBudget();
 }
 
 Status EmbeddingTable::BeginPlan(const int64_t* keys, int64_t n, const float* grads,

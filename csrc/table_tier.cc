@@ -274,9 +274,9 @@ Status EmbeddingTable::LimitStatus(int64_t incoming, int64_t needed) const {
   }
   return Status(StatusCode::kLimitExceeded,
                 table + ": one request needs " + std::to_string(incoming) +
-                    " rows in memory at once, more than the memory budget of " +
-                    HumanBytes(limit) +
-                    " holds besides the rows it names; nothing was applied. Send smaller "
+                    " more rows in memory at once (" + HumanBytes(needed) +
+                    " in all with its scratch), more than the memory budget of " +
+                    HumanBytes(limit) + " holds; nothing was applied. Send smaller "
                     "requests or raise --memory-budget (KVSPARSE_MEMORY_BUDGET)");
 }
 
@@ -417,11 +417,11 @@ void EmbeddingTable::CompactRows() {
 }
 
 Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& keep,
-                                int64_t resident_kept) {
+                                int64_t resident_kept, int64_t fresh) {
   const int64_t limit = tier_->config.budget->limit();
   const int64_t others = tier_->config.budget->UsedByOthers(this);
   const int64_t per_row = BytesPerRow();
-  for (int round = 0; round < 4; ++round) {
+  for (int round = 0; round < 5; ++round) {
     const int64_t free_now = static_cast<int64_t>(free_rows_.size()) +
                              std::max<int64_t>(0, BackedRows() - next_row_);
     const int64_t new_rows = std::max<int64_t>(0, incoming - static_cast<int64_t>(free_rows_.size()));
@@ -430,16 +430,25 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
     auto grown = [](int64_t capacity, int64_t need) -> int64_t {
       return need <= capacity ? 0 : std::max(need, capacity + capacity / 2) - capacity;
     };
-    const int64_t u = static_cast<int64_t>(keep.size());
+    const int64_t existing = static_cast<int64_t>(keep.size()) - fresh;
     const int64_t scratch =
-        4 * (grown(static_cast<int64_t>(push_fresh_state_.bytes() / 4), u * RowStateFloats()) +
-             grown(static_cast<int64_t>(push_saved_state_.bytes() / 4), u * RowStateFloats()) +
-             grown(static_cast<int64_t>(push_saved_meta_.bytes() / 4), u * 4));
+        4 * (grown(static_cast<int64_t>(push_fresh_state_.bytes() / 4), fresh * RowStateFloats()) +
+             grown(static_cast<int64_t>(push_saved_state_.bytes() / 4),
+                   existing * RowStateFloats()) +
+             grown(static_cast<int64_t>(push_saved_meta_.bytes() / 4), existing * 4));
+    // The disk index doubles when 80% full: room for that is kept ahead.
+    int64_t disk_index = 0;
+    if (tier_->store != nullptr) {
+      const RowStoreStats disk = tier_->store->Stats();
+      const int64_t entries = disk.index_bytes / 16;
+      if ((disk.live_records + incoming) * 5 > entries * 4) disk_index = disk.index_bytes;
+    }
     const int64_t growth =
         (new_rows > 0 ? RowGrowthBytes(next_row_ + new_rows - 1) : 0) +
-        index_.GrowthBytes(index_.size() + incoming) + scratch;
+        index_.GrowthBytes(index_.size() + incoming) + scratch + disk_index;
     const int64_t held = others + TierBytes();
     if (held + growth <= limit) return Status::Ok();
+    if (round == 0 && ReleaseScratch()) continue;
     if (tier_->store == nullptr) return LimitStatus(incoming, held + growth);
     const int64_t movable = index_.size() - resident_kept;
     int64_t evict;
@@ -467,17 +476,45 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
 }
 
 void EmbeddingTable::ShrinkToBudget() {
-  if (tier_ == nullptr || tier_->store == nullptr) return;
+  if (tier_ == nullptr || tier_->store == nullptr || pending_push_ != nullptr) return;
   const int64_t limit = tier_->config.budget->limit();
-  const std::vector<int64_t> keep;
-  for (int round = 0; round < 4; ++round) {
-    const int64_t held = tier_->config.budget->UsedByOthers(this) + TierBytes();
-    if (held <= limit) return;
-    const int64_t evict = std::min(index_.size(), (held - limit) / BytesPerRow() + 1);
-    if (evict > 0 && !EvictRows(evict, keep).ok()) return;
-    CompactRows();
-    ReportMemory();
+  if (tier_->config.budget->UsedByOthers(this) + TierBytes() <= limit) return;
+  if (ReleaseScratch()) ReportMemory();
+  const int64_t held = tier_->config.budget->UsedByOthers(this) + TierBytes();
+  if (held <= limit) return;
+  // Memory comes back only when the row arrays shrink (CompactRows): to the
+  // largest capacity they can shrink to that ends the excess.
+  const int64_t chunk = int64_t{1} << RowsPerChunkLog2(config_.dim);
+  const int64_t backed = std::min(BackedRows(), std::max<int64_t>(next_row_, 1));
+  const int64_t per_row = std::max<int64_t>(1, BytesPerRow() - 18);
+  const int64_t want = backed - ((held - limit) + per_row - 1) / per_row;
+  int64_t capacity;
+  if (want >= chunk) {
+    capacity = want / chunk * chunk;
+  } else {
+    capacity = ChunkedRows<float>::kFirstChunkRows;
+    while (capacity * 2 <= want) capacity *= 2;
   }
+  const int64_t evict = index_.size() - capacity;
+  const std::vector<int64_t> keep;
+  if (evict > 0 && !EvictRows(evict, keep).ok()) return;
+  CompactRows();
+  ReportMemory();
+}
+
+bool EmbeddingTable::ReleaseScratch() {
+  if (pending_push_ != nullptr) return false;
+  const bool held = push_fresh_state_.bytes() + push_saved_state_.bytes() +
+                        push_saved_meta_.bytes() > 0;
+  push_fresh_state_.Release();
+  push_saved_state_.Release();
+  push_saved_meta_.Release();
+  return held;
+}
+
+void EmbeddingTable::SettleBudget() {
+  ReportMemory();
+  ShrinkToBudget();
 }
 
 int64_t EmbeddingTable::TierBatchRows() const {
@@ -516,7 +553,7 @@ Status EmbeddingTable::PrepareRows(const int64_t* keys, int64_t n, bool insert) 
     tier_->stats.disk_hits += d;
     const int64_t incoming = d + (insert ? fresh : 0);
     if (incoming > 0) {
-      Status s = MakeRoom(incoming, unique, resident);
+      Status s = MakeRoom(incoming, unique, resident, insert ? fresh : 0);
       if (!s.ok()) return s;
     }
     if (d == 0) return Status::Ok();

@@ -343,10 +343,10 @@ def test_a_server_refuses_an_insert_past_its_budget_and_goes_on_serving():
             inserted = start + batch
         assert refused is not None and "user" in refused and "--memory-budget" in refused
         kept = np.arange(inserted, dtype=np.int64)
-        before = kv.row_sparse_pull("user", kept)
+        before = kv.row_sparse_pull("user", row_ids=kept)
         # Still serving: pulls, and pushes to rows it holds, work.
         kv.push("user", (kept[:10], np.ones((10, 64), np.float32)))
-        after = kv.row_sparse_pull("user", kept)
+        after = kv.row_sparse_pull("user", row_ids=kept)
         assert not np.array_equal(before[:10], after[:10])
         np.testing.assert_array_equal(before[10:], after[10:])
         assert kv.stats()["tables"]["user"]["rows"] == inserted

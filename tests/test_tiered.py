@@ -471,17 +471,22 @@ POLICIES = {
     "lru-max-rows": {"max_rows": 900, "eviction": "lru"},
     "lfu-max-rows": {"max_rows": 900, "eviction": "lfu"},
     "ttl": {"ttl_steps": 12, "evict_every": 5},
-    "admission": {"min_count": 2, "ttl_steps": 40},
+    "admission": {"min_count": 2},
 }
+# Tables their policy bounds (max_rows, ttl_steps) keep every row in memory: the policy is
+# their limit, and they count against the budget like any table.
+BOUNDED = {"lru-max-rows", "lfu-max-rows", "ttl"}
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_admission_and_eviction_policies_with_a_disk_tier(tmp_path, policy):
     """The policy's own eviction (max_rows, TTL) and admission (min_count) decide which
-    rows exist; the disk tier only where they live: the same rows, counters and candidates."""
+    rows exist; the disk tier only where they live: the same rows, counters and candidates.
+    A table bounded by its policy never spills."""
     dim = 256
     optimizer = OPTIMIZERS["adagrad"]
-    tiered, budget, in_ram = make_pair(tmp_path, dim, optimizer, 512 * KiB, policy=POLICIES[policy])
+    limit = 4 * MiB if policy in BOUNDED else 512 * KiB
+    tiered, budget, in_ram = make_pair(tmp_path, dim, optimizer, limit, policy=POLICIES[policy])
     rng = np.random.default_rng(5)
     for step in range(60):
         keys = np.concatenate([rng.integers(0, 3000, 40), rng.zipf(1.2, 24) - 1])
@@ -493,7 +498,10 @@ def test_admission_and_eviction_policies_with_a_disk_tier(tmp_path, policy):
         if step == 30:
             assert tiered.evict_expired() == in_ram.evict_expired()
         check_budget(tiered, budget, f"step {step}")
-    assert tiered.tier_stats()["rows_on_disk"] > 0
+    if policy in BOUNDED:
+        assert tiered.tier_stats()["rows_on_disk"] == 0
+    else:
+        assert tiered.tier_stats()["rows_on_disk"] > 0
     assert_same_tables(tiered, in_ram)
     assert tiered.policy_stats() == in_ram.policy_stats()
     for got, want in zip(tiered.candidates(), in_ram.candidates()):
@@ -780,9 +788,7 @@ def test_a_real_full_file_system_under_the_spill_dir(tmp_path):
 def test_a_corrupted_record_is_named_and_never_served(tmp_path):
     dim = 256
     optimizer = OPTIMIZERS["adagrad"]
-    # A policy that keeps each row's last step: the disk tier evicts least recently used.
-    policy = {"ttl_steps": 1_000_000, "evict_every": 0}
-    tiered, budget, in_ram = make_pair(tmp_path, dim, optimizer, 256 * KiB, policy=policy)
+    tiered, budget, in_ram = make_pair(tmp_path, dim, optimizer, 256 * KiB)
     rng = np.random.default_rng(6)
     n = 1000  # ~2 MiB of rows and slots
     for start in range(0, n, 20):
@@ -791,7 +797,7 @@ def test_a_corrupted_record_is_named_and_never_served(tmp_path):
         tiered.apply_gradients(keys, grads)
         in_ram.apply_gradients(keys, grads)
     assert tiered.tier_stats()["rows_on_disk"] > n // 2
-    # Key 5 was pushed first and never touched again: its one record is on disk.
+    # Key 5 was pushed once and never touched again: its one record is on disk.
     records = records_of(5, tmp_path / "spill-emb")
     assert len(records) == 1, records
     path, offset, _ = records[0]
