@@ -126,6 +126,21 @@ void EmbeddingTable::LookupRangeFor(const int64_t* keys, int64_t n, float* out,
 }
 
 Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const {
+  bool promoted = false;
+  if (tier_ != nullptr && DiskRowCount() > 0) {
+    // A pull of rows on disk brings them back into memory, so that the push
+    // that usually follows finds them there (a row is read from disk once,
+    // not once per pull and again per push). Lookup is const to its callers:
+    // moving rows between tiers changes no result (callers serialize on the
+    // shard lock, as for every table call). A pull larger than the budget
+    // reads its disk rows through instead, as does a pull that cannot move
+    // rows out (a full disk).
+    EmbeddingTable* self = const_cast<EmbeddingTable*>(this);
+    Status s = self->PrepareRows(keys, n, /*insert=*/false);
+    if (s.code() == StatusCode::kCorruption) return s;
+    promoted = s.ok();
+    if (promoted) self->SettleBudget();
+  }
   // Which keys missed, to keep their generated rows for the push that
   // usually follows; without room for the flags, the lookup just keeps none.
   std::vector<uint8_t> missing;
@@ -152,7 +167,7 @@ Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const 
       }
     }
   }
-  return tier_ != nullptr ? LookupDisk(keys, n, out) : Status::Ok();
+  return tier_ != nullptr && !promoted ? LookupDisk(keys, n, out) : Status::Ok();
 }
 
 void EmbeddingTable::FillInitialRowsCached(const int64_t* keys, int64_t n,

@@ -13,12 +13,14 @@
 // request move to disk, in one batch write), then reads the request's disk
 // rows back in one batch of reads and puts them in memory with their exact
 // state (stamp included: moving a row is not a change for checkpoints). The
-// operation then runs on memory rows as it always did. Lookups (pulls) read
-// disk rows through without moving them; ids stored nowhere cost no I/O.
+// operation then runs on memory rows as it always did. Lookups (pulls) bring
+// disk rows back too (the push that follows finds them in memory), or read
+// them through when the pull is larger than the budget; ids stored nowhere
+// cost no I/O.
 //
 // Cold: the lowest last step when the policy keeps one (LRU), else the fewest
 // touches when it keeps them (LFU), else the fewest updates (the row's own
-// step counter, LFU). Victims are sampled from the index (Redis-style: 4 per
+// step counter, LFU). Victims are sampled from the index (Redis-style: 8 per
 // victim, the coldest win) or, when a large part of the rows must go, taken
 // from all of them.
 //
@@ -56,7 +58,7 @@ namespace {
 
 constexpr int64_t kMetaBytes = 16;   // step, stamp, touches, last step
 constexpr int64_t kScanBatch = 4096;  // records per scan call of the checkpoint scans
-constexpr int64_t kSamplesPerVictim = 4;
+constexpr int64_t kSamplesPerVictim = 8;
 // The disk index costs about this much RAM per row moved to disk (16-byte
 // entries at a load of 0.4 to 0.8).
 constexpr int64_t kDiskIndexBytesPerRow = 24;
@@ -341,13 +343,15 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
       keys[i] = candidates[i].key;
       rows[i] = index_.Find(keys[i]);
     }
-    tier_->records.resize(static_cast<size_t>(count * tier_->record_bytes));
+    // A buffer of this call only: kept, it would hold the largest eviction's
+    // records outside the budget.
+    std::vector<uint8_t> records(static_cast<size_t>(count * tier_->record_bytes));
     for (int64_t i = 0; i < count; ++i) {
-      EncodeRow(rows[i], tier_->records.data() + i * tier_->record_bytes);
+      EncodeRow(rows[i], records.data() + i * tier_->record_bytes);
     }
     free_rows_.reserve(free_rows_.size() + static_cast<size_t>(count));
     // The rows stay in memory until the disk took them all (kDiskFull: nothing moved).
-    Status s = tier_->store->WriteBatch(keys.data(), count, tier_->records.data());
+    Status s = tier_->store->WriteBatch(keys.data(), count, records.data());
     if (!s.ok()) return s;
     for (int64_t i = 0; i < count; ++i) {
       uint32_t row;
@@ -443,9 +447,12 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
       const int64_t entries = disk.index_bytes / 16;
       if ((disk.live_records + incoming) * 5 > entries * 4) disk_index = disk.index_bytes;
     }
+    // The records of the rows moving between tiers pass through a buffer of
+    // the request (those moving out, then those it brings back: one at a time).
+    const int64_t transit = tier_->store != nullptr ? incoming * tier_->record_bytes : 0;
     const int64_t growth =
         (new_rows > 0 ? RowGrowthBytes(next_row_ + new_rows - 1) : 0) +
-        index_.GrowthBytes(index_.size() + incoming) + scratch + disk_index;
+        index_.GrowthBytes(index_.size() + incoming) + scratch + disk_index + transit;
     const int64_t held = others + TierBytes();
     if (held + growth <= limit) return Status::Ok();
     if (round == 0 && ReleaseScratch()) continue;

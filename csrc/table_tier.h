@@ -30,7 +30,6 @@ struct EmbeddingTable::Tier {
   // Counted by Lookup, which is const and may run on several threads at once.
   mutable std::atomic<int64_t> lookup_rows{0};
   mutable std::atomic<int64_t> lookup_hits{0};
-  std::vector<uint8_t> records;  // scratch of the batch moving between tiers
   // The error that ended the last scan of the disk tier (NextKeys and kin
   // return counts only); Ok when it ran to the end.
   Status scan_error;
