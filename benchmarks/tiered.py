@@ -455,6 +455,8 @@ def run_config(name: str, args, permutation, grads, log_dir: str) -> dict:
                         print_phase(name, phase)
                     result["phases"] = phases
                     result["tier_stats_at_end"] = tier_counters(table_stats(kv))
+                    # Over the server's whole life, populate included.
+                    result["overall"] = derived(result["tier_stats_at_end"])
                     if tiered and not args.no_disk_limit:
                         sampler.phase = "disk_limit"
                         result["disk_random_4k_read_limit"] = measure_disk(spill_dir, args)
@@ -594,6 +596,30 @@ def targets(report: dict, args) -> dict:
             / args.budget,
         }
     return found
+
+
+def print_table(report: dict) -> None:
+    header = (
+        f"{'config':<9}{'ids':<9}{'steps/s':>9}{'rows/s':>11}{'hit rate':>10}"
+        f"{'disk rows/s':>13}{'B wr/B upd':>12}{'max RSS MiB':>13}"
+    )
+    print("\n" + header + "\n" + "-" * len(header))
+    for name, config in report["configs"].items():
+        if "phases" not in config:
+            print(f"{name:<9}{config.get('status', '?')}: {config.get('reason', '')[:80]}")
+            continue
+        for phase in config["phases"]:
+            hit = phase.get("hit_rate")
+            amp = phase.get("bytes_written_per_byte_updated")
+            disk = phase.get("disk_rows_read_per_s")
+            rss = config["rss"]["max_rss_by_phase"].get(phase["distribution"], 0)
+            print(
+                f"{name:<9}{phase['distribution']:<9}{phase['steps_per_s']:>9.2f}"
+                f"{phase['unique_rows_per_s']:>11,.0f}"
+                f"{'-' if hit is None else f'{hit:.3f}':>10}"
+                f"{'-' if disk is None else f'{disk:,.0f}':>13}"
+                f"{'-' if amp is None else f'{amp:.2f}':>12}{rss / 2**20:>13,.0f}"
+            )
 
 
 def print_targets(found: dict) -> None:
@@ -737,6 +763,7 @@ def main(argv=None) -> int:
             report["engines"] = run_engines(args, disk)
     report["targets"] = targets(report, args)
     report["total_s"] = time.monotonic() - started
+    print_table(report)
     print_targets(report["targets"])
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
