@@ -119,6 +119,15 @@ class AdmissionPolicy {
     if (tracks_touches_) touches_.EnsureRow(row);
     if (tracks_last_step_) last_step_.EnsureRow(row);
   }
+  int64_t GrowthBytes(int64_t row) const {
+    return touches_.GrowthBytes(row) + last_step_.GrowthBytes(row);
+  }
+  void TruncateRows(int64_t rows) {
+    touches_.TruncateRows(rows);
+    last_step_.TruncateRows(rows);
+  }
+  // Per-row bytes of the kept counters.
+  int64_t RowBytes() const { return 4 * (tracks_touches_ + tracks_last_step_); }
   // Backs rows [begin, end) with memory now (ChunkedRows::Populate).
   bool Populate(int64_t begin, int64_t end) {
     return touches_.Populate(begin, end) && last_step_.Populate(begin, end);

@@ -92,6 +92,33 @@ class ChunkedRows {
     return elements * static_cast<int64_t>(sizeof(T));
   }
   int64_t width() const { return width_; }
+  // Rows backed by memory now (rows [0, CapacityRows()) need no allocation).
+  int64_t CapacityRows() const {
+    if (width_ == 0) return INT64_MAX;
+    if (chunks_.size() <= 1) return first_rows_;
+    return static_cast<int64_t>(chunks_.size()) << log2_;
+  }
+  // Bytes EnsureRow(row) would allocate (0 when the row is backed).
+  int64_t GrowthBytes(int64_t row) const {
+    if (width_ == 0 || row < CapacityRows()) return 0;
+    const int64_t full = int64_t{1} << log2_;
+    int64_t rows;
+    if (row < full) {
+      rows = std::max<int64_t>(first_rows_ * 2, kFirstChunkRows);
+      while (rows <= row) rows *= 2;
+      rows = std::min(rows, full);
+    } else {
+      rows = ((row >> log2_) + 1) << log2_;
+    }
+    return (rows - std::min<int64_t>(CapacityRows(), rows)) * width_ *
+           static_cast<int64_t>(sizeof(T));
+  }
+  // Frees the chunks past the one holding row rows - 1 (chunk 0 is kept
+  // whole): rows [0, rows) keep their values, later rows are gone.
+  void TruncateRows(int64_t rows) {
+    const size_t keep = static_cast<size_t>(std::max<int64_t>(1, (rows + (int64_t{1} << log2_) - 1) >> log2_));
+    if (chunks_.size() > keep) chunks_.resize(keep);
+  }
 
  private:
   void GrowFirstChunk(int64_t rows) {
@@ -135,6 +162,12 @@ class RowArray {
   }
   bool Populate(int64_t begin, int64_t end) {
     return is_f32() ? f32_.Populate(begin, end) : f16_.Populate(begin, end);
+  }
+  int64_t CapacityRows() const { return std::min(f32_.CapacityRows(), f16_.CapacityRows()); }
+  int64_t GrowthBytes(int64_t row) const { return f32_.GrowthBytes(row) + f16_.GrowthBytes(row); }
+  void TruncateRows(int64_t rows) {
+    f32_.TruncateRows(rows);
+    f16_.TruncateRows(rows);
   }
   bool is_f32() const { return type_ == StorageType::kFloat32; }
   StorageType type() const { return type_; }

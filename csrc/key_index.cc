@@ -113,6 +113,14 @@ Status KeyIndex::Reserve(int64_t keys) {
   return Status::Ok();
 }
 
+int64_t KeyIndex::GrowthBytes(int64_t keys) const {
+  const int64_t capacity = SlotCount();
+  if (keys * 4 <= capacity * 3) return 0;
+  const int64_t grown = std::max(capacity + capacity / 3, keys * 10 / 7 + 1);
+  const int64_t lines = (grown + kSlotsPerLine - 1) / kSlotsPerLine;
+  return (lines - static_cast<int64_t>(lines_)) * static_cast<int64_t>(sizeof(BucketLine));
+}
+
 bool KeyIndex::Erase(int64_t key, uint32_t* row) {
   size_t hole;
   int hole_slot;

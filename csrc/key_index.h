@@ -105,6 +105,12 @@ class KeyIndex {
   uint32_t SlotRow(int64_t s) const {
     return buckets_[static_cast<size_t>(s / kSlotsPerLine)].row[s % kSlotsPerLine];
   }
+  // Moves the key in slot s (which holds one) to another row slot.
+  void SetSlotRow(int64_t s, uint32_t row) {
+    buckets_[static_cast<size_t>(s / kSlotsPerLine)].row[s % kSlotsPerLine] = row;
+  }
+  // Bytes Reserve(keys) would add (0 when the index has room).
+  int64_t GrowthBytes(int64_t keys) const;
 
  private:
   // Open addressing with linear probing over 64-byte lines of five (key, row)

@@ -70,6 +70,21 @@ class RowStore {
   // Removes n keys (absent ones are ignored); all or nothing like WriteBatch.
   virtual Status Erase(const int64_t* keys, int64_t n) = 0;
 
+  // Removes n keys from the in-memory index only: no tombstone is written, so
+  // a reopen of the directory may bring their old records back. For stores
+  // that are never reopened (a disk tier that spills rows of a running table
+  // and starts empty): it costs no I/O, and the records become stale for
+  // garbage collection at once.
+  virtual Status Discard(const int64_t* keys, int64_t n) = 0;
+
+  // The live records in file order, for scans of the whole store: copies up to
+  // max_records of them (keys and records) starting at *cursor (0 at first),
+  // advances *cursor and sets *count (0 at the end). Reads sequentially; a
+  // record whose checksum fails is a kCorruption error. The cursor stays valid
+  // while the store is not written to.
+  virtual Status Scan(uint64_t* cursor, int64_t max_records, int64_t* keys, uint8_t* records,
+                      int64_t* count) = 0;
+
   // found[i] = 1 where the store holds keys[i]. No I/O.
   virtual Status Contains(const int64_t* keys, int64_t n, uint8_t* found) const = 0;
 

@@ -236,7 +236,7 @@ class LocationIndex {
 // each index runs once. Used for the preads of one ReadBatch.
 class ReadPool {
  public:
-  explicit ReadPool(int64_t threads) {
+  explicit ReadPool(int64_t threads) : owner_(::getpid()) {
     for (int64_t t = 1; t < threads; ++t) {
       try {
         workers_.emplace_back([this] { Work(); });
@@ -247,6 +247,10 @@ class ReadPool {
   }
 
   ~ReadPool() {
+    if (::getpid() != owner_) {
+      for (std::thread& t : workers_) t.detach();  // they live in the parent only
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
@@ -257,6 +261,12 @@ class ReadPool {
 
   void Run(int64_t count, const std::function<void(int64_t)>& fn) {
     if (count <= 0) return;
+    if (::getpid() != owner_) {
+      // A forked child (a server's checkpoint writer) has none of the
+      // workers: the caller reads alone.
+      for (int64_t i = 0; i < count; ++i) fn(i);
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       fn_ = &fn;
@@ -299,6 +309,7 @@ class ReadPool {
     }
   }
 
+  const pid_t owner_;  // the process whose threads workers_ are
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_, done_;
@@ -367,6 +378,19 @@ class SegmentStore final : public RowStore {
     if (s.ok()) next_sequence_ += pending.size();
     return s;
   }
+
+  Status Discard(const int64_t* keys, int64_t n) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (Status s = CheckOpen(); !s.ok()) return s;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t previous = index_.Erase(keys[i]);
+      if (previous != kNoLocation) --segments_[SegmentOf(previous)].live;
+    }
+    return Status::Ok();
+  }
+
+  Status Scan(uint64_t* cursor, int64_t max_records, int64_t* keys, uint8_t* records,
+              int64_t* count) override;
 
   Status Contains(const int64_t* keys, int64_t n, uint8_t* found) const override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -735,6 +759,62 @@ Status SegmentStore::ReadBatch(const int64_t* keys, int64_t n, uint8_t* out, uin
     }
   }
   stats_.records_read += static_cast<int64_t>(unique.size());
+  return Status::Ok();
+}
+
+Status SegmentStore::Scan(uint64_t* cursor, int64_t max_records, int64_t* keys,
+                          uint8_t* records, int64_t* count) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  *count = 0;
+  if (Status s = CheckOpen(); !s.ok()) return s;
+  std::vector<uint8_t> chunk;
+  auto it = segments_.lower_bound(SegmentOf(*cursor));
+  uint64_t slot = it != segments_.end() && it->first == SegmentOf(*cursor) ? SlotOf(*cursor) : 0;
+  for (; it != segments_.end() && *count < max_records; ++it, slot = 0) {
+    const Segment& segment = it->second;
+    while (static_cast<int64_t>(slot) < segment.slots && *count < max_records) {
+      // Whole chunks, but no more slots than could still be returned live.
+      const int64_t want = std::min<int64_t>(
+          segment.slots - static_cast<int64_t>(slot),
+          std::max<int64_t>(1, std::min<int64_t>(kScanChunkBytes / slot_bytes_,
+                                                 max_records - *count)));
+      try {
+        chunk.resize(static_cast<size_t>(want * slot_bytes_));
+      } catch (const std::bad_alloc&) {
+        return Status(StatusCode::kOutOfMemory, "out of memory scanning the disk tier");
+      }
+      int64_t got = 0;
+      const int error = ReadAll(segment.fd, chunk.data(), want * slot_bytes_,
+                                kFileHeaderBytes + static_cast<int64_t>(slot) * slot_bytes_, &got);
+      if (error != 0) return IoError("reading", segment.path, error);
+      stats_.bytes_read += got;
+      if (got != want * slot_bytes_) {
+        return Corruption(segment, static_cast<int64_t>(slot) + got / slot_bytes_, -1,
+                          "the file ends before its last record");
+      }
+      for (int64_t j = 0; j < want; ++j) {
+        const uint8_t* data = chunk.data() + j * slot_bytes_;
+        int64_t key;
+        std::memcpy(&key, data, 8);
+        // Every slot is checked, stale ones too: a live record whose key bytes
+        // were damaged would otherwise look stale and drop out of the scan.
+        if (!SlotChecksumOk(data)) {
+          return Corruption(segment, static_cast<int64_t>(slot) + j, key, "checksum mismatch");
+        }
+        if (index_.Find(key) != Location(it->first, slot + static_cast<uint64_t>(j))) continue;
+        keys[*count] = key;
+        std::memcpy(records + *count * options_.record_bytes, data + kSlotHeaderBytes,
+                    static_cast<size_t>(options_.record_bytes));
+        ++*count;
+      }
+      slot += static_cast<uint64_t>(want);
+    }
+    if (*count >= max_records) {
+      *cursor = Location(it->first, slot);
+      return Status::Ok();
+    }
+  }
+  *cursor = ~uint64_t{0} - 1;  // past every segment id that can exist
   return Status::Ok();
 }
 

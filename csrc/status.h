@@ -25,6 +25,7 @@ enum class StatusCode : int {
   kCorruption = 7,       // -> kvsparse.errors.CorruptRecord (StorageError, OSError)
   kDiskFull = 8,         // -> kvsparse.errors.DiskFull (StorageError, OSError)
   kIoError = 9,          // -> kvsparse.errors.StorageError (OSError)
+  kLimitExceeded = 10,   // -> kvsparse.errors.LimitExceeded (a memory budget; InvalidArgument)
 };
 
 class Status {

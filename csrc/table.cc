@@ -11,6 +11,7 @@
 
 #include "parallel.h"
 #include "table_internal.h"
+#include "table_tier.h"
 
 namespace kvsparse {
 
@@ -132,6 +133,7 @@ Status EmbeddingTable::FindOrInsertRow(int64_t key, int64_t* row_out, bool* inse
 }
 
 bool EmbeddingTable::PrefaultAhead(int64_t max_bytes) {
+  if (tier_ != nullptr) return false;  // a budgeted table grows only as the budget allows
   const int64_t chunk_rows = int64_t{1} << RowsPerChunkLog2(config_.dim);
   // Not while chunk 0 holds every row: it grows by moving them, doubling, so
   // that a small table stays small; a table that small has nothing to gain.
@@ -184,6 +186,8 @@ int64_t EmbeddingTable::InsertReservedRow(int64_t key, bool init_slots) {
 Status EmbeddingTable::SetOptimizer(const OptimizerConfig& optimizer) {
   Status s = ValidateOptimizer(optimizer);
   if (!s.ok()) return s;
+  const int old_slots = optimizer_.num_slots();
+  const bool old_master = has_master();
   Optimizer next(optimizer);
   const int64_t log2 = RowsPerChunkLog2(config_.dim);
   RowArray slots;
@@ -209,7 +213,10 @@ Status EmbeddingTable::SetOptimizer(const OptimizerConfig& optimizer) {
   index_.ForEach([&](int64_t, uint32_t row) { InitRowSlots(row); });
   // Ages count from the table step, which restarts at 0.
   policy_.ResetSteps(index_);
-  return Status::Ok();
+  if (tier_ == nullptr) return Status::Ok();
+  s = MigrateDiskRows(old_slots, old_master);
+  ReportMemory();
+  return s;
 }
 
 Status EmbeddingTable::SetLearningRate(double learning_rate) {
@@ -223,6 +230,14 @@ Status EmbeddingTable::SetLearningRate(double learning_rate) {
 }
 
 Status EmbeddingTable::Assign(const int64_t* keys, int64_t n, const float* values) {
+  Status s = PrepareRows(keys, n, /*insert=*/true);
+  if (!s.ok()) return s;
+  s = AssignInMemory(keys, n, values);
+  ReportMemory();
+  return s;
+}
+
+Status EmbeddingTable::AssignInMemory(const int64_t* keys, int64_t n, const float* values) {
   Status s = index_.Reserve(index_.size() + n);
   if (!s.ok()) return s;
   const int64_t dim = config_.dim;
@@ -244,7 +259,7 @@ int64_t EmbeddingTable::Remove(const int64_t* keys, int64_t n) {
   // leaves the table as it was, never a row both free and stored.
   int64_t present = 0;
   for (int64_t i = 0; i < n; ++i) present += index_.Find(keys[i]) >= 0;
-  if (present == 0) return 0;
+  if (present == 0) return RemoveFromDisk(keys, n);
   free_rows_.reserve(free_rows_.size() + static_cast<size_t>(present));
   if (change_epoch_ > 1) removed_.reserve(removed_.size() + static_cast<size_t>(present));
   int64_t removed = 0;
@@ -257,6 +272,8 @@ int64_t EmbeddingTable::Remove(const int64_t* keys, int64_t n) {
     if (change_epoch_ > 1) removed_.emplace_back(keys[i], change_epoch_);
     ++removed;
   }
+  removed += RemoveFromDisk(keys, n);
+  ReportMemory();
   return removed;
 }
 

@@ -41,6 +41,7 @@
 
 #include "admission_policy.h"
 #include "chunked_rows.h"
+#include "disk_tier.h"
 #include "half.h"
 #include "initializer.h"
 #include "key_index.h"
@@ -87,6 +88,18 @@ enum class NonFinitePolicy : int {
 class EmbeddingTable {
  public:
   static Status Create(const TableConfig& config, std::unique_ptr<EmbeddingTable>* out);
+  ~EmbeddingTable();
+
+  // A memory budget shared with the shard's other tables and, with a spill
+  // directory, a disk tier for the rows that do not fit (disk_tier.h,
+  // table_tier.cc). Before the first row. Every operation below keeps its
+  // meaning: rows on disk are read back when a request names them.
+  Status EnableTier(const TierConfig& tier);
+  bool tiered() const { return tier_ != nullptr; }
+  TierStats tier_stats() const;
+  // Ok, or the disk error that ended the last scan (NextKeys, NextChangedKeys,
+  // NextChangedRows return counts only: a caller checks this at the end).
+  Status scan_status() const;
 
   int64_t dim() const { return config_.dim; }
   // Slots per row in ReadState / WriteState: the optimizer's, and the float32
@@ -95,7 +108,8 @@ class EmbeddingTable {
   // Whether rows keep a float32 master copy (multi_precision on a 16-bit table).
   bool has_master() const { return master_.width() > 0; }
   const TableConfig& config() const { return config_; }
-  int64_t Size() const { return index_.size(); }
+  // Rows stored, in memory and on disk.
+  int64_t Size() const { return index_.size() + DiskRowCount(); }
   // Bytes this table holds: buckets, row chunks, slot chunks, step counters.
   int64_t MemoryBytes() const;
   // The part of MemoryBytes that is push scratch (kept for the next push).
@@ -189,7 +203,8 @@ class EmbeddingTable {
   // Grows the map for `rows` rows at once. A load inserts rows in the saved
   // table's bucket order; growing step by step meanwhile makes linear
   // probing cluster (quadratic: 5M rows took minutes instead of a second).
-  Status ReserveRows(int64_t rows) { return index_.Reserve(rows); }
+  // A tiered table grows as the budget allows instead.
+  Status ReserveRows(int64_t rows) { return tier_ != nullptr ? Status::Ok() : index_.Reserve(rows); }
   // Like NextChangedKeys, but also copies each row's state (as ReadState
   // does) straight from the scan, without a second hash probe per key.
   int64_t NextChangedRows(int64_t* cursor, int64_t max_rows, uint32_t since, int64_t* keys_out,
@@ -248,8 +263,9 @@ class EmbeddingTable {
   // initializer: Zeros/Constant rows cost less to write than to copy, and a
   // 16-bit table's lookup returns the rounded initial value, which a push
   // must not start from).
+  // Not on a budgeted table: the cache (up to 16 MiB) would take rows' memory.
   bool CachesInitialRows() const {
-    return values_.is_f32() && config_.initializer.kind != InitializerKind::kZeros &&
+    return tier_ == nullptr && values_.is_f32() && config_.initializer.kind != InitializerKind::kZeros &&
            config_.initializer.kind != InitializerKind::kConstant;
   }
   // Returns the row of key, inserting it (initial slots, step 0, policy
@@ -266,6 +282,9 @@ class EmbeddingTable {
   int64_t RowStateFloats() const {
     return config_.dim * (1 + optimizer_.num_slots() + (has_master() ? 1 : 0));
   }
+  Status NotStored(int64_t key) const;
+  Status LookupOrInsertInMemory(const int64_t* keys, int64_t n, float* out);
+  Status AssignInMemory(const int64_t* keys, int64_t n, const float* values);
   // Inserts key into a free bucket on an already reserved row: allocates
   // nothing. init_slots false: the caller writes the row's slots itself.
   int64_t InsertReservedRow(int64_t key, bool init_slots = true);
@@ -321,6 +340,48 @@ class EmbeddingTable {
                    PushPlan* plan);
   Status FinishPlan(const PushPlan& plan, int64_t saved_table_step, int64_t* applied);
   void MaybeEvictAutomatically();
+
+  // The disk tier (table_tier.cc).
+  struct Tier;
+  int64_t RecordBytes() const;
+  Status OpenTierStore();
+  // MemoryBytes and the disk tier's index: what the table reports to the budget.
+  int64_t TierBytes() const;
+  void ReportMemory();
+  int64_t BackedRows() const;
+  int64_t RowGrowthBytes(int64_t last_row) const;
+  int64_t BytesPerRow() const;
+  void EncodeRow(int64_t row, uint8_t* record) const;
+  void DecodeRow(const uint8_t* record, int64_t row);
+  uint64_t ColdScore(int64_t row) const;
+  Status LimitStatus(int64_t incoming, int64_t needed) const;
+  // Moves count rows (none of keep, which is sorted) to disk.
+  Status EvictRows(int64_t count, const std::vector<int64_t>& keep);
+  // Gives whole chunks of the row arrays back (rows moved into free slots).
+  void CompactRows();
+  // Room for incoming more rows in memory within the budget (keep: the
+  // request's ids, sorted; resident_kept of them are in memory).
+  // The request's scratch (a push's saved and new row states) is counted too.
+  Status MakeRoom(int64_t incoming, const std::vector<int64_t>& keep, int64_t resident_kept);
+  // Brings keys' disk rows into memory after making room for them and, with
+  // insert, for the keys stored nowhere. Changes no row's state.
+  Status PrepareRows(const int64_t* keys, int64_t n, bool insert);
+  // Records of the keys not in memory that are on disk: which[j] is the
+  // index in keys of record j.
+  Status ReadDiskRows(const int64_t* keys, int64_t n, std::vector<int64_t>* which,
+                      std::vector<uint8_t>* records) const;
+  // Lookup's second half: the rows on disk (read, not moved) and the counts.
+  Status LookupDisk(const int64_t* keys, int64_t n, float* out) const;
+  // ReadState / ReadRowMeta of the keys on disk (the others left as they are).
+  Status ReadStateFromDisk(const int64_t* keys, int64_t n, float* values, float* slots,
+                           int64_t* steps, int64_t* touches, int64_t* last_steps) const;
+  int64_t DiskRowCount() const;
+  int64_t RemoveFromDisk(const int64_t* keys, int64_t n);
+  // The disk part of the scans (NextKeys and kin), after the memory slots.
+  int64_t NextDiskRows(int64_t* cursor, int64_t max_rows, bool changed_only, uint32_t since,
+                       int64_t* keys_out, float* values, float* slots, int64_t* steps) const;
+  Status MigrateDiskRows(int old_slots, bool old_master);
+  std::unique_ptr<Tier> tier_;
 
   TableConfig config_;
   Optimizer optimizer_;

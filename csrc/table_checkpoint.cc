@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "table_internal.h"
+#include "table_tier.h"
 
 namespace kvsparse {
 
@@ -28,14 +30,40 @@ void EmbeddingTable::ReadRowState(int64_t row, float* values, float* slots,
 Status EmbeddingTable::ReadState(const int64_t* keys, int64_t n, float* values, float* slots,
                                  int64_t* steps) const {
   const int64_t dim = config_.dim;
+  std::vector<int64_t> missing;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = index_.Find(keys[i]);
     if (row < 0) {
-      return Status(StatusCode::kInvalidArgument, "id " + KeyText(keys[i]) + " is not in the table");
+      if (tier_ == nullptr) return NotStored(keys[i]);
+      missing.push_back(i);
+      continue;
     }
     ReadRowState(row, values + i * dim, slots + i * dim * num_slots(), steps + i);
   }
+  if (missing.empty()) return Status::Ok();
+  // Rows on disk: read through, in one batch.
+  const int64_t m = static_cast<int64_t>(missing.size());
+  const int64_t slot_floats = dim * num_slots();
+  std::vector<int64_t> disk_keys(static_cast<size_t>(m)), disk_steps(static_cast<size_t>(m), -1);
+  std::vector<float> disk_values(static_cast<size_t>(m * dim)),
+      disk_slots(static_cast<size_t>(m * slot_floats));
+  for (int64_t j = 0; j < m; ++j) disk_keys[j] = keys[missing[j]];
+  Status s = ReadStateFromDisk(disk_keys.data(), m, disk_values.data(), disk_slots.data(),
+                               disk_steps.data(), nullptr, nullptr);
+  if (!s.ok()) return s;
+  for (int64_t j = 0; j < m; ++j) {
+    if (disk_steps[j] < 0) return NotStored(disk_keys[j]);
+    const int64_t i = missing[j];
+    std::memcpy(values + i * dim, disk_values.data() + j * dim, sizeof(float) * dim);
+    std::memcpy(slots + i * slot_floats, disk_slots.data() + j * slot_floats,
+                sizeof(float) * slot_floats);
+    steps[i] = disk_steps[j];
+  }
   return Status::Ok();
+}
+
+Status EmbeddingTable::NotStored(int64_t key) const {
+  return Status(StatusCode::kInvalidArgument, "id " + KeyText(key) + " is not in the table");
 }
 
 Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* values,
@@ -46,7 +74,9 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
                     "step counter of id " + KeyText(keys[i]) + " is out of range");
     }
   }
-  Status s = index_.Reserve(index_.size() + n);
+  Status s = PrepareRows(keys, n, /*insert=*/true);
+  if (!s.ok()) return s;
+  s = index_.Reserve(index_.size() + n);
   if (!s.ok()) return s;
   const int64_t dim = config_.dim;
   const int64_t slot_floats = dim * optimizer_.num_slots();
@@ -66,17 +96,24 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
     *StepOf(row) = static_cast<uint32_t>(steps[i]);
     *StampOf(row) = change_epoch_;
   }
+  ReportMemory();
   return Status::Ok();
 }
 
+// The scans run over the memory slots (cursor >= 0) and then over the disk
+// tier (NextDiskRows: cursor < 0).
 int64_t EmbeddingTable::NextKeys(int64_t* cursor, int64_t max_rows, int64_t* keys_out) const {
   int64_t count = 0;
   const int64_t capacity = index_.SlotCount();
   int64_t b = *cursor;
-  for (; b < capacity && count < max_rows; ++b) {
+  for (; b >= 0 && b < capacity && count < max_rows; ++b) {
     if (index_.SlotRow(b) != KeyIndex::kEmpty) keys_out[count++] = index_.SlotKey(b);
   }
   *cursor = b;
+  if (count < max_rows && tier_ != nullptr) {
+    count += NextDiskRows(cursor, max_rows - count, false, 0, keys_out + count, nullptr, nullptr,
+                          nullptr);
+  }
   return count;
 }
 
@@ -85,11 +122,15 @@ int64_t EmbeddingTable::NextChangedKeys(int64_t* cursor, int64_t max_rows, uint3
   int64_t count = 0;
   const int64_t capacity = index_.SlotCount();
   int64_t b = *cursor;
-  for (; b < capacity && count < max_rows; ++b) {
+  for (; b >= 0 && b < capacity && count < max_rows; ++b) {
     const uint32_t row = index_.SlotRow(b);
     if (row != KeyIndex::kEmpty && *StampOf(row) > since) keys_out[count++] = index_.SlotKey(b);
   }
   *cursor = b;
+  if (count < max_rows && tier_ != nullptr) {
+    count += NextDiskRows(cursor, max_rows - count, true, since, keys_out + count, nullptr,
+                          nullptr, nullptr);
+  }
   return count;
 }
 
@@ -100,7 +141,7 @@ int64_t EmbeddingTable::NextChangedRows(int64_t* cursor, int64_t max_rows, uint3
   int64_t count = 0;
   const int64_t capacity = index_.SlotCount();
   int64_t b = *cursor;
-  for (; b < capacity && count < max_rows; ++b) {
+  for (; b >= 0 && b < capacity && count < max_rows; ++b) {
     const uint32_t row = index_.SlotRow(b);
     if (row == KeyIndex::kEmpty || *StampOf(row) <= since) continue;
     keys_out[count] = index_.SlotKey(b);
@@ -108,6 +149,10 @@ int64_t EmbeddingTable::NextChangedRows(int64_t* cursor, int64_t max_rows, uint3
     ++count;
   }
   *cursor = b;
+  if (count < max_rows && tier_ != nullptr) {
+    count += NextDiskRows(cursor, max_rows - count, true, since, keys_out + count,
+                          values + count * dim, slots + count * dim * num_slots(), steps + count);
+  }
   return count;
 }
 

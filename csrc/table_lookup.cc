@@ -11,6 +11,7 @@
 #include "half.h"
 #include "parallel.h"
 #include "table_internal.h"
+#include "table_tier.h"
 
 namespace kvsparse {
 
@@ -151,7 +152,7 @@ Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const 
       }
     }
   }
-  return Status::Ok();
+  return tier_ != nullptr ? LookupDisk(keys, n, out) : Status::Ok();
 }
 
 void EmbeddingTable::FillInitialRowsCached(const int64_t* keys, int64_t n,
@@ -183,6 +184,14 @@ void EmbeddingTable::FillInitialRowsCached(const int64_t* keys, int64_t n,
 }
 
 Status EmbeddingTable::LookupOrInsert(const int64_t* keys, int64_t n, float* out) {
+  Status prepared = PrepareRows(keys, n, /*insert=*/true);
+  if (!prepared.ok()) return prepared;
+  Status s = LookupOrInsertInMemory(keys, n, out);
+  ReportMemory();
+  return s;
+}
+
+Status EmbeddingTable::LookupOrInsertInMemory(const int64_t* keys, int64_t n, float* out) {
   const int64_t dim = config_.dim;
   std::vector<int64_t> rows, new_keys, new_rows;
   try {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "table_internal.h"
+#include "table_tier.h"
 
 namespace kvsparse {
 
@@ -66,8 +67,16 @@ Status EmbeddingTable::ReadRowMeta(const int64_t* keys, int64_t n, int64_t* touc
                                    int64_t* last_steps) const {
   std::vector<int64_t> rows(static_cast<size_t>(n));
   index_.FindRows(keys, n, rows.data());
+  std::vector<int64_t> steps;
+  if (tier_ != nullptr) {
+    // Rows on disk: their counters from their records (step -1: stored nowhere).
+    steps.assign(static_cast<size_t>(n), -1);
+    Status s = ReadStateFromDisk(keys, n, nullptr, nullptr, steps.data(), touches, last_steps);
+    if (!s.ok()) return s;
+  }
   for (int64_t i = 0; i < n; ++i) {
     if (rows[i] < 0) {
+      if (!steps.empty() && steps[i] >= 0) continue;
       return Status(StatusCode::kInvalidArgument, "id " + KeyText(keys[i]) + " is not stored");
     }
     policy_.ReadRow(rows[i], touches + i, last_steps + i);
@@ -77,6 +86,8 @@ Status EmbeddingTable::ReadRowMeta(const int64_t* keys, int64_t n, int64_t* touc
 
 Status EmbeddingTable::WriteRowMeta(const int64_t* keys, int64_t n, const int64_t* touches,
                                     const int64_t* last_steps) {
+  Status prepared = PrepareRows(keys, n, /*insert=*/false);
+  if (!prepared.ok()) return prepared;
   std::vector<int64_t> rows(static_cast<size_t>(n));
   index_.FindRows(keys, n, rows.data());
   for (int64_t i = 0; i < n; ++i) {

@@ -15,6 +15,7 @@
 #include "half.h"
 #include "parallel.h"
 #include "table_internal.h"
+#include "table_tier.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -40,11 +41,15 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
   // needs; (2) update the stored rows in place, each saved first, checking
   // every result; (3) commit, which cannot fail but for the candidates' map,
   // which it puts back on failure.
+  Status s = PrepareRows(keys, n, /*insert=*/true);
+  if (!s.ok()) return s;
   PushPlan plan;
   const int64_t saved_table_step = table_step_;
-  Status s = BeginPlan(keys, n, grads, policy, &plan);
+  s = BeginPlan(keys, n, grads, policy, &plan);
   if (!s.ok()) return s;
-  return FinishPlan(plan, saved_table_step, applied);
+  s = FinishPlan(plan, saved_table_step, applied);
+  ReportMemory();
+  return s;
 }
 
 Status EmbeddingTable::BeginPush(const int64_t* keys, int64_t n, const float* grads,
@@ -52,6 +57,8 @@ Status EmbeddingTable::BeginPush(const int64_t* keys, int64_t n, const float* gr
   if (pending_push_ != nullptr) {
     return Status(StatusCode::kInvalidArgument, "a push of this table is begun and not finished");
   }
+  Status prepared = PrepareRows(keys, n, /*insert=*/true);
+  if (!prepared.ok()) return prepared;
   std::unique_ptr<PushPlan> plan;
   try {
     plan.reset(new PushPlan());
@@ -75,7 +82,9 @@ Status EmbeddingTable::FinishPush(int64_t* applied) {
     return Status(StatusCode::kInvalidArgument, "no push of this table is begun");
   }
   std::unique_ptr<PushPlan> plan = std::move(pending_push_);
-  return FinishPlan(*plan, pending_table_step_, applied);
+  Status s = FinishPlan(*plan, pending_table_step_, applied);
+  ReportMemory();
+  return s;
 }
 
 void EmbeddingTable::CancelPush() {

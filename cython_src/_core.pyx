@@ -5,8 +5,10 @@
 # turns a C++ Status into a kvsparse.errors exception in one place (_check).
 from cython.operator cimport dereference as deref
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
-from libcpp.memory cimport unique_ptr
+from libcpp.memory cimport make_shared, shared_ptr, unique_ptr
 from libcpp.vector cimport vector
+
+import os
 
 import numpy as np
 
@@ -21,6 +23,7 @@ from optimizer cimport Optimizer as COptimizer
 from optimizer cimport OptimizerConfig, OptimizerKind, StepMode, ValidateOptimizer
 from status cimport Status, StatusCode
 from table cimport EmbeddingTable, NonFinitePolicy, StorageType, TableConfig, kMaxDim
+from table cimport MemoryBudget as CMemoryBudget, TierConfig, TierStats
 from table cimport EvictionKind, PolicyConfig, PolicyStats, ValidatePolicy
 
 MAX_DIM = kMaxDim
@@ -73,6 +76,14 @@ cdef int _check(const Status& c_status) except -1:
         raise errors.CapacityError(message)
     if code == StatusCode.kOverflow:
         raise errors.UpdateOverflow(message)
+    if code == StatusCode.kLimitExceeded:
+        raise errors.LimitExceeded(message)
+    if code == StatusCode.kCorruption:
+        raise errors.CorruptRecord(message)
+    if code == StatusCode.kDiskFull:
+        raise errors.DiskFull(message)
+    if code == StatusCode.kIoError:
+        raise errors.StorageError(message)
     raise errors.KVSparseError(message)
 
 
@@ -212,6 +223,40 @@ def _rows_out(out, int64_t n, int64_t dim):
     return _arg(out, np.float32, 2, "out", output=True)
 
 
+cdef class MemoryBudget:
+    """The bytes one shard's tables may hold together (csrc/disk_tier.h).
+
+    One per shard (a server, a local store), given to each of its Tables. A table
+    reports what it holds after every operation: index, rows, slots, scratch and
+    its disk tier's in-memory index. Thread-safe.
+
+    Example:
+        >>> budget = MemoryBudget(64 << 20)
+        >>> t = Table(4, budget=budget)
+        >>> budget.limit, 0 < budget.used() < budget.limit
+        (67108864, True)
+    """
+
+    cdef shared_ptr[CMemoryBudget] c_budget
+
+    def __cinit__(self, int64_t limit):
+        if limit <= 0:
+            raise errors.InvalidArgument(f"a memory budget must be a positive byte count, got {limit}")
+        self.c_budget = make_shared[CMemoryBudget](limit)
+
+    @property
+    def limit(self):
+        return self.c_budget.get().limit()
+
+    def used(self):
+        """Bytes the shard's tables (and set_other_bytes) hold now."""
+        return self.c_budget.get().Used()
+
+    def set_other_bytes(self, int64_t nbytes):
+        """Memory the shard holds outside its tables (dense keys), counted in the budget."""
+        self.c_budget.get().Report(<void*>self, nbytes)
+
+
 cdef class Table:
     """One shard's embedding table: int64 id -> float32 row (+ optimizer slots).
 
@@ -230,6 +275,11 @@ cdef class Table:
             exactly when read, updated in float32 and rounded to nearest, ties
             to even, once per write.
         slot_dtype: how optimizer slots are stored (same choices); None: float32.
+        budget: the shard's MemoryBudget, or None (no limit).
+        spill_dir: with a budget, a directory of this table's own for the rows that do
+            not fit (emptied now, removed with the table); None: an insert past the
+            budget raises LimitExceeded.
+        name: the table's name, for messages.
 
     Raises:
         kvsparse.errors.InvalidArgument: a bad dim, initializer, optimizer or dtype.
@@ -258,8 +308,10 @@ cdef class Table:
         return self.c_table.get()
 
     def __cinit__(self, int64_t dim, dict initializer=None, optimizer=None, uint64_t seed=0,
-                  dict policy=None, str dtype="float32", slot_dtype=None):
+                  dict policy=None, str dtype="float32", slot_dtype=None,
+                  MemoryBudget budget=None, spill_dir=None, str name=""):
         cdef TableConfig c_config
+        cdef TierConfig c_tier
         if dim < 1 or dim > kMaxDim:
             raise errors.InvalidArgument(f"dim must be in [1, {kMaxDim}], got {dim}")
         slot_dtype = "float32" if slot_dtype is None else slot_dtype
@@ -273,6 +325,35 @@ cdef class Table:
         c_config.policy = _policy_config(policy)
         _check(EmbeddingTable.Create(c_config, &self.c_table))
         self.c_dim = dim
+        if spill_dir is not None and budget is None:
+            raise errors.InvalidArgument("a spill directory needs a memory budget")
+        if budget is not None:
+            c_tier.budget = budget.c_budget
+            c_tier.spill_dir = os.fsencode(spill_dir) if spill_dir is not None else b""
+            c_tier.name = name.encode()
+            _check(self.c_table.get().EnableTier(c_tier))
+
+    def tier_stats(self):
+        """What the table's tiers hold and did: rows in memory and on disk, bytes, hits.
+
+        Keys: memory_budget (0: none), rows_in_memory, rows_on_disk, memory_bytes (the
+        disk index included), disk_bytes, disk_index_bytes, row_lookups (ids named that
+        the table stores), disk_hits (of those, on disk), rows_read (brought back),
+        evictions (moved to disk), bytes_read, bytes_written, bytes_updated,
+        gc_segments_freed, gc_bytes_moved, compactions.
+        """
+        cdef EmbeddingTable* c_table = self._table()
+        cdef TierStats c = c_table.tier_stats()
+        return {
+            "memory_budget": c.memory_budget, "rows_in_memory": c.rows_in_memory,
+            "rows_on_disk": c.rows_on_disk, "memory_bytes": c.memory_bytes,
+            "disk_bytes": c.disk_bytes, "disk_index_bytes": c.disk_index_bytes,
+            "row_lookups": c.row_lookups, "disk_hits": c.disk_hits, "rows_read": c.rows_read,
+            "evictions": c.evictions, "bytes_read": c.bytes_read,
+            "bytes_written": c.bytes_written, "bytes_updated": c.bytes_updated,
+            "gc_segments_freed": c.gc_segments_freed, "gc_bytes_moved": c.gc_bytes_moved,
+            "compactions": c.compactions,
+        }
 
     @property
     def dim(self):
@@ -546,6 +627,7 @@ cdef class Table:
             with nogil:
                 c_count = c_table.NextKeys(&c_cursor, chunk_rows, &c_buffer[0])
             if c_count == 0:
+                _check(c_table.scan_status())
                 return
             keys = buffer[:c_count].copy()
             values, slots, steps = self.read_state(keys)
@@ -584,6 +666,7 @@ cdef class Table:
                 c_count = c_table.NextChangedKeys(&c_cursor, chunk_rows, c_since,
                                                              &c_buffer[0])
             if c_count == 0:
+                _check(c_table.scan_status())
                 return
             yield buffer[:c_count].copy()
 
@@ -620,6 +703,7 @@ cdef class Table:
                     &c_cursor, c_rows, c_since, &c_keys[0], &c_values[0, 0], c_slot_ptr,
                     &c_steps[0])
             if c_count == 0:
+                _check(c_table.scan_status())
                 return
             yield keys[:c_count], values[:c_count], slots[:c_count], steps[:c_count]
 

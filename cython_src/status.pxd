@@ -14,6 +14,7 @@ cdef extern from "status.h" namespace "kvsparse" nogil:
         kCorruption
         kDiskFull
         kIoError
+        kLimitExceeded
 
     cdef cppclass Status:
         Status()

@@ -1,6 +1,7 @@
 # Mirrors csrc/table.h.
 from libc.stdint cimport int64_t, uint32_t
-from libcpp.memory cimport unique_ptr
+from libcpp.memory cimport shared_ptr, unique_ptr
+from libcpp.string cimport string
 
 from initializer cimport InitializerConfig
 from optimizer cimport OptimizerConfig
@@ -45,6 +46,35 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         StorageType value_type
         StorageType slot_type
 
+    cdef cppclass MemoryBudget:
+        MemoryBudget(int64_t limit)
+        int64_t limit()
+        void Report(const void* owner, int64_t bytes)
+        int64_t Used()
+
+    cdef cppclass TierConfig:
+        shared_ptr[MemoryBudget] budget
+        string spill_dir
+        string name
+
+    cdef cppclass TierStats:
+        int64_t memory_budget
+        int64_t rows_in_memory
+        int64_t rows_on_disk
+        int64_t memory_bytes
+        int64_t disk_bytes
+        int64_t disk_index_bytes
+        int64_t row_lookups
+        int64_t disk_hits
+        int64_t rows_read
+        int64_t evictions
+        int64_t bytes_read
+        int64_t bytes_written
+        int64_t bytes_updated
+        int64_t gc_segments_freed
+        int64_t gc_bytes_moved
+        int64_t compactions
+
     cdef enum class NonFinitePolicy(int):
         kReject
         kSkip
@@ -52,6 +82,10 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
     cdef cppclass EmbeddingTable:
         @staticmethod
         Status Create(const TableConfig& config, unique_ptr[EmbeddingTable]* out) except +
+        Status EnableTier(const TierConfig& tier) except +
+        bint tiered()
+        TierStats tier_stats() except +
+        Status scan_status()
         int64_t dim()
         int num_slots()
         const TableConfig& config()

@@ -1,0 +1,722 @@
+// EmbeddingTable: the memory budget and the disk tier (disk_tier.h, table.h).
+//
+// A row lives in exactly one tier. In memory it is an ordinary row; on disk it
+// is one record of the table's RowStore (segment_store.h) holding everything
+// the row needs to come back unchanged:
+//
+//   values (dim float32) | slots (num_slots() * dim float32, the master last)
+//   | step | change stamp | touches | last step (uint32 each)
+//
+// Every operation that names ids first calls PrepareRows: it finds which of
+// them are on disk (the store's in-memory index: no I/O), makes room for them
+// and for the ids it will insert (MakeRoom: the coldest rows not in the
+// request move to disk, in one batch write), then reads the request's disk
+// rows back in one batch of reads and puts them in memory with their exact
+// state (stamp included: moving a row is not a change for checkpoints). The
+// operation then runs on memory rows as it always did. Lookups (pulls) read
+// disk rows through without moving them; ids stored nowhere cost no I/O.
+//
+// Cold: the lowest last step when the policy keeps one (LRU), else the fewest
+// touches when it keeps them (LFU), else the fewest updates (the row's own
+// step counter, LFU). Victims are sampled from the index (Redis-style: 4 per
+// victim, the coldest win) or, when a large part of the rows must go, taken
+// from all of them.
+//
+// Memory: rows leave the row arrays as free slots, which new rows reuse; when
+// the shard is over its budget without growing (the disk index grew), whole
+// chunks are given back by moving the last rows into free slots (Compact).
+#include <malloc.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <new>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "disk_tier.h"
+#include "segment_store.h"
+#include "table.h"
+#include "table_internal.h"
+#include "table_tier.h"
+
+namespace kvsparse {
+
+using table_internal::KeyText;
+using table_internal::RowsPerChunkLog2;
+
+namespace {
+
+constexpr int64_t kMetaBytes = 16;   // step, stamp, touches, last step
+constexpr int64_t kScanBatch = 4096;  // records per scan call of the checkpoint scans
+constexpr int64_t kSamplesPerVictim = 4;
+// The disk index costs about this much RAM per row moved to disk (16-byte
+// entries at a load of 0.4 to 0.8).
+constexpr int64_t kDiskIndexBytesPerRow = 24;
+
+std::string HumanBytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  char text[32];
+  if (unit == 0) {
+    std::snprintf(text, sizeof(text), "%lld B", static_cast<long long>(bytes));
+  } else {
+    std::snprintf(text, sizeof(text), "%.1f %s", value, units[unit]);
+  }
+  return text;
+}
+
+uint64_t NextRandom(uint64_t* state) {
+  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+Status RemoveDirectoryContents(const std::string& directory) {
+  std::error_code error;
+  std::filesystem::create_directories(directory, error);
+  if (error) {
+    return Status(StatusCode::kIoError,
+                  "cannot create the spill directory " + directory + ": " + error.message());
+  }
+  for (const auto& entry : std::filesystem::directory_iterator(directory, error)) {
+    std::filesystem::remove_all(entry.path(), error);
+    if (error) {
+      return Status(StatusCode::kIoError, "cannot empty the spill directory " + directory +
+                                              ": " + error.message());
+    }
+  }
+  if (error) {
+    return Status(StatusCode::kIoError,
+                  "cannot read the spill directory " + directory + ": " + error.message());
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+
+EmbeddingTable::~EmbeddingTable() {
+  if (tier_ == nullptr) return;
+  tier_->config.budget->Forget(this);
+  // A forked child (a server's checkpoint writer) never touches the parent's files.
+  if (tier_->store != nullptr && ::getpid() == tier_->owner) {
+    tier_->store->Close();
+    tier_->store.reset();
+    std::error_code error;
+    std::filesystem::remove_all(tier_->config.spill_dir, error);
+  }
+}
+
+int64_t EmbeddingTable::RecordBytes() const {
+  return 4 * config_.dim * (1 + num_slots()) + kMetaBytes;
+}
+
+Status EmbeddingTable::OpenTierStore() {
+  SegmentStoreOptions options;
+  options.directory = tier_->StoreDirectory();
+  options.record_bytes = RecordBytes();
+  options.segment_bytes = tier_->config.segment_bytes;
+  options.read_threads = tier_->config.read_threads;
+  std::unique_ptr<RowStore> store;
+  Status s = OpenSegmentStore(options, &store);
+  if (!s.ok()) return s;
+  tier_->store = std::move(store);
+  tier_->record_bytes = options.record_bytes;
+  return Status::Ok();
+}
+
+Status EmbeddingTable::EnableTier(const TierConfig& config) {
+  if (config.budget == nullptr || config.budget->limit() <= 0) {
+    return Status(StatusCode::kInvalidArgument, "a memory budget must be a positive byte count");
+  }
+  if (tier_ != nullptr || index_.size() > 0) {
+    return Status(StatusCode::kInvalidArgument, "a table's tier is set before its first row");
+  }
+  std::unique_ptr<Tier> tier;
+  try {
+    tier.reset(new Tier());
+  } catch (const std::bad_alloc&) {
+    return Status(StatusCode::kOutOfMemory, "out of memory setting up the disk tier");
+  }
+  tier->config = config;
+  tier->owner = ::getpid();
+  tier->stats.memory_budget = config.budget->limit();
+  tier_ = std::move(tier);
+  if (!config.spill_dir.empty()) {
+    Status s = RemoveDirectoryContents(config.spill_dir);
+    if (s.ok()) s = OpenTierStore();
+    if (!s.ok()) {
+      tier_.reset();
+      return s;
+    }
+  }
+  ReportMemory();
+  return Status::Ok();
+}
+
+int64_t EmbeddingTable::TierBytes() const {
+  int64_t bytes = MemoryBytes();
+  if (tier_ != nullptr && tier_->store != nullptr) bytes += tier_->store->Stats().index_bytes;
+  return bytes;
+}
+
+void EmbeddingTable::ReportMemory() {
+  if (tier_ != nullptr) tier_->config.budget->Report(this, TierBytes());
+}
+
+TierStats EmbeddingTable::tier_stats() const {
+  TierStats stats;
+  if (tier_ == nullptr) {
+    stats.rows_in_memory = index_.size();
+    stats.memory_bytes = MemoryBytes();
+    return stats;
+  }
+  stats = tier_->stats;
+  stats.row_lookups += tier_->lookup_rows.load();
+  stats.disk_hits += tier_->lookup_hits.load();
+  stats.rows_in_memory = index_.size();
+  stats.rows_on_disk = tier_->disk_rows;
+  stats.memory_bytes = TierBytes();
+  if (tier_->store != nullptr) {
+    const RowStoreStats disk = tier_->store->Stats();
+    stats.disk_bytes = disk.disk_bytes;
+    stats.disk_index_bytes = disk.index_bytes;
+    stats.bytes_read = disk.bytes_read;
+    stats.bytes_written = disk.bytes_written;
+    stats.bytes_updated = disk.bytes_updated;
+    stats.gc_segments_freed = disk.gc_segments_freed;
+    stats.gc_bytes_moved = disk.gc_bytes_moved;
+  }
+  return stats;
+}
+
+int64_t EmbeddingTable::BackedRows() const {
+  int64_t rows = std::min(values_.CapacityRows(), slots_.CapacityRows());
+  rows = std::min(rows, master_.CapacityRows());
+  return std::min(rows, row_meta_.CapacityRows());
+}
+
+int64_t EmbeddingTable::RowGrowthBytes(int64_t last_row) const {
+  return values_.GrowthBytes(last_row) + slots_.GrowthBytes(last_row) +
+         master_.GrowthBytes(last_row) + row_meta_.GrowthBytes(last_row) +
+         policy_.GrowthBytes(last_row);
+}
+
+int64_t EmbeddingTable::BytesPerRow() const {
+  return values_.row_bytes() + slots_.row_bytes() + master_.width() * 4 + 8 +
+         policy_.RowBytes() + 18;  // the key index: 64-byte lines of 5 at a load of ~0.7
+}
+
+void EmbeddingTable::EncodeRow(int64_t row, uint8_t* record) const {
+  const int64_t dim = config_.dim;
+  float* values = reinterpret_cast<float*>(record);
+  int64_t step;
+  ReadRowState(row, values, values + dim, &step);
+  uint32_t meta[4];
+  uint32_t saved_policy[2];
+  policy_.SaveRow(row, saved_policy);
+  meta[0] = *StepOf(row);
+  meta[1] = *StampOf(row);
+  meta[2] = saved_policy[0];
+  meta[3] = saved_policy[1];
+  std::memcpy(record + 4 * dim * (1 + num_slots()), meta, sizeof(meta));
+}
+
+void EmbeddingTable::DecodeRow(const uint8_t* record, int64_t row) {
+  const int64_t dim = config_.dim;
+  const int64_t slot_floats = dim * optimizer_.num_slots();
+  const float* values = reinterpret_cast<const float*>(record);
+  values_.Write(row, values);
+  if (slot_floats > 0) slots_.Write(row, values + dim);
+  if (has_master()) std::memcpy(master_.Row(row), values + dim + slot_floats, sizeof(float) * dim);
+  uint32_t meta[4];
+  std::memcpy(meta, record + 4 * dim * (1 + num_slots()), sizeof(meta));
+  *StepOf(row) = meta[0];
+  *StampOf(row) = meta[1];
+  policy_.RestoreRow(row, meta + 2);
+}
+
+uint64_t EmbeddingTable::ColdScore(int64_t row) const {
+  uint32_t saved[2];
+  policy_.SaveRow(row, saved);
+  if (policy_.TracksLastStep()) return saved[1];
+  if (policy_.TracksTouches()) return saved[0];
+  return *StepOf(row);
+}
+
+Status EmbeddingTable::LimitStatus(int64_t incoming, int64_t needed) const {
+  const std::string table = tier_->config.name.empty() ? "a table" : "table '" + tier_->config.name + "'";
+  const int64_t limit = tier_->config.budget->limit();
+  if (tier_->store == nullptr) {
+    return Status(StatusCode::kLimitExceeded,
+                  table + ": adding " + std::to_string(incoming) +
+                      " rows would take the shard past its memory budget of " + HumanBytes(limit) +
+                      " (it needs " + HumanBytes(needed) +
+                      "); nothing was applied. Raise --memory-budget (KVSPARSE_MEMORY_BUDGET), "
+                      "or give the server a --spill-dir so that cold rows move to disk");
+  }
+  return Status(StatusCode::kLimitExceeded,
+                table + ": one request needs " + std::to_string(incoming) +
+                    " rows in memory at once, more than the memory budget of " +
+                    HumanBytes(limit) +
+                    " holds besides the rows it names; nothing was applied. Send smaller "
+                    "requests or raise --memory-budget (KVSPARSE_MEMORY_BUDGET)");
+}
+
+Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep) {
+  if (count <= 0) return Status::Ok();
+  const int64_t slots = index_.SlotCount();
+  struct Candidate {
+    uint64_t score;
+    int64_t key;
+  };
+  std::vector<Candidate> candidates;
+  auto eligible = [&](int64_t s) {
+    return index_.SlotRow(s) != KeyIndex::kEmpty &&
+           !std::binary_search(keep.begin(), keep.end(), index_.SlotKey(s));
+  };
+  try {
+    if (count * kSamplesPerVictim * 2 >= index_.size()) {
+      candidates.reserve(static_cast<size_t>(index_.size()));
+      for (int64_t s = 0; s < slots; ++s) {
+        if (eligible(s)) candidates.push_back({ColdScore(index_.SlotRow(s)), index_.SlotKey(s)});
+      }
+    } else {
+      // Sampled: positions drawn at random, each slot once.
+      std::vector<int64_t> positions;
+      const int64_t draws = count * kSamplesPerVictim * 10 / 7 + 16;
+      positions.reserve(static_cast<size_t>(draws));
+      for (int64_t d = 0; d < draws; ++d) {
+        positions.push_back(static_cast<int64_t>(NextRandom(&tier_->random) %
+                                                 static_cast<uint64_t>(slots)));
+      }
+      std::sort(positions.begin(), positions.end());
+      positions.erase(std::unique(positions.begin(), positions.end()), positions.end());
+      candidates.reserve(positions.size());
+      for (int64_t s : positions) {
+        if (eligible(s)) candidates.push_back({ColdScore(index_.SlotRow(s)), index_.SlotKey(s)});
+      }
+      if (static_cast<int64_t>(candidates.size()) < count) {
+        candidates.clear();
+        for (int64_t s = 0; s < slots; ++s) {
+          if (eligible(s)) candidates.push_back({ColdScore(index_.SlotRow(s)), index_.SlotKey(s)});
+        }
+      }
+    }
+    if (static_cast<int64_t>(candidates.size()) < count) {
+      return Status(StatusCode::kInternal, "the disk tier found too few rows to move");
+    }
+    std::nth_element(candidates.begin(), candidates.begin() + (count - 1), candidates.end(),
+                     [](const Candidate& a, const Candidate& b) { return a.score < b.score; });
+    candidates.resize(static_cast<size_t>(count));
+    std::vector<int64_t> keys(static_cast<size_t>(count));
+    std::vector<int64_t> rows(static_cast<size_t>(count));
+    for (int64_t i = 0; i < count; ++i) {
+      keys[i] = candidates[i].key;
+      rows[i] = index_.Find(keys[i]);
+    }
+    tier_->records.resize(static_cast<size_t>(count * tier_->record_bytes));
+    for (int64_t i = 0; i < count; ++i) {
+      EncodeRow(rows[i], tier_->records.data() + i * tier_->record_bytes);
+    }
+    free_rows_.reserve(free_rows_.size() + static_cast<size_t>(count));
+    // The rows stay in memory until the disk took them all (kDiskFull: nothing moved).
+    Status s = tier_->store->WriteBatch(keys.data(), count, tier_->records.data());
+    if (!s.ok()) return s;
+    for (int64_t i = 0; i < count; ++i) {
+      uint32_t row;
+      if (index_.Erase(keys[i], &row)) free_rows_.push_back(row);
+    }
+    tier_->disk_rows += count;
+    tier_->stats.evictions += count;
+  } catch (const std::bad_alloc&) {
+    return Status(StatusCode::kOutOfMemory, "out of memory moving rows to disk (nothing moved)");
+  }
+  // Garbage collection at the pace of the writes: at most twice what this
+  // eviction wrote is read and rewritten.
+  int64_t moved = 0;
+  tier_->store->Maintenance(2 * count * tier_->record_bytes, &moved);
+  return Status::Ok();
+}
+
+void EmbeddingTable::CompactRows() {
+  const int64_t chunk = int64_t{1} << RowsPerChunkLog2(config_.dim);
+  const int64_t live = index_.size();
+  const int64_t target = std::max(chunk, (live + chunk - 1) / chunk * chunk);
+  if (BackedRows() <= target) return;
+  if (next_row_ > target) {
+    std::vector<uint32_t> low;
+    for (uint32_t row : free_rows_) {
+      if (row < target) low.push_back(row);
+    }
+    std::sort(low.begin(), low.end(), std::greater<uint32_t>());
+    const int64_t slots = index_.SlotCount();
+    float state[table_internal::kMaxRowStateFloats * 2];
+    for (int64_t s = 0; s < slots; ++s) {
+      const uint32_t row = index_.SlotRow(s);
+      if (row == KeyIndex::kEmpty || row < target) continue;
+      const uint32_t to = low.back();
+      low.pop_back();
+      int64_t step;
+      ReadRowState(row, state, state + config_.dim, &step);
+      const int64_t slot_floats = config_.dim * optimizer_.num_slots();
+      values_.Write(to, state);
+      if (slot_floats > 0) slots_.Write(to, state + config_.dim);
+      if (has_master()) {
+        std::memcpy(master_.Row(to), master_.Row(row), sizeof(float) * config_.dim);
+      }
+      *StepOf(to) = *StepOf(row);
+      *StampOf(to) = *StampOf(row);
+      uint32_t saved[2];
+      policy_.SaveRow(row, saved);
+      policy_.RestoreRow(to, saved);
+      index_.SetSlotRow(s, to);
+    }
+    free_rows_.assign(low.begin(), low.end());
+    next_row_ = target;
+  }
+  values_.TruncateRows(next_row_);
+  slots_.TruncateRows(next_row_);
+  master_.TruncateRows(next_row_);
+  row_meta_.TruncateRows(next_row_);
+  policy_.TruncateRows(next_row_);
+  free_rows_.shrink_to_fit();
+  ::malloc_trim(0);
+  ++tier_->stats.compactions;
+}
+
+Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& keep,
+                                int64_t resident_kept) {
+  const int64_t limit = tier_->config.budget->limit();
+  const int64_t others = tier_->config.budget->UsedByOthers(this);
+  const int64_t per_row = BytesPerRow();
+  for (int round = 0; round < 4; ++round) {
+    const int64_t free_now = static_cast<int64_t>(free_rows_.size()) +
+                             std::max<int64_t>(0, BackedRows() - next_row_);
+    const int64_t new_rows = std::max<int64_t>(0, incoming - static_cast<int64_t>(free_rows_.size()));
+    // A push keeps the state of each row it updates twice (saved, new) in scratch.
+    const int64_t scratch = std::max<int64_t>(
+        0, 2 * static_cast<int64_t>(keep.size()) * RowStateFloats() * 4 -
+               static_cast<int64_t>(push_fresh_state_.bytes() + push_saved_state_.bytes()));
+    const int64_t growth =
+        (new_rows > 0 ? RowGrowthBytes(next_row_ + new_rows - 1) : 0) +
+        index_.GrowthBytes(index_.size() + incoming) + scratch;
+    const int64_t held = others + TierBytes();
+    if (held + growth <= limit) return Status::Ok();
+    if (tier_->store == nullptr) return LimitStatus(incoming, held + growth);
+    const int64_t movable = index_.size() - resident_kept;
+    int64_t evict;
+    bool compact = false;
+    if (incoming > free_now) {
+      // Enough rows out that the incoming ones need no new memory (rows
+      // moved out cost the disk index a little).
+      evict = incoming - free_now;
+    } else {
+      // Over without growing (the disk index or the scratch grew): rows out,
+      // and their chunks back to the system.
+      evict = (held + growth - limit) / per_row + 1;
+      compact = true;
+    }
+    evict = std::min(evict, movable);
+    if (evict <= 0) {
+      if (incoming > free_now) return LimitStatus(incoming, held + growth);
+      return Status::Ok();  // nothing left to move: the slack stays
+    }
+    Status s = EvictRows(evict, keep);
+    if (!s.ok()) return s;
+    if (compact) CompactRows();
+  }
+  return Status::Ok();
+}
+
+Status EmbeddingTable::PrepareRows(const int64_t* keys, int64_t n, bool insert) {
+  if (tier_ == nullptr || n <= 0) return Status::Ok();
+  try {
+    std::vector<int64_t> unique(keys, keys + n);
+    std::sort(unique.begin(), unique.end());
+    unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
+    const int64_t u = static_cast<int64_t>(unique.size());
+    std::vector<int64_t> rows(static_cast<size_t>(u));
+    index_.FindRows(unique.data(), u, rows.data());
+    std::vector<int64_t> absent;
+    for (int64_t i = 0; i < u; ++i) {
+      if (rows[i] < 0) absent.push_back(unique[i]);
+    }
+    const int64_t resident = u - static_cast<int64_t>(absent.size());
+    std::vector<int64_t> on_disk;
+    if (tier_->store != nullptr && tier_->disk_rows > 0 && !absent.empty()) {
+      std::vector<uint8_t> found(absent.size());
+      Status s = tier_->store->Contains(absent.data(), static_cast<int64_t>(absent.size()),
+                                        found.data());
+      if (!s.ok()) return s;
+      for (size_t i = 0; i < absent.size(); ++i) {
+        if (found[i]) on_disk.push_back(absent[i]);
+      }
+    }
+    const int64_t d = static_cast<int64_t>(on_disk.size());
+    const int64_t fresh = static_cast<int64_t>(absent.size()) - d;
+    tier_->stats.row_lookups += resident + d;
+    tier_->stats.disk_hits += d;
+    const int64_t incoming = d + (insert ? fresh : 0);
+    if (incoming > 0) {
+      Status s = MakeRoom(incoming, unique, resident);
+      if (!s.ok()) return s;
+    }
+    if (d == 0) return Status::Ok();
+    // Read the request's disk rows in one batch, then put them in memory.
+    std::vector<uint8_t> records(static_cast<size_t>(d * tier_->record_bytes));
+    std::vector<uint8_t> found(static_cast<size_t>(d));
+    Status s = tier_->store->ReadBatch(on_disk.data(), d, records.data(), found.data());
+    if (!s.ok()) return s;
+    s = index_.Reserve(index_.size() + d);
+    if (!s.ok()) return s;
+    int64_t placed = 0;
+    for (; placed < d; ++placed) {
+      if (free_rows_.empty()) EnsureRowsUpTo(next_row_);
+      const int64_t row = InsertReservedRow(on_disk[placed], /*init_slots=*/false);
+      DecodeRow(records.data() + placed * tier_->record_bytes, row);
+    }
+    s = tier_->store->Discard(on_disk.data(), d);
+    if (!s.ok()) return s;
+    tier_->disk_rows -= d;
+    tier_->stats.rows_read += d;
+  } catch (const std::bad_alloc&) {
+    return Status(StatusCode::kOutOfMemory, "out of memory bringing rows back from disk");
+  }
+  return Status::Ok();
+}
+
+Status EmbeddingTable::ReadDiskRows(const int64_t* keys, int64_t n, std::vector<int64_t>* which,
+                                    std::vector<uint8_t>* records) const {
+  which->clear();
+  if (tier_ == nullptr || tier_->store == nullptr || tier_->disk_rows == 0) return Status::Ok();
+  std::vector<int64_t> rows(static_cast<size_t>(n));
+  index_.FindRows(keys, n, rows.data());
+  std::vector<int64_t> absent_keys;
+  for (int64_t i = 0; i < n; ++i) {
+    if (rows[i] < 0) {
+      which->push_back(i);
+      absent_keys.push_back(keys[i]);
+    }
+  }
+  if (which->empty()) return Status::Ok();
+  const int64_t m = static_cast<int64_t>(which->size());
+  std::vector<uint8_t> found(static_cast<size_t>(m));
+  records->resize(static_cast<size_t>(m * tier_->record_bytes));
+  Status s = tier_->store->ReadBatch(absent_keys.data(), m, records->data(), found.data());
+  if (!s.ok()) return s;
+  // Keep only those found: which[j] and record j.
+  int64_t kept = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    if (!found[j]) continue;
+    if (kept != j) {
+      (*which)[kept] = (*which)[j];
+      std::memcpy(records->data() + kept * tier_->record_bytes,
+                  records->data() + j * tier_->record_bytes,
+                  static_cast<size_t>(tier_->record_bytes));
+    }
+    ++kept;
+  }
+  which->resize(static_cast<size_t>(kept));
+  return Status::Ok();
+}
+
+Status EmbeddingTable::LookupDisk(const int64_t* keys, int64_t n, float* out) const {
+  if (tier_ == nullptr) return Status::Ok();
+  std::vector<int64_t> which;
+  std::vector<uint8_t> records;
+  int64_t stored_in_memory = 0;
+  if (tier_->store != nullptr && tier_->disk_rows > 0) {
+    Status s = ReadDiskRows(keys, n, &which, &records);
+    if (!s.ok()) return s;
+    const int64_t dim = config_.dim;
+    for (size_t j = 0; j < which.size(); ++j) {
+      std::memcpy(out + which[j] * dim, records.data() + j * tier_->record_bytes,
+                  sizeof(float) * static_cast<size_t>(dim));
+    }
+  }
+  std::vector<int64_t> rows(static_cast<size_t>(n));
+  index_.FindRows(keys, n, rows.data());
+  for (int64_t i = 0; i < n; ++i) stored_in_memory += rows[i] >= 0;
+  tier_->lookup_rows += stored_in_memory + static_cast<int64_t>(which.size());
+  tier_->lookup_hits += static_cast<int64_t>(which.size());
+  return Status::Ok();
+}
+
+Status EmbeddingTable::ReadStateFromDisk(const int64_t* keys, int64_t n, float* values,
+                                         float* slots, int64_t* steps, int64_t* touches,
+                                         int64_t* last_steps) const {
+  std::vector<int64_t> which;
+  std::vector<uint8_t> records;
+  Status s = ReadDiskRows(keys, n, &which, &records);
+  if (!s.ok()) return s;
+  const int64_t dim = config_.dim;
+  const int64_t slot_floats = dim * num_slots();
+  for (size_t j = 0; j < which.size(); ++j) {
+    const int64_t i = which[j];
+    const uint8_t* record = records.data() + j * tier_->record_bytes;
+    if (values != nullptr) {
+      std::memcpy(values + i * dim, record, sizeof(float) * dim);
+      std::memcpy(slots + i * slot_floats, record + 4 * dim, sizeof(float) * slot_floats);
+    }
+    uint32_t meta[4];
+    std::memcpy(meta, record + 4 * dim * (1 + num_slots()), sizeof(meta));
+    if (steps != nullptr) steps[i] = meta[0];
+    if (touches != nullptr) {
+      touches[i] = policy_.TracksTouches() ? meta[2] : 0;
+      last_steps[i] = policy_.TracksLastStep() ? meta[3] : 0;
+    }
+  }
+  return Status::Ok();
+}
+
+Status EmbeddingTable::scan_status() const {
+  return tier_ == nullptr ? Status::Ok() : tier_->scan_error;
+}
+
+int64_t EmbeddingTable::DiskRowCount() const { return tier_ == nullptr ? 0 : tier_->disk_rows; }
+
+int64_t EmbeddingTable::RemoveFromDisk(const int64_t* keys, int64_t n) {
+  if (tier_ == nullptr || tier_->store == nullptr || tier_->disk_rows == 0) return 0;
+  std::vector<uint8_t> found(static_cast<size_t>(n));
+  if (!tier_->store->Contains(keys, n, found.data()).ok()) return 0;
+  std::vector<int64_t> gone;
+  for (int64_t i = 0; i < n; ++i) {
+    if (found[i]) gone.push_back(keys[i]);
+  }
+  std::sort(gone.begin(), gone.end());
+  gone.erase(std::unique(gone.begin(), gone.end()), gone.end());
+  if (gone.empty()) return 0;
+  if (change_epoch_ > 1) removed_.reserve(removed_.size() + gone.size());
+  if (!tier_->store->Discard(gone.data(), static_cast<int64_t>(gone.size())).ok()) return 0;
+  for (int64_t key : gone) {
+    if (change_epoch_ > 1) removed_.emplace_back(key, change_epoch_);
+  }
+  tier_->disk_rows -= static_cast<int64_t>(gone.size());
+  return static_cast<int64_t>(gone.size());
+}
+
+int64_t EmbeddingTable::NextDiskRows(int64_t* cursor, int64_t max_rows, bool changed_only,
+                                     uint32_t since, int64_t* keys_out, float* values,
+                                     float* slots, int64_t* steps) const {
+  // Memory slots come first (cursor >= 0); the disk scan's cursor is stored
+  // as -(its position) - 2, and -1 is the end.
+  if (tier_ == nullptr || tier_->store == nullptr || *cursor == -1) {
+    *cursor = -1;
+    return 0;
+  }
+  if (*cursor >= 0) tier_->scan_error = Status::Ok();  // a scan's disk part starts
+  uint64_t position = *cursor >= 0 ? 0 : static_cast<uint64_t>(-(*cursor + 2));
+  const int64_t dim = config_.dim;
+  const int64_t slot_floats = dim * num_slots();
+  const int64_t record_bytes = tier_->record_bytes;
+  std::vector<int64_t> keys(static_cast<size_t>(std::min(max_rows, kScanBatch)));
+  std::vector<uint8_t> records(keys.size() * static_cast<size_t>(record_bytes));
+  int64_t count = 0;
+  while (count < max_rows) {
+    const int64_t want = std::min<int64_t>(max_rows - count, static_cast<int64_t>(keys.size()));
+    uint64_t next = position;
+    int64_t got = 0;
+    Status s = tier_->store->Scan(&next, want, keys.data(), records.data(), &got);
+    if (!s.ok() || got == 0) {
+      if (!s.ok()) tier_->scan_error = s;
+      *cursor = -1;
+      return count;
+    }
+    position = next;
+    for (int64_t j = 0; j < got; ++j) {
+      const uint8_t* record = records.data() + j * record_bytes;
+      uint32_t meta[4];
+      std::memcpy(meta, record + 4 * dim * (1 + num_slots()), sizeof(meta));
+      if (changed_only && meta[1] <= since) continue;
+      keys_out[count] = keys[j];
+      if (values != nullptr) {
+        std::memcpy(values + count * dim, record, sizeof(float) * dim);
+        if (slot_floats > 0) {
+          std::memcpy(slots + count * slot_floats, record + 4 * dim, sizeof(float) * slot_floats);
+        }
+        steps[count] = meta[0];
+      }
+      ++count;
+    }
+  }
+  *cursor = -static_cast<int64_t>(position) - 2;
+  return count;
+}
+
+Status EmbeddingTable::MigrateDiskRows(int old_slots, bool old_master) {
+  // SetOptimizer on a table with rows on disk: every disk row gets the new
+  // optimizer's initial slots and step 0 in a new store (the record size
+  // follows the slots), as memory rows do.
+  if (tier_ == nullptr || tier_->store == nullptr) return Status::Ok();
+  std::unique_ptr<RowStore> old = std::move(tier_->store);
+  const std::string old_directory = tier_->StoreDirectory();
+  const int64_t old_record = tier_->record_bytes;
+  ++tier_->generation;
+  Status s = OpenTierStore();
+  if (!s.ok()) {
+    tier_->store = std::move(old);
+    tier_->record_bytes = old_record;
+    --tier_->generation;
+    return s;
+  }
+  const int64_t dim = config_.dim;
+  const int64_t slot_floats = dim * optimizer_.num_slots();
+  std::vector<int64_t> keys(kScanBatch);
+  std::vector<uint8_t> in(static_cast<size_t>(kScanBatch * old_record));
+  std::vector<uint8_t> out(static_cast<size_t>(kScanBatch * tier_->record_bytes));
+  uint64_t cursor = 0;
+  int64_t moved = 0;
+  while (true) {
+    int64_t got = 0;
+    s = old->Scan(&cursor, kScanBatch, keys.data(), in.data(), &got);
+    if (!s.ok() || got == 0) break;
+    for (int64_t j = 0; j < got; ++j) {
+      const uint8_t* from = in.data() + j * old_record;
+      uint8_t* to = out.data() + j * tier_->record_bytes;
+      float* values = reinterpret_cast<float*>(to);
+      std::memcpy(values, from, sizeof(float) * dim);
+      if (slot_floats > 0) optimizer_.InitSlots(values + dim, dim);
+      if (has_master()) {
+        const float* master = old_master ? reinterpret_cast<const float*>(from) + dim * (1 + old_slots)
+                                         : reinterpret_cast<const float*>(from);
+        std::memcpy(values + dim + slot_floats, master, sizeof(float) * dim);
+      }
+      uint32_t meta[4];
+      std::memcpy(meta, from + 4 * dim * (1 + old_slots + (old_master ? 1 : 0)), sizeof(meta));
+      meta[0] = 0;              // step
+      meta[1] = change_epoch_;  // a changed row
+      meta[3] = 0;              // ages restart with the table step
+      std::memcpy(to + 4 * dim * (1 + num_slots()), meta, sizeof(meta));
+    }
+    s = tier_->store->WriteBatch(keys.data(), got, out.data());
+    if (!s.ok()) break;
+    moved += got;
+  }
+  old->Close();
+  old.reset();
+  std::error_code error;
+  std::filesystem::remove_all(old_directory, error);
+  if (!s.ok()) {
+    // The rows not moved are lost with the old store: say so loudly.
+    tier_->disk_rows = moved;
+    return Status(s.code(), "changing the optimizer of a table with rows on disk failed after " +
+                                std::to_string(moved) + " rows: " + s.message());
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvsparse
