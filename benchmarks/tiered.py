@@ -298,7 +298,7 @@ def counter_delta(before: dict, after: dict) -> dict:
     return {
         k: after[k] - before.get(k, 0)
         for k in after
-        if isinstance(after[k], (int, float)) and not isinstance(after[k], bool)
+        if isinstance(after[k], int) and not isinstance(after[k], bool)
     }
 
 
