@@ -368,6 +368,7 @@ def run_steps(kv, distribution: str, args, permutation, grads, sampler, cache_no
         kv.row_sparse_pull(TABLE, out=out, row_ids=ids)
         kv.push(TABLE, (ids, grads))
         seconds.append(time.perf_counter() - start)
+    sampler.sample()  # a phase shorter than the sampling interval still gets its sample
     after_stats = table_stats(kv)
     after = tier_counters(after_stats)
     total = float(np.sum(seconds))
@@ -394,10 +395,14 @@ def run_steps(kv, distribution: str, args, permutation, grads, sampler, cache_no
     return result
 
 
-def run_config(name: str, args, permutation, grads, log_dir: str) -> dict:
-    """One server (tiered or all in RAM): populate, then each distribution's steps."""
+def run_config(name: str, args, permutation, grads, log_dir: str, result: dict) -> dict:
+    """One server (tiered or all in RAM): populate, then each distribution's steps.
+
+    Fills `result` as it goes, so a run that fails keeps what it measured until then
+    (the RSS series, the cgroup's counters).
+    """
     tiered = name == "tiered"
-    result: dict = {"config": name}
+    result["config"] = name
     cgroup, cache_note = None, None
     spill_dir = None
     extra: list = []
@@ -463,10 +468,9 @@ def run_config(name: str, args, permutation, grads, log_dir: str) -> dict:
             finally:
                 sampler.stop()
                 result["rss"] = sampler.summary()
-        if cgroup is not None:
-            result["cgroup"] = cgroup.report()
     finally:
         if cgroup is not None:
+            result["cgroup"] = cgroup.report()
             cgroup.close()
         if spill_dir:
             shutil.rmtree(spill_dir, ignore_errors=True)
@@ -744,18 +748,19 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvsparse_tiered_") as log_dir:
         for name in args.configs:
             print(f"running {name} (load average {os.getloadavg()[0]:.2f}) ...", flush=True)
+            result = report["configs"][name] = {}
             try:
-                report["configs"][name] = run_config(name, args, permutation, grads, log_dir)
+                run_config(name, args, permutation, grads, log_dir, result)
             except Exception as error:  # reported; the other configurations still run
                 log = ""
                 with contextlib.suppress(OSError):
                     with open(os.path.join(log_dir, f"server_{name}.log")) as f:
                         log = f.read()[-3000:]
-                report["configs"][name] = {
-                    "status": "failed",
-                    "reason": f"{type(error).__name__}: {error}",
-                    "server_log_tail": log,
-                }
+                result.update(
+                    status="failed",
+                    reason=f"{type(error).__name__}: {error}",
+                    server_log_tail=log,
+                )
                 print(f"  {name} failed: {error}\n{log}", flush=True)
         if not args.no_engines:
             print("running engines (SegmentStore vs RocksDB) ...", flush=True)
