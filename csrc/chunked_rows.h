@@ -118,6 +118,21 @@ class ChunkedRows {
   void TruncateRows(int64_t rows) {
     const size_t keep = static_cast<size_t>(std::max<int64_t>(1, (rows + (int64_t{1} << log2_) - 1) >> log2_));
     if (chunks_.size() > keep) chunks_.resize(keep);
+    if (chunks_.size() != 1 || width_ == 0) return;
+    // Chunk 0 alone: down to the power of two that holds the rows (the
+    // doubling it grew by, in reverse). Without memory for the copy it stays.
+    int64_t first = kFirstChunkRows;
+    while (first < rows) first *= 2;
+    if (first >= first_rows_) return;
+    T* smaller = nullptr;
+    try {
+      smaller = AllocateArray<T>(static_cast<size_t>(first * width_));
+    } catch (const std::bad_alloc&) {
+      return;
+    }
+    std::memcpy(smaller, chunks_[0].get(), static_cast<size_t>(first * width_) * sizeof(T));
+    chunks_[0].reset(smaller);
+    first_rows_ = first;
   }
 
  private:

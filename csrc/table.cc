@@ -216,6 +216,7 @@ Status EmbeddingTable::SetOptimizer(const OptimizerConfig& optimizer) {
   if (tier_ == nullptr) return Status::Ok();
   s = MigrateDiskRows(old_slots, old_master);
   ReportMemory();
+  ShrinkToBudget();
   return s;
 }
 

@@ -363,6 +363,12 @@ class EmbeddingTable {
   // request's ids, sorted; resident_kept of them are in memory).
   // The request's scratch (a push's saved and new row states) is counted too.
   Status MakeRoom(int64_t incoming, const std::vector<int64_t>& keep, int64_t resident_kept);
+  // Moves rows to disk and gives memory back until the shard is within its
+  // budget (after SetOptimizer made every row wider).
+  void ShrinkToBudget();
+  // Rows per piece when a tiered table writes a large batch piece by piece
+  // (WriteState: a checkpoint's block can be larger than the budget).
+  int64_t TierBatchRows() const;
   // Brings keys' disk rows into memory after making room for them and, with
   // insert, for the keys stored nowhere. Changes no row's state.
   Status PrepareRows(const int64_t* keys, int64_t n, bool insert);

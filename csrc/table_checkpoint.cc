@@ -74,6 +74,18 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
                     "step counter of id " + KeyText(keys[i]) + " is out of range");
     }
   }
+  // A tiered table takes a large batch (a checkpoint's block) piece by piece.
+  const int64_t piece = TierBatchRows();
+  if (n > piece) {
+    const int64_t row_slot_floats = config_.dim * num_slots();
+    for (int64_t begin = 0; begin < n; begin += piece) {
+      const int64_t count = std::min(piece, n - begin);
+      Status s = WriteState(keys + begin, count, values + begin * config_.dim,
+                            slots + begin * row_slot_floats, steps + begin);
+      if (!s.ok()) return s;
+    }
+    return Status::Ok();
+  }
   Status s = PrepareRows(keys, n, /*insert=*/true);
   if (!s.ok()) return s;
   s = index_.Reserve(index_.size() + n);

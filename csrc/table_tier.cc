@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "disk_tier.h"
+#include "hash.h"
 #include "segment_store.h"
 #include "table.h"
 #include "table_internal.h"
@@ -155,7 +156,10 @@ Status EmbeddingTable::EnableTier(const TierConfig& config) {
   tier->owner = ::getpid();
   tier->stats.memory_budget = config.budget->limit();
   tier_ = std::move(tier);
-  if (!config.spill_dir.empty()) {
+  // A table whose policy bounds it (max_rows, ttl_steps) keeps its rows in
+  // memory: its policy is its limit, and it counts against the budget.
+  const bool bounded = config_.policy.max_rows > 0 || config_.policy.ttl_steps > 0;
+  if (!config.spill_dir.empty() && !bounded) {
     Status s = RemoveDirectoryContents(config.spill_dir);
     if (s.ok()) s = OpenTierStore();
     if (!s.ok()) {
@@ -284,6 +288,15 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
     int64_t key;
   };
   std::vector<Candidate> candidates;
+  // Ties (most rows have equal counts) are broken at random: taken in slot
+  // order, the victims would empty one region of the key index while new keys
+  // land everywhere, and the probes of the rest ran through long full runs
+  // (a fill of 65,536 new ids a push went from 0.2 s to 6 s).
+  const uint64_t salt = NextRandom(&tier_->random);
+  auto score = [&](int64_t s) {
+    return static_cast<uint64_t>(ColdScore(index_.SlotRow(s))) << 32 |
+           (Mix64(static_cast<uint64_t>(index_.SlotKey(s)) ^ salt) & 0xFFFFFFFFu);
+  };
   auto eligible = [&](int64_t s) {
     return index_.SlotRow(s) != KeyIndex::kEmpty &&
            !std::binary_search(keep.begin(), keep.end(), index_.SlotKey(s));
@@ -292,7 +305,7 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
     if (count * kSamplesPerVictim * 2 >= index_.size()) {
       candidates.reserve(static_cast<size_t>(index_.size()));
       for (int64_t s = 0; s < slots; ++s) {
-        if (eligible(s)) candidates.push_back({ColdScore(index_.SlotRow(s)), index_.SlotKey(s)});
+        if (eligible(s)) candidates.push_back({score(s), index_.SlotKey(s)});
       }
     } else {
       // Sampled: positions drawn at random, each slot once.
@@ -307,12 +320,12 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
       positions.erase(std::unique(positions.begin(), positions.end()), positions.end());
       candidates.reserve(positions.size());
       for (int64_t s : positions) {
-        if (eligible(s)) candidates.push_back({ColdScore(index_.SlotRow(s)), index_.SlotKey(s)});
+        if (eligible(s)) candidates.push_back({score(s), index_.SlotKey(s)});
       }
       if (static_cast<int64_t>(candidates.size()) < count) {
         candidates.clear();
         for (int64_t s = 0; s < slots; ++s) {
-          if (eligible(s)) candidates.push_back({ColdScore(index_.SlotRow(s)), index_.SlotKey(s)});
+          if (eligible(s)) candidates.push_back({score(s), index_.SlotKey(s)});
         }
       }
     }
@@ -355,7 +368,12 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
 void EmbeddingTable::CompactRows() {
   const int64_t chunk = int64_t{1} << RowsPerChunkLog2(config_.dim);
   const int64_t live = index_.size();
-  const int64_t target = std::max(chunk, (live + chunk - 1) / chunk * chunk);
+  // Whole chunks, or within chunk 0 the power of two that holds the rows.
+  int64_t target = (live + chunk - 1) / chunk * chunk;
+  if (live < chunk) {
+    target = ChunkedRows<float>::kFirstChunkRows;
+    while (target < live) target *= 2;
+  }
   if (BackedRows() <= target) return;
   if (next_row_ > target) {
     std::vector<uint32_t> low;
@@ -407,10 +425,16 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
     const int64_t free_now = static_cast<int64_t>(free_rows_.size()) +
                              std::max<int64_t>(0, BackedRows() - next_row_);
     const int64_t new_rows = std::max<int64_t>(0, incoming - static_cast<int64_t>(free_rows_.size()));
-    // A push keeps the state of each row it updates twice (saved, new) in scratch.
-    const int64_t scratch = std::max<int64_t>(
-        0, 2 * static_cast<int64_t>(keep.size()) * RowStateFloats() * 4 -
-               static_cast<int64_t>(push_fresh_state_.bytes() + push_saved_state_.bytes()));
+    // A push keeps the state of each row it names in scratch (saved, or new),
+    // and its arrays grow by half at least (ScratchArray::Get).
+    auto grown = [](int64_t capacity, int64_t need) -> int64_t {
+      return need <= capacity ? 0 : std::max(need, capacity + capacity / 2) - capacity;
+    };
+    const int64_t u = static_cast<int64_t>(keep.size());
+    const int64_t scratch =
+        4 * (grown(static_cast<int64_t>(push_fresh_state_.bytes() / 4), u * RowStateFloats()) +
+             grown(static_cast<int64_t>(push_saved_state_.bytes() / 4), u * RowStateFloats()) +
+             grown(static_cast<int64_t>(push_saved_meta_.bytes() / 4), u * 4));
     const int64_t growth =
         (new_rows > 0 ? RowGrowthBytes(next_row_ + new_rows - 1) : 0) +
         index_.GrowthBytes(index_.size() + incoming) + scratch;
@@ -440,6 +464,26 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
     if (compact) CompactRows();
   }
   return Status::Ok();
+}
+
+void EmbeddingTable::ShrinkToBudget() {
+  if (tier_ == nullptr || tier_->store == nullptr) return;
+  const int64_t limit = tier_->config.budget->limit();
+  const std::vector<int64_t> keep;
+  for (int round = 0; round < 4; ++round) {
+    const int64_t held = tier_->config.budget->UsedByOthers(this) + TierBytes();
+    if (held <= limit) return;
+    const int64_t evict = std::min(index_.size(), (held - limit) / BytesPerRow() + 1);
+    if (evict > 0 && !EvictRows(evict, keep).ok()) return;
+    CompactRows();
+    ReportMemory();
+  }
+}
+
+int64_t EmbeddingTable::TierBatchRows() const {
+  if (tier_ == nullptr) return INT64_MAX;
+  const int64_t per_row = BytesPerRow() + 2 * RowStateFloats() * 4;
+  return std::max<int64_t>(1, tier_->config.budget->limit() / 4 / per_row);
 }
 
 Status EmbeddingTable::PrepareRows(const int64_t* keys, int64_t n, bool insert) {

@@ -98,6 +98,9 @@ constexpr uint32_t kErrorLimitExceeded = 12;
 constexpr uint32_t kErrorWorkerLeft = 13;
 constexpr uint32_t kErrorUpdateOverflow = 14;
 constexpr uint32_t kErrorSharedMemoryMissing = 15;
+constexpr uint32_t kErrorCorruptRecord = 16;
+constexpr uint32_t kErrorDiskFull = 17;
+constexpr uint32_t kErrorStorageError = 18;
 
 // Every constant above by its Python name, for kvsparse._core.wire_constants().
 struct WireConstant {
@@ -189,6 +192,9 @@ constexpr WireConstant kWireConstants[] = {
     {"ERROR_CODES.WorkerLeft", static_cast<int64_t>(kErrorWorkerLeft)},
     {"ERROR_CODES.UpdateOverflow", static_cast<int64_t>(kErrorUpdateOverflow)},
     {"ERROR_CODES.SharedMemoryMissing", static_cast<int64_t>(kErrorSharedMemoryMissing)},
+    {"ERROR_CODES.CorruptRecord", static_cast<int64_t>(kErrorCorruptRecord)},
+    {"ERROR_CODES.DiskFull", static_cast<int64_t>(kErrorDiskFull)},
+    {"ERROR_CODES.StorageError", static_cast<int64_t>(kErrorStorageError)},
 };
 constexpr int kWireConstantCount = sizeof(kWireConstants) / sizeof(kWireConstants[0]);
 

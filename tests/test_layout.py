@@ -152,6 +152,7 @@ READERS = {
     "retry_window",
     "heartbeat_timeout",
     "fast_path",
+    "memory_tier",
     "server_limits",
     "mxnet_role",
     "node_placement",

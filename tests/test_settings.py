@@ -113,7 +113,7 @@ def test_every_size_setting_parses_the_same_grammar(name, text):
             assert read(text) == setting.default
         elif setting.unlimited is not None and text.strip() == str(setting.unlimited):
             assert read(text) == setting.unlimited
-        elif value is not None and value >= max(1, setting.minimum):
+        elif value is not None and value >= setting.minimum:
             assert read(text) == value, (name, how, text)
         else:
             with pytest.raises(errors.InvalidArgument):

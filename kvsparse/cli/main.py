@@ -177,6 +177,18 @@ def _launch_parser() -> argparse.ArgumentParser:
         help="KVSPARSE_CHECKPOINT_DIR for the workers (kv.save() with no path writes there); "
         "restarted servers restore from it",
     )
+    config.SETTINGS["memory_budget"].add_argument(
+        parser,
+        "memory each shard may hold, e.g. 8GiB: --memory-budget of every server (with "
+        "--colocated: of every worker's shard) (default: KVSPARSE_MEMORY_BUDGET, else none)",
+    )
+    parser.add_argument(
+        "--spill-dir",
+        default=None,
+        metavar="DIR",
+        help="with --memory-budget: the disk tier's directory; server I spills under "
+        "DIR/server-I (colocated worker R: DIR/worker-R) (default: KVSPARSE_SPILL_DIR)",
+    )
     config.SETTINGS["save_every"].add_argument(
         parser,
         "rank 0 saves into --checkpoint-dir on this interval while training runs (full "
@@ -266,6 +278,7 @@ def _launch(argv: list) -> int:
     try:
         # SLURM's and ps-lite's variables are read here; launch() takes explicit values.
         placement = config.node_placement(args.nnodes, args.node_rank, args.rendezvous)
+        memory_budget, spill_dir = config.memory_tier(None, args.memory_budget, args.spill_dir)
         return launch(
             command,
             num_servers=args.servers,
@@ -290,6 +303,8 @@ def _launch(argv: list) -> int:
             node_rank=None if placement is None else placement.node_rank,
             rendezvous=None if placement is None else placement.rendezvous,
             rendezvous_wait=args.rendezvous_wait,
+            memory_budget=memory_budget,
+            spill_dir=spill_dir,
         )
     except errors.KVSparseError as exc:
         print(f"kvsparse launch: error: {exc}", file=sys.stderr)

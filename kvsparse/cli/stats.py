@@ -16,7 +16,10 @@ does not change it.
 
 Two tables are printed: one row per shard (rows, bytes, requests, keys, keys/s)
 and one row per table summed over the shards (rows, bytes, table operations,
-keys pulled and pushed, keys/s). keys/s is the rate between the last two
+keys pulled and pushed, keys/s); servers with a memory budget add a third, the
+disk tier per table (rows in memory and on disk, hit rate, disk bytes, bytes
+read and written, write amplification, rows evicted to disk, segments freed
+by GC). keys/s is the rate between the last two
 refreshes; on the first snapshot (and with ``--once``) it is the average since
 each server started. On a terminal the view is redrawn in place; into a pipe
 or a file each refresh is printed in full as it comes, as plain lines.
@@ -44,6 +47,7 @@ import zmq
 
 from kvsparse import config, errors, extras
 from kvsparse.client.session import NoAnswer, Session
+from kvsparse.shard.state import TIER_COUNTERS, tier_stats
 from kvsparse.wire import ops
 
 
@@ -174,7 +178,9 @@ def _elapsed(shard: dict) -> Optional[float]:
 def _table_totals(shards: list) -> dict:
     """{name: {"kind", "rows", "bytes", "requests", "pull_keys", "push_keys", "keys"}}.
 
-    Sums over the shards that answered only (see `_missing`).
+    Sums over the shards that answered only (see `_missing`). A table of shards
+    with a memory budget also has "tier": its tier counters summed, with the hit
+    rate and write amplification of the sums (`kvsparse.shard.state.tier_stats`).
     """
     totals: dict = {}
     for shard in shards:
@@ -184,6 +190,10 @@ def _table_totals(shards: list) -> dict:
             total = totals.setdefault(name, _empty_total(table.get("kind", "?")))
             total["rows"] += table.get("rows", 0)
             total["bytes"] += table.get("bytes", 0)
+            if isinstance(table.get("tier"), dict):
+                tier = total.setdefault("tier", dict.fromkeys(TIER_COUNTERS, 0))
+                for field in TIER_COUNTERS:
+                    tier[field] += table["tier"].get(field, 0)
         for name, table_ops in shard.get("table_ops", {}).items():
             total = totals.setdefault(name, _empty_total("?"))
             for op, counts in table_ops.items():
@@ -193,6 +203,9 @@ def _table_totals(shards: list) -> dict:
                     total["pull_keys"] += counts["keys"]
                 else:
                     total["push_keys"] += counts["keys"]
+    for total in totals.values():
+        if "tier" in total:
+            total["tier"] = tier_stats(total["tier"])
     return totals
 
 
@@ -308,7 +321,39 @@ def render(shards: list, tables: dict, shard_rates: list, table_rates: dict):
             f"{total['push_keys']:,}",
             f"{table_rates.get(name, 0.0):,.1f}",
         )
-    return Group(shard_table, table_table)
+    tiered = sorted(name for name, total in tables.items() if "tier" in total)
+    if not tiered:
+        return Group(shard_table, table_table)
+    tier_table = Table(title="kvsparse disk tier (summed over shards)", title_justify="left")
+    columns = (
+        "table",
+        "in memory",
+        "on disk",
+        "hit rate",
+        "disk bytes",
+        "read",
+        "written",
+        "write amp",
+        "evicted",
+        "gc segments",
+    )
+    for column in columns:
+        tier_table.add_column(column, justify="left" if column == "table" else "right")
+    for name in tiered:
+        tier = tables[name]["tier"]
+        tier_table.add_row(
+            name,
+            f"{tier['rows_in_memory']:,}",
+            f"{tier['rows_on_disk']:,}",
+            f"{tier['hit_rate']:.1%}",
+            human_bytes(tier["disk_bytes"]),
+            human_bytes(tier["bytes_read"]),
+            human_bytes(tier["bytes_written"]),
+            f"{tier['write_amplification']:.2f}",
+            f"{tier['evictions']:,}",
+            f"{tier['gc_segments_freed']:,}",
+        )
+    return Group(shard_table, table_table, tier_table)
 
 
 def _parser() -> argparse.ArgumentParser:

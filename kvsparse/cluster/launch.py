@@ -195,6 +195,11 @@ class _Cluster:
         self.restart_servers = False
         self.max_restarts = 0
         self.checkpoint_dir: Optional[str] = None
+        # Every shard's memory budget (0: none) and the disk tiers' directory, in which
+        # each server (worker, colocated) of this host gets a subdirectory of its own.
+        self.memory_budget = 0
+        self.spill_dir: Optional[str] = None
+        self.colocated = False
         self.server_env = process.server_environment()
         self.socket_directory: Optional[str] = None  # the ipc sockets' (transport 'ipc')
         # Colocated over tcp: rank -> the listening socket its shard inherits and serves.
@@ -243,6 +248,19 @@ class _Cluster:
         threading.Thread(target=wait, daemon=True, name=f"kvsparse-wait-{child.pid}").start()
 
     # -- servers ----------------------------------------------------------------------------
+
+    def tier_arguments(self, index: int) -> list:
+        """``--memory-budget`` and ``--spill-dir`` of server index (empty without a budget)."""
+        return process.tier_arguments(self.memory_budget, self.spill_dir, f"server-{index}")
+
+    def tier_environment(self, rank: int) -> dict:
+        """What a colocated worker's shard takes as its budget and spill directory."""
+        if not (self.colocated and self.memory_budget):
+            return {}
+        found = {config.MEMORY_BUDGET: str(self.memory_budget)}
+        if self.spill_dir is not None:
+            found[config.SPILL_DIR] = os.path.join(self.spill_dir, f"worker-{rank}")
+        return found
 
     def _server(self, index: int, argv: list) -> process.ServerProcess:
         return process.ServerProcess(argv, self.server_env, **self._relayed("server", index))
@@ -305,7 +323,8 @@ class _Cluster:
                 keys=self.keys,
                 extra_args=process.checkpoint_root_arguments(
                     binds[index], self.keys, self.checkpoint_dir
-                ),
+                )
+                + self.tier_arguments(index),
             )
             self.servers.append(self._server(index, argv))
         deadline = time.monotonic() + startup_timeout
@@ -360,7 +379,10 @@ class _Cluster:
         )
         root = process.checkpoint_root_arguments(dead.address, self.keys, self.checkpoint_dir)
         argv = process.server_command(
-            dead.address, keys=self.keys, restarted=True, extra_args=restore + root
+            dead.address,
+            keys=self.keys,
+            restarted=True,
+            extra_args=restore + root + self.tier_arguments(index),
         )
 
         def start() -> process.ServerProcess:
@@ -414,6 +436,7 @@ class _Cluster:
             worker_env = dict(env)
             worker_env.update(worker_config.to_environment())
             worker_env.update(extra)
+            worker_env.update(self.tier_environment(rank))
             listener = self.shard_listeners.get(local)
             if listener is not None:
                 worker_env[config.SHARD_FD] = str(listener.fileno())
@@ -736,6 +759,8 @@ def launch(
     node_rank: Optional[int] = None,
     rendezvous: Optional[str] = None,
     rendezvous_wait: Optional[float] = None,
+    memory_budget: int = 0,
+    spill_dir: Optional[str] = None,
 ) -> int:
     """Runs a job on this host (or this host's part of one over several): servers, then workers.
 
@@ -798,6 +823,12 @@ def launch(
         rendezvous_wait: seconds for every launcher to join (default
             `config.DEFAULT_RENDEZVOUS_WAIT`); one that has not is named to
             the others (`kvsparse.errors.NodeUnavailable`) and the job ends.
+        memory_budget: bytes each shard may hold in memory (``--memory-budget``
+            of every server; with colocated, ``KVSPARSE_MEMORY_BUDGET`` of every
+            worker); 0: none.
+        spill_dir: the disk tier's directory (needs memory_budget): server i
+            of this host spills under ``spill_dir/server-i`` (colocated worker
+            r: ``spill_dir/worker-r``).
 
     Returns:
         The exit code: 0 if all workers succeeded (on every host), else the
@@ -861,6 +892,7 @@ def launch(
             "restart_workers goes with colocated: a restarted worker restores its own shard; "
             "with separate servers, use restart_servers"
         )
+    memory_budget, spill_dir = config.memory_tier({}, memory_budget, spill_dir)
     if isinstance(command, str):
         command = shlex.split(command)
     command = [os.fspath(part) for part in command] if command is not None else []
@@ -892,6 +924,8 @@ def launch(
         os.makedirs(checkpoint_dir, exist_ok=True)
         cluster.checkpoint_dir = checkpoint_dir
         extra.setdefault(config.CHECKPOINT_DIR, checkpoint_dir)
+    cluster.memory_budget, cluster.spill_dir = memory_budget, spill_dir
+    cluster.colocated = bool(colocated)
     if restart_servers or restart_workers:
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise errors.InvalidArgument(

@@ -268,6 +268,24 @@ def restore_arguments(checkpoint_dir: Optional[str], shard_index: int, num_shard
     ]
 
 
+def tier_arguments(memory_budget: int, spill_dir: Optional[str], name: str) -> list:
+    """``--memory-budget B [--spill-dir SPILL_DIR/NAME]`` of a server; [] without a budget.
+
+    Each server a launcher starts gets its own subdirectory, name, of the job's
+    spill directory. Thread-safe.
+
+    Example:
+        >>> tier_arguments(1 << 30, "/spill", "server-1")
+        ['--memory-budget', '1073741824', '--spill-dir', '/spill/server-1']
+    """
+    if not memory_budget:
+        return []
+    arguments = ["--memory-budget", str(int(memory_budget))]
+    if spill_dir is not None:
+        arguments += ["--spill-dir", os.path.join(spill_dir, name)]
+    return arguments
+
+
 def checkpoint_root_arguments(
     bind: str, keys: Optional[str], checkpoint_dir: Optional[str]
 ) -> list:

@@ -49,6 +49,10 @@ MAX_ROWS_PER_REQUEST = "KVSPARSE_MAX_ROWS_PER_REQUEST"
 CHECKPOINT_ROOT = "KVSPARSE_CHECKPOINT_ROOT"
 HEARTBEAT_TIMEOUT = "KVSPARSE_HEARTBEAT_TIMEOUT"
 FAST_PATH = "KVSPARSE_FAST_PATH"
+# A shard's memory budget (bytes; unset or 0: none) and the directory its disk tier
+# spills cold rows to (`kvsparse server --memory-budget/--spill-dir`, kvsparse.shard.tier).
+MEMORY_BUDGET = "KVSPARSE_MEMORY_BUDGET"
+SPILL_DIR = "KVSPARSE_SPILL_DIR"
 # Seconds workers retry a restarted server when `kvsparse launch --restart-servers`
 # or `kvsparse.ray` start them and the user gives no --retry-window.
 DEFAULT_RETRY_WINDOW = 120.0

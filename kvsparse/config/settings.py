@@ -31,9 +31,11 @@ from kvsparse.config.names import (
     DEFAULT_HEARTBEAT_TIMEOUT,
     FAST_PATH,
     KEYS,
+    MEMORY_BUDGET,
     RESTARTED,
     SAVE_KEEP,
     SHARD_FD,
+    SPILL_DIR,
 )
 from kvsparse.config.values import (
     SETTINGS,
@@ -42,6 +44,7 @@ from kvsparse.config.values import (
     parse_count,
     parse_switch,
 )
+from kvsparse.errors import InvalidArgument
 
 
 def restarted(environ: Optional[Mapping] = None) -> int:
@@ -186,6 +189,61 @@ def fast_path(environ: Optional[Mapping] = None) -> bool:
     return True if text is None else parse_switch(text, FAST_PATH)
 
 
+def check_memory_tier(memory_budget: int, spill_dir: Optional[str]) -> None:
+    """Raises InvalidArgument for a spill directory without a memory budget.
+
+    The disk tier takes rows out of memory only when a budget says how much
+    memory they may use: a spill directory alone would never be written.
+    Thread-safe.
+
+    Example:
+        >>> check_memory_tier(0, "/spill")
+        Traceback (most recent call last):
+        ...
+        kvsparse.errors.InvalidArgument: --spill-dir (KVSPARSE_SPILL_DIR) needs --memory-budget ...
+    """
+    if spill_dir is not None and not memory_budget:
+        raise InvalidArgument(
+            f"--spill-dir ({SPILL_DIR}) needs --memory-budget ({MEMORY_BUDGET}): rows move "
+            f"to {spill_dir!r} only once the shard reaches its memory budget; give "
+            "both, or neither"
+        )
+
+
+def memory_tier(
+    environ: Optional[Mapping] = None,
+    memory_budget: Optional[int] = None,
+    spill_dir: Optional[str] = None,
+) -> tuple:
+    """(memory budget in bytes, spill directory or None) of a shard.
+
+    From ``KVSPARSE_MEMORY_BUDGET`` (a size: ``512MiB``, ``1GiB``, bytes; unset
+    or 0: no budget) and ``KVSPARSE_SPILL_DIR``; memory_budget and spill_dir,
+    when not None, override them (the command line's ``--memory-budget`` and
+    ``--spill-dir``). The spill directory is made absolute, so that a server
+    started from another directory finds the same one. Thread-safe.
+
+    Raises:
+        InvalidArgument: a malformed size (naming its variable), or a spill
+            directory without a budget (naming both flags).
+
+    Example:
+        >>> memory_tier({"KVSPARSE_MEMORY_BUDGET": "1GiB", "KVSPARSE_SPILL_DIR": "/spill"})
+        (1073741824, '/spill')
+    """
+    environ = os.environ if environ is None else environ
+    if memory_budget is None:
+        memory_budget = SETTINGS["memory_budget"].read(environ)
+    else:
+        memory_budget = SETTINGS["memory_budget"].parse(memory_budget, "memory_budget")
+    if spill_dir is None:
+        spill_dir = _get(environ, SPILL_DIR)
+    if spill_dir is not None:
+        spill_dir = os.path.abspath(os.fspath(spill_dir))
+    check_memory_tier(memory_budget, spill_dir)
+    return memory_budget, spill_dir
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """What a shard's server takes from its environment, resolved once by its entry point.
@@ -195,28 +253,41 @@ class ServerSettings:
         limits: what one peer may make the server do.
         heartbeat_timeout: seconds a silent peer lives (0: no heartbeats).
         fast_path: whether pulls and pushes are answered on the C++ thread.
+        memory_budget: bytes the shard's tables and dense keys may hold in
+            memory (0: no budget).
+        spill_dir: where the shard's disk tier puts rows beyond the budget
+            (None: no disk tier; an insert past the budget is refused).
 
     Immutable: safe to share between threads.
 
     Example:
         >>> ServerSettings.from_environment({"KVSPARSE_FAST_PATH": "0"}).fast_path
         False
+        >>> ServerSettings.from_environment({}, memory_budget="8MiB").memory_budget
+        8388608
     """
 
     keys: Optional[str] = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     fast_path: bool = True
+    memory_budget: int = 0
+    spill_dir: Optional[str] = None
+
+    def __post_init__(self):
+        check_memory_tier(self.memory_budget, self.spill_dir)
 
     @classmethod
     def from_environment(cls, environ: Optional[Mapping] = None, **given) -> ServerSettings:
         """The settings from the environment; `given` (not None) overrides a field.
 
         `given` may also hold `ServerLimits` fields (the command line's
-        ``--max-*``), which override the environment's limits.
+        ``--max-*``), which override the environment's limits. A given
+        memory_budget may be a size's text (``"8MiB"``) or bytes.
 
         Raises:
-            InvalidArgument: a malformed value, naming its variable.
+            InvalidArgument: a malformed value, naming its variable; a spill
+                directory without a memory budget.
         """
         environ = os.environ if environ is None else environ
         limit_fields = set(ServerLimits.__dataclass_fields__)
@@ -227,11 +298,16 @@ class ServerSettings:
         unknown = set(own) - set(cls.__dataclass_fields__)
         if unknown:
             raise TypeError(f"ServerSettings got unknown fields {sorted(unknown)}")
+        budget, spill_dir = memory_tier(
+            environ, own.pop("memory_budget", None), own.pop("spill_dir", None)
+        )
         values = {
             "keys": curve_keys(environ),
             "limits": limits,
             "heartbeat_timeout": heartbeat_timeout(environ),
             "fast_path": fast_path(environ),
+            "memory_budget": budget,
+            "spill_dir": spill_dir,
         }
         values.update(own)
         return cls(**values)
@@ -305,7 +381,9 @@ __all__ = [
     "checkpoint_dir",
     "curve_keys",
     "fast_path",
+    "check_memory_tier",
     "heartbeat_timeout",
+    "memory_tier",
     "periodic_save",
     "rejoin_window",
     "restarted",

@@ -36,6 +36,7 @@ from kvsparse.config.names import (
     HEARTBEAT_TIMEOUT,
     MAX_REPLY_BYTES,
     MAX_UNREAD_REPLY_BYTES,
+    MEMORY_BUDGET,
     REJOIN_WINDOW,
     RETRY_WINDOW,
     SAVE_EVERY,
@@ -303,6 +304,8 @@ _SETTINGS = (
         1,
     ),
     Setting("max_message_size", "bytes", None, "--max-message-size", 1 << 30, 1, unlimited=-1),
+    # 0 (the default): no budget, the shard grows as it did before there was one.
+    Setting("memory_budget", "bytes", MEMORY_BUDGET, "--memory-budget", 0, 0),
 )
 # Every duration and size setting, by name.
 SETTINGS = {setting.name: setting for setting in _SETTINGS}

@@ -201,6 +201,11 @@ class ColocatedGroup:
             env[cluster_config.RETRY_WINDOW] = repr(float(self.retry_window))
             if settings["restartable"]:
                 env[cluster_config.REJOIN_WINDOW] = repr(float(self.retry_window))
+        if settings.get("memory_budget"):
+            env[cluster_config.MEMORY_BUDGET] = str(settings["memory_budget"])
+            if settings.get("spill_dir") is not None:
+                spill_dir = os.path.join(settings["spill_dir"], f"worker-{rank}")
+                env[cluster_config.SPILL_DIR] = spill_dir
         return env
 
     def submit(self, function, *args, **kwargs) -> list:
@@ -293,6 +298,8 @@ def start_colocated(
     worker_timeout: Optional[float] = None,
     staleness: Optional[int] = None,
     env: Optional[dict] = None,
+    memory_budget=0,
+    spill_dir: Optional[str] = None,
 ) -> ColocatedGroup:
     """Starts num_workers colocated worker actors (``kvsparse launch --colocated`` on Ray).
 
@@ -333,6 +340,10 @@ def start_colocated(
         staleness: ``KVSPARSE_STALENESS`` of the workers (SSP), or None.
         env: more variables for the workers' code (not the ``KVSPARSE_*``
             ones set from these options).
+        memory_budget: bytes (or a size, '8GiB') each worker's shard may hold
+            in memory (``KVSPARSE_MEMORY_BUDGET`` of the workers); 0: none.
+        spill_dir: the disk tier's directory on each node (needs
+            memory_budget): worker r's shard spills under ``spill_dir/worker-r``.
 
     Returns:
         A `ColocatedGroup` (addresses, submit(fn, ...), run(fn, ...), shutdown()).
@@ -363,6 +374,7 @@ def start_colocated(
             f"max_restarts must be an integer >= 0, or -1 (forever), got {max_restarts!r}"
         )
     extra = check_worker_variables(env)
+    memory_budget, spill_dir = cluster_config.memory_tier({}, memory_budget, spill_dir)
     # Checked now, with a placeholder address, so a bad value fails before anything starts.
     cluster_config.ClusterConfig(["tcp://127.0.0.1:1"], 0, num_workers, worker_timeout, staleness)
     if retry_window is None and max_restarts != 0:
@@ -418,6 +430,8 @@ def start_colocated(
             "timeout": worker_timeout,
             "staleness": staleness,
             "env": extra,
+            "memory_budget": memory_budget,
+            "spill_dir": spill_dir,
         }
         options = {"namespace": namespace, "name_prefix": name_prefix, "timeout": timeout}
         return ColocatedGroup(actors, [i["address"] for i in infos], options, group, settings)

@@ -403,6 +403,8 @@ def start_servers(
     timeout: float = START_TIMEOUT,
     retry_window: Optional[float] = None,
     transport: str = "tcp",
+    memory_budget=0,
+    spill_dir: Optional[str] = None,
 ) -> ServerGroup:
     """Starts num_servers kvsparse servers as Ray actors, one per shard, and waits for them.
 
@@ -429,6 +431,10 @@ def start_servers(
         transport: 'tcp' (default: workers may run on any node) or 'ipc':
             the servers run on the driver's node and listen on Unix sockets
             there, for workers on that node only (not with host).
+        memory_budget: bytes (or a size, '8GiB') each server's shard may hold in
+            memory (``kvsparse server --memory-budget``); 0: none.
+        spill_dir: the disk tier's directory on each node (needs memory_budget):
+            shard i spills under ``spill_dir/server-i``.
 
     Returns:
         A `ServerGroup` (addresses, config(rank, num_workers), shutdown()).
@@ -452,6 +458,8 @@ def start_servers(
     if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
         raise errors.InvalidArgument(f"num_servers must be an integer >= 1, got {num_servers!r}")
     server_process.check_transport(transport)
+    # The Ray entry's settings: given here, checked before any actor starts.
+    memory_budget, spill_dir = cluster_config.memory_tier({}, memory_budget, spill_dir)
     if transport == "ipc" and host is not None:
         raise errors.InvalidArgument(
             "host is the interface of tcp servers; with transport 'ipc' the servers listen on "
@@ -502,7 +510,10 @@ def start_servers(
                 "namespace": namespace,
                 "host": host,
                 "checkpoint_dir": checkpoint_dir,
-                "server_args": tuple(server_args),
+                "server_args": (
+                    *server_args,
+                    *server_process.tier_arguments(memory_budget, spill_dir, f"server-{index}"),
+                ),
                 "transport": transport,
             }
             actor = _ShardActor.options(**options).remote(**arguments)

@@ -67,6 +67,7 @@ class EmbeddedServer:
         use_fd: a listening tcp socket's file descriptor to serve instead of
             binding bind (see `Server`); the shard takes it over.
         fast_path: see `Server` (None: on).
+        memory_budget, spill_dir: see `Server` (0, None: no budget).
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
@@ -89,6 +90,8 @@ class EmbeddedServer:
         restore: Optional[tuple] = None,
         use_fd: Optional[int] = None,
         fast_path: Optional[bool] = None,
+        memory_budget: int = 0,
+        spill_dir: Optional[str] = None,
     ):
         self.lock = ShardLock()
         self.server = Server(
@@ -101,6 +104,8 @@ class EmbeddedServer:
             rejoin_window=rejoin_window,
             use_fd=use_fd,
             fast_path=fast_path,
+            memory_budget=memory_budget,
+            spill_dir=spill_dir,
         )
         if restore is not None:
             try:

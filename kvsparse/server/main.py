@@ -16,7 +16,8 @@ server does, when it stops, unless another server has replaced it since.
 ``--max-dim``, ``--max-rows-per-request`` and ``--checkpoint-root`` bound
 what one peer may make the server do (`kvsparse.config.ServerLimits`; each
 defaults to its ``KVSPARSE_*`` variable, else the documented default; see
-docs/operations.md "Server limits").
+docs/operations.md "Server limits"). ``--memory-budget`` and ``--spill-dir``
+bound the shard's memory and give it a disk tier (`kvsparse.shard.tier`).
 """
 
 from __future__ import annotations
@@ -172,7 +173,30 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--shard-index", type=int, default=None, metavar="I")
     parser.add_argument("--num-shards", type=int, default=None, metavar="N")
     _limit_arguments(parser)
+    tier_arguments(parser)
     return parser
+
+
+def tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--memory-budget`` and ``--spill-dir`` (unset: their KVSPARSE_* variables)."""
+    tier = parser.add_argument_group(
+        "memory",
+        "How much memory the shard may use, and where rows beyond it go (docs/operations.md, "
+        '"Memory budget and disk tier").',
+    )
+    config.SETTINGS["memory_budget"].add_argument(
+        tier,
+        "memory the shard's tables, optimizer slots and dense keys may hold, e.g. 512MiB, "
+        "8GiB (KVSPARSE_MEMORY_BUDGET; default: none). Without --spill-dir an insert past it "
+        "is refused with LimitExceeded and the server goes on serving",
+    )
+    tier.add_argument(
+        "--spill-dir",
+        default=None,
+        metavar="DIR",
+        help="disk tier: with --memory-budget, the coldest rows move to files under DIR "
+        "(the server's own subdirectory, removed when it stops) (KVSPARSE_SPILL_DIR)",
+    )
 
 
 def _socket_in_use(path: str) -> bool:
@@ -243,6 +267,8 @@ def main(argv=None) -> int:
             max_dim=args.max_dim,
             max_rows_per_request=args.max_rows_per_request,
             checkpoint_root=args.checkpoint_root,
+            memory_budget=args.memory_budget,
+            spill_dir=args.spill_dir,
         )
         if args.bind is not None:
             bind = config.parse_bind_address(args.bind, "--bind")
@@ -267,6 +293,8 @@ def main(argv=None) -> int:
             limits=settings.limits,
             heartbeat_timeout=settings.heartbeat_timeout,
             fast_path=settings.fast_path,
+            memory_budget=settings.memory_budget,
+            spill_dir=settings.spill_dir,
         )
     except zmq.ZMQError as exc:
         print(f"kvsparse server: cannot bind {bind}: {exc}", file=sys.stderr)

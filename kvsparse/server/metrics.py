@@ -27,6 +27,16 @@ Exported families (``op`` is the wire op name in lower case, e.g.
   ``admissions``, ``evictions``, ``evicted_ttl``, ``evicted_capacity``,
   ``rejected`` (counters, ``_total``) and ``candidates`` (a gauge: ids seen
   but not admitted yet). A field the shard does not report is not exported.
+- ``kvsparse_table_tier_<field>{table,kind}``: with a memory budget, each
+  sparse table's tier statistics (`kvsparse.shard.state.tier_stats`):
+  ``rows_read``, ``row_lookups``, ``disk_hits``, ``evictions`` (rows moved to
+  disk), ``bytes_read``, ``bytes_written``, ``bytes_updated``,
+  ``gc_segments_freed``, ``gc_bytes_moved``, ``compactions`` (counters,
+  ``_total``); ``memory_budget``, ``rows_in_memory``, ``rows_on_disk``,
+  ``memory_bytes``, ``disk_bytes``, ``disk_index_bytes``, ``hit_rate``,
+  ``write_amplification`` (gauges).
+- ``kvsparse_memory_budget_bytes``, ``kvsparse_memory_used_bytes``: with a
+  memory budget, the shard's budget and what it holds as the budget counts it.
 - ``kvsparse_keys_total``, ``kvsparse_uptime_seconds``.
 
 Example:
@@ -67,6 +77,21 @@ LATENCY_BUCKETS = (
 # ShardState.stats table fields that only grow (exported as counters; others as gauges).
 _COUNTER_FIELDS = frozenset(
     {"admissions", "evictions", "evicted_ttl", "evicted_capacity", "rejected"}
+)
+# The tier statistics that only grow; the others (rows and bytes held now, ratios) are gauges.
+_TIER_COUNTER_FIELDS = frozenset(
+    {
+        "rows_read",
+        "row_lookups",
+        "disk_hits",
+        "evictions",
+        "bytes_read",
+        "bytes_written",
+        "bytes_updated",
+        "gc_segments_freed",
+        "gc_bytes_moved",
+        "compactions",
+    }
 )
 
 
@@ -265,7 +290,17 @@ class ServerCollector:
         keys = CounterMetricFamily("kvsparse_keys", "Keys served by this shard (all tables)")
         keys.add_metric([], shard.get("keys", 0))
         yield keys
+        memory = shard.get("memory")
+        if memory is not None:
+            for field, help_text in (
+                ("budget", "Bytes this shard may hold in memory (--memory-budget)"),
+                ("used", "Bytes this shard holds in memory, as its memory budget counts them"),
+            ):
+                gauge = GaugeMetricFamily(f"kvsparse_memory_{field}_bytes", help_text)
+                gauge.add_metric([], memory.get(field, 0))
+                yield gauge
         yield from _table_families(shard.get("tables", {}))
+        yield from _tier_families(shard.get("tables", {}))
 
 
 def _table_families(tables: dict):
@@ -288,6 +323,32 @@ def _table_families(tables: dict):
                 )
                 family = families[field] = kind_of_family(
                     f"kvsparse_table_{_metric_name(field)}", help_text, labels=["table", "kind"]
+                )
+            family.add_metric([name, kind], value)
+    yield from families.values()
+
+
+def _tier_families(tables: dict):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    families: dict = {}
+    for name, table in sorted(tables.items()):
+        tier = table.get("tier")
+        if not isinstance(tier, dict):
+            continue
+        kind = str(table.get("kind", ""))
+        for field, value in tier.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            family = families.get(field)
+            if family is None:
+                kind_of_family = (
+                    CounterMetricFamily if field in _TIER_COUNTER_FIELDS else GaugeMetricFamily
+                )
+                family = families[field] = kind_of_family(
+                    f"kvsparse_table_tier_{_metric_name(field)}",
+                    f"The disk tier's '{field}' statistic, by table",
+                    labels=["table", "kind"],
                 )
             family.add_metric([name, kind], value)
     yield from families.values()

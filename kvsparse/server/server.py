@@ -112,11 +112,16 @@ class Server:
             0: they fail as soon as it is found gone (`kvsparse.server.liveness`).
         use_fd: a listening tcp socket's file descriptor to serve instead of
             binding (`kvsparse.server.loop.EventLoop`); None: bind.
+        memory_budget, spill_dir: the shard's memory budget in bytes (0: none)
+            and its disk tier's directory (`kvsparse.shard.tier`); an insert
+            past the budget without a spill directory gets LimitExceeded.
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
         InvalidArgument: a malformed bind address, keys is not a usable key
-            directory, or the checkpoint root is not a directory.
+            directory, the checkpoint root is not a directory, or a spill
+            directory without a memory budget.
+        StorageError: the spill directory cannot be made.
 
     Threads: serve(), handle(), metrics_snapshot() and close() on one thread
     (with a guard: handle(), attach() and detach() from any thread holding
@@ -145,8 +150,12 @@ class Server:
         rejoin_window: float = 0.0,
         use_fd: int | None = None,
         fast_path: bool | None = None,
+        memory_budget: int = 0,
+        spill_dir: str | None = None,
     ):
         limits = limits if limits is not None else ServerLimits()
+        # First: a spill directory that cannot be made fails before the socket is bound.
+        state = ShardState(memory_budget, spill_dir)
         if fast_path is None:
             fast_path = True
         if fast_path and guard is None:
@@ -180,7 +189,7 @@ class Server:
         )
         # Random per start: a client that sees it change knows this shard restarted.
         self.incarnation = secrets.randbits(32) or 1
-        self.state = ShardState()
+        self.state = state
         # Workers on this host read and write their rows here (the same-host path).
         self._segments = SharedSegments()
         # Counted on the serving thread; read by a metrics thread only through snapshots.

@@ -17,20 +17,48 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 from typing import Callable
 
 from kvsparse import errors
 
 
+# Files of a disk tier (csrc/segment_store.h): the writer reads a tiered table's rows on
+# disk through the descriptors it inherited.
+_SEGMENT_FILE = re.compile(r"/segment-\d+\.kvs$")
+
+
+def _segment_fds() -> list:
+    """The open descriptors of disk-tier segment files, ascending ([] without /proc)."""
+    found = []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if _SEGMENT_FILE.search(target):
+            found.append(int(name))
+    return sorted(found)
+
+
 def _close_inherited_fds(keep: int) -> None:
-    """Closes every fd above stderr but keep (the forked child's own pipe end)."""
+    """Closes every fd above stderr but keep (the forked child's own pipe end) and the
+    segment files of disk tiers (the child reads the rows on disk through them)."""
     try:
         limit = os.sysconf("SC_OPEN_MAX")
     except (OSError, ValueError):
         limit = 65536
-    # One close_range(2) call each where the kernel has it (CPython uses it).
-    os.closerange(3, keep)
-    os.closerange(keep + 1, max(limit, keep + 1))
+    # One close_range(2) call per gap where the kernel has it (CPython uses it).
+    low = 3
+    for fd in sorted({keep, *_segment_fds()}):
+        if fd >= low:
+            os.closerange(low, fd)
+            low = fd + 1
+    os.closerange(low, max(limit, low))
 
 
 class ForkedWriter:

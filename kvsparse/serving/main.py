@@ -89,6 +89,19 @@ def parser() -> argparse.ArgumentParser:
         help="lower the CPU priority of the thread applying checkpoints by N, so that "
         "lookups go first on busy cores (Linux; 0: don't)",
     )
+    cluster_config.SETTINGS["memory_budget"].add_argument(
+        p,
+        "memory the served tables may hold, e.g. 8GiB; both copies of a table (the one "
+        "served and the one a new checkpoint is applied to) count (KVSPARSE_MEMORY_BUDGET; "
+        "default: none)",
+    )
+    p.add_argument(
+        "--spill-dir",
+        default=None,
+        metavar="DIR",
+        help="with --memory-budget: rows beyond it move to files under DIR, so that a table "
+        "larger than memory is served (KVSPARSE_SPILL_DIR)",
+    )
     return p
 
 
@@ -104,6 +117,13 @@ def main(argv: Optional[list] = None) -> int:
     tables = None
     if args.tables:
         tables = frozenset(t for t in args.tables.split(",") if t)
+    try:
+        memory_budget, spill_dir = cluster_config.memory_tier(
+            None, args.memory_budget, args.spill_dir
+        )
+    except errors.InvalidArgument as exc:
+        print(f"kvsparse serve: error: {exc}", file=sys.stderr)
+        return 2
     config = ServingConfig(
         path=args.checkpoint_dir,
         bind=args.bind,
@@ -116,10 +136,12 @@ def main(argv: Optional[list] = None) -> int:
         workers=args.workers,
         apply_niceness=args.apply_niceness,
         keys=args.keys if args.keys is not None else cluster_config.curve_keys(),
+        memory_budget=memory_budget,
+        spill_dir=spill_dir,
     )
     try:
         server = ServingServer(config)
-    except errors.MissingDependency as exc:
+    except (errors.MissingDependency, errors.StorageError) as exc:
         print(f"kvsparse serve: error: {exc}", file=sys.stderr)
         return 1
     stop = threading.Event()

@@ -43,6 +43,7 @@ from kvsparse.serving.state import (
     read_checkpoint,
     read_export,
 )
+from kvsparse.shard.tier import ShardTier
 from kvsparse.wire import ops, protocol
 from kvsparse.wire.protocol import Op
 
@@ -72,6 +73,8 @@ class ServingConfig:
         (`kvsparse.serving.follow`; 0: not at all).
     keys: a ``kvsparse keys`` directory: ZeroMQ lookups then need CurveZMQ
         and a client key the directory holds, as the training servers do.
+    memory_budget: bytes the served tables (both copies) may hold in memory
+        (0: none); spill_dir: where rows beyond it go (the disk tier).
     """
 
     path: str
@@ -85,6 +88,8 @@ class ServingConfig:
     workers: int = DEFAULT_WORKERS
     apply_niceness: int = DEFAULT_APPLY_NICENESS
     keys: Optional[str] = None
+    memory_budget: int = 0
+    spill_dir: Optional[str] = None
 
 
 class ServingServer:
@@ -98,7 +103,10 @@ class ServingServer:
 
     def __init__(self, config: ServingConfig):
         self.config = config
-        self.state = ServingState()
+        tier = None
+        if config.memory_budget or config.spill_dir is not None:
+            tier = ShardTier(config.memory_budget, config.spill_dir)
+        self.state = ServingState(tier)
         if config.http_port is not None:
             # Both before anything loads or binds: the error is one line naming the extra.
             extras.require("aiohttp.web", "kvsparse serve --http-port")

@@ -61,6 +61,7 @@ from kvsparse.shard.checkpoint.export import (
 )
 from kvsparse.shard.checkpoint.format import CheckpointError, read_shard_file
 from kvsparse.shard.checkpoint.shard_io import Resharding
+from kvsparse.shard.tier import ShardTier
 
 DEFAULTS = ("zeros", "initializer")
 _ROWS_PER_ASSIGN = 65536  # rows written per call (bounds a float16 export's float32 copy)
@@ -131,10 +132,11 @@ class Side:
     updater writes it while no lookup reads it.
     """
 
-    def __init__(self):
+    def __init__(self, tier: ShardTier | None = None):
         self.tables: dict[str, _core.Table] = {}
         self.infos: dict[str, TableInfo] = {}
         self.version: dict | None = None
+        self.tier = tier  # the replica's memory budget and spill root, shared by both copies
 
     def lookup(self, name: str, keys: np.ndarray, default: str) -> np.ndarray:
         """Rows (keys.size, dim) float32 of keys (int64, 1-D contiguous) in table name."""
@@ -157,11 +159,11 @@ class Side:
 
     def copy(self) -> Side:
         """A new Side with the same rows (rebuilds a copy an update failed half-way)."""
-        other = Side()
+        other = Side(self.tier)
         other.infos = dict(self.infos)
         other.version = self.version
         for name, table in self.tables.items():
-            fresh = _new_table(self.infos[name])
+            fresh = _new_table(self.infos[name], self.tier)
             fresh.reserve(len(table))
             for keys, values, _, _ in table.iter_chunks(_ROWS_PER_ASSIGN):
                 fresh.assign(keys, values)
@@ -169,9 +171,10 @@ class Side:
         return other
 
 
-def _new_table(info: TableInfo) -> _core.Table:
+def _new_table(info: TableInfo, tier: ShardTier | None = None) -> _core.Table:
     # Zeros initializer, no optimizer: an id not stored reads as all zeros, marker included.
-    return _core.Table(info.dim + 1, {"kind": "zeros"}, None, 0)
+    tiered = {} if tier is None else tier.table_options(info.name)
+    return _core.Table(info.dim + 1, {"kind": "zeros"}, None, 0, **tiered)
 
 
 @dataclass
@@ -231,7 +234,7 @@ class Update:
             info = change.info
             table = side.tables.get(info.name)
             if table is None or side.infos[info.name].dim != info.dim:
-                table = side.tables[info.name] = _new_table(info)
+                table = side.tables[info.name] = _new_table(info, side.tier)
             side.infos[info.name] = info
             for removed in change.removed:
                 if removed.size:
@@ -255,12 +258,17 @@ class Update:
 class ServingState:
     """The served tables (two copies, see the module docstring) and their version.
 
+    tier: a `kvsparse.shard.tier.ShardTier` (``kvsparse serve --memory-budget``):
+    both copies' tables count against its budget and spill under its root.
+    None: no budget.
+
     Threads: `lookup`, `version` and `describe` from any number of threads at
     once; `apply` from one thread at a time, beside them.
     """
 
-    def __init__(self):
-        self._sides = [Side(), Side()]
+    def __init__(self, tier: ShardTier | None = None):
+        self.tier = tier
+        self._sides = [Side(tier), Side(tier)]
         self._active = 0
         self._readers = [0, 0]
         self._changed = threading.Condition()

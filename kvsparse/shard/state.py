@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvsparse import _core, errors
+from kvsparse.shard.tier import ShardTier
 from kvsparse.table import policy_of
 
 # What sparse_entry / dense_entry say when the key exists as the other kind.
@@ -257,6 +258,13 @@ class ShardCounters:
 class ShardState:
     """One shard's tables and dense slices.
 
+    Args:
+        memory_budget: bytes the shard may hold in memory (0: no budget).
+        spill_dir: where rows beyond the budget go (None: no disk tier; an
+            insert past the budget raises LimitExceeded). Needs a budget.
+        tier: a `ShardTier` to share instead (a load's new state takes the
+            serving state's, so both count against one budget).
+
     Not thread-safe: one thread uses a ShardState at a time (a server's loop
     thread; the local store's caller). A server's forked checkpoint writer
     reads its own copy-on-write image of it.
@@ -266,7 +274,17 @@ class ShardState:
         >>> state.create_sparse(1, "user", SparseTable(dim=4).to_dict())  # doctest: +SKIP
     """
 
-    def __init__(self):
+    def __init__(
+        self,
+        memory_budget: int = 0,
+        spill_dir: str | None = None,
+        *,
+        tier: ShardTier | None = None,
+    ):
+        if tier is None and (memory_budget or spill_dir is not None):
+            tier = ShardTier(memory_budget, spill_dir)
+        # None: no budget, and tables are made as they were before there was one.
+        self.tier = tier
         self.sparse: TableDict = TableDict()  # table id -> SparseEntry
         self.dense: dict[int, DenseEntry] = {}
         self.default_optimizer: dict | None = None
@@ -293,6 +311,22 @@ class ShardState:
         self.sparse.clear()
         self.dense.clear()
         self.default_optimizer = None
+        self.count_dense_bytes()
+
+    def like(self) -> ShardState:
+        """A new, empty ShardState with this one's memory budget and spill root (a load's)."""
+        return ShardState(tier=self.tier)
+
+    def count_dense_bytes(self) -> None:
+        """Tells the memory budget what the dense keys hold (no budget: nothing to do)."""
+        if self.tier is not None:
+            self.tier.set_other_bytes(sum(entry.nbytes() for entry in self.dense.values()))
+
+    def close(self) -> None:
+        """Drops every table and removes the spill root (in the process that made it)."""
+        self.clear()
+        if self.tier is not None:
+            self.tier.close()
 
     def replace_tables(self, loaded: ShardState) -> None:
         """Takes over loaded's tables, dense keys, optimizer and checkpoint bookkeeping.
@@ -311,6 +345,7 @@ class ShardState:
         self.checkpoint_base = loaded.checkpoint_base
         self.uncommitted_saves = list(loaded.uncommitted_saves)
         self.staged_load = None
+        self.count_dense_bytes()
 
     def set_change_epoch(self, epoch: int) -> None:
         """Stamps later writes of every sparse table with epoch (see kvsparse.shard.checkpoint)."""
@@ -350,6 +385,8 @@ class ShardState:
             raise errors.DuplicateKey(f"key {name!r} is already initialized differently")
         own = spec.get("optimizer") is not None
         optimizer = spec["optimizer"] if own else self.default_optimizer
+        # Without a budget the table is made exactly as before (no budget argument at all).
+        tiered = {} if self.tier is None else self.tier.table_options(name)
         table = _core.Table(
             int(spec["dim"]),
             spec["initializer"],
@@ -358,6 +395,7 @@ class ShardState:
             policy_of(spec),
             dtype=spec.get("dtype", "float32"),
             slot_dtype=spec.get("slot_dtype"),
+            **tiered,
         )
         table.change_epoch = self.change_epoch
         self.sparse[table_id] = SparseEntry(name, dict(spec), table, own)
@@ -376,6 +414,7 @@ class ShardState:
         entry = DenseEntry.create(name, values, dtype)
         entry.set_optimizer(self.default_optimizer)
         self.dense[table_id] = entry
+        self.count_dense_bytes()
         return True
 
     def set_optimizer(self, spec: dict | None) -> None:
@@ -389,6 +428,7 @@ class ShardState:
         for entry in self.dense.values():
             if not entry.own_optimizer:
                 entry.set_optimizer(spec)
+        self.count_dense_bytes()  # slots come and go with the optimizer
 
     def set_table_optimizers(self, table_ids: list, spec: dict | None) -> None:
         """Gives each table (sparse or dense) of table_ids its own optimizer spec.
@@ -415,6 +455,7 @@ class ShardState:
                 entry.table.set_optimizer(effective)
             else:
                 entry.set_optimizer(effective)
+        self.count_dense_bytes()
 
     def set_learning_rate(self, learning_rate: float, table_ids: list | None = None) -> None:
         """Changes the learning rate of the optimizers tables run; every slot, row step and
@@ -719,7 +760,13 @@ class ShardState:
         entry.step = int(state["step"])
 
     def stats(self) -> dict:
-        """Rows and bytes per key, requests and keys served, keys/s since start."""
+        """Rows and bytes per key, requests and keys served, keys/s since start.
+
+        With a memory budget, each sparse table also has ``"tier"``
+        (`tier_stats`: rows in memory and on disk, hit rate, disk bytes, bytes
+        read and written, evictions to disk, GC), and the shard ``"memory"``:
+        ``{"budget": bytes, "used": bytes}``.
+        """
         elapsed = max(time.monotonic() - self.counters.started, 1e-9)
         tables = {}
         for entry in self.sparse.values():
@@ -735,18 +782,65 @@ class ShardState:
                 "rejected": policy["rejected"],
                 "candidates": policy["candidates"],
             }
+            if self.tier is not None:
+                tables[entry.name]["tier"] = tier_stats(entry.table.tier_stats())
         for entry in self.dense.values():
             tables[entry.name] = {
                 "kind": "dense",
                 "rows": entry.values.size,
                 "bytes": entry.nbytes(),
             }
-        return {
+        found = {
             "tables": tables,
             "requests": self.counters.requests,
             "keys": self.counters.keys,
             "keys_per_second": self.counters.keys / elapsed,
         }
+        if self.tier is not None:
+            found["memory"] = {"budget": self.tier.memory_budget, "used": self.tier.used()}
+        return found
+
+
+# The counters of `_core.Table.tier_stats()`, summed over shards by `kv.stats()`.
+TIER_COUNTERS = (
+    "memory_budget",
+    "rows_in_memory",
+    "rows_on_disk",
+    "memory_bytes",
+    "disk_bytes",
+    "disk_index_bytes",
+    "rows_read",
+    "row_lookups",
+    "disk_hits",
+    "evictions",
+    "bytes_read",
+    "bytes_written",
+    "bytes_updated",
+    "gc_segments_freed",
+    "gc_bytes_moved",
+    "compactions",
+)
+
+
+def tier_stats(counters: dict) -> dict:
+    """A table's tier counters (`TIER_COUNTERS`) with the two ratios computed from them.
+
+    hit_rate: the share of looked-up or pushed stored ids found in memory,
+    ``1 - disk_hits / row_lookups`` (1.0 before any lookup); write_amplification:
+    ``bytes_written / bytes_updated``, bytes the disk tier wrote (evictions and
+    GC moves) per byte of rows updated (0.0 before any update). Also what
+    `kv.stats()` recomputes from counters summed over shards. Thread-safe.
+
+    Example:
+        >>> tier_stats({"row_lookups": 10, "disk_hits": 1, "bytes_written": 30,
+        ...             "bytes_updated": 20})["hit_rate"]
+        0.9
+    """
+    found = {name: int(counters.get(name, 0)) for name in TIER_COUNTERS}
+    lookups, updated = found["row_lookups"], found["bytes_updated"]
+    found["hit_rate"] = 1.0 - found["disk_hits"] / lookups if lookups else 1.0
+    found["write_amplification"] = found["bytes_written"] / updated if updated else 0.0
+    return found
 
 
 def _runs(spec: dict | None) -> bool:

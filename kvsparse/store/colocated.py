@@ -304,7 +304,8 @@ def create_colocated_backend(
     serves a duplicate of it instead of binding, so the port the launcher
     reserved cannot have been taken meanwhile. One listening elsewhere (the
     caller named other peers) is not used. server: the settings of the shard
-    this worker hosts (limits, heartbeats, fast path; default: the defaults);
+    this worker hosts (limits, heartbeats, fast path, memory budget and spill
+    directory; default: the defaults);
     keys, when given, replace its keys.
 
     Raises:
@@ -341,6 +342,8 @@ def create_colocated_backend(
                 limits=server.limits,
                 heartbeat_timeout=server.heartbeat_timeout,
                 fast_path=server.fast_path,
+                memory_budget=server.memory_budget,
+                spill_dir=server.spill_dir,
                 restarted=restarted,
                 rejoin_window=rejoin_window,
                 restore=restore,

@@ -46,6 +46,11 @@ def create(name: str = "local", **kwargs) -> KVStore:
             timeout=, staleness=, retry_window=, keys=, shared_memory=
             (default: what the launcher or the environment set; see
             `create_remote_store`).
+            For 'local': memory_budget= (bytes, or a size such as '512MiB';
+            0: none) and spill_dir= (the disk tier's directory; needs a
+            budget) bound the store's memory as ``kvsparse server
+            --memory-budget/--spill-dir`` bound a server's (default:
+            ``KVSPARSE_MEMORY_BUDGET`` / ``KVSPARSE_SPILL_DIR``).
             For every kind: wire_dtype= 'float32' (default), 'float16' or
             'bfloat16': how sparse tables' pulled rows and pushed gradients
             travel, unless a table sets its own (`SparseTable.wire_dtype`).
@@ -55,8 +60,12 @@ def create(name: str = "local", **kwargs) -> KVStore:
             the environment's (which is read here, once, and nowhere below).
 
     Raises:
-        InvalidArgument (a ValueError): an unknown kind, a bad wire_dtype, or
-            options other than wire_dtype for 'local'.
+        InvalidArgument (a ValueError): an unknown kind, a bad wire_dtype, a
+            spill_dir without memory_budget, or options other than wire_dtype,
+            memory_budget and spill_dir for 'local'.
+
+    Example:
+        >>> kv = kvsparse.create('local', memory_budget='64MiB')   # doctest: +SKIP
     """
     if not isinstance(name, str):
         raise errors.InvalidArgument(f"store kind must be a str, got {name!r}")
@@ -71,14 +80,24 @@ def create(name: str = "local", **kwargs) -> KVStore:
         settings = cluster_config.WorkerSettings.from_environment()
     if kind in LOCAL_KINDS:
         wire_dtype = kwargs.pop("wire_dtype", "float32")
+        memory_budget = kwargs.pop("memory_budget", None)
+        spill_dir = kwargs.pop("spill_dir", None)
         if kwargs:
             raise errors.InvalidArgument(
-                f"the local store takes no options but wire_dtype, got {sorted(kwargs)}"
+                "the local store takes no options but wire_dtype, memory_budget and "
+                f"spill_dir, got {sorted(kwargs)}"
             )
         from kvsparse.store.local import LocalBackend
 
         check_wire_dtype(wire_dtype, "kvsparse.create wire_dtype")
-        return KVStore(LocalBackend(), "local", wire_dtype, settings.checkpoint_dir)
+        # Given ones win; what is not given comes from the settings (the environment's).
+        budget, spill_dir = cluster_config.memory_tier(
+            {},
+            settings.server.memory_budget if memory_budget is None else memory_budget,
+            settings.server.spill_dir if spill_dir is None else spill_dir,
+        )
+        backend = LocalBackend(budget, spill_dir)
+        return KVStore(backend, "local", wire_dtype, settings.checkpoint_dir)
     if kind == "colocated" or (kwargs.get("servers") is None and settings.peers is not None):
         # Under `kvsparse launch --colocated` the dist kinds give the colocated store too:
         # the same training code.

@@ -48,6 +48,7 @@ from kvsparse.arrays import (
     per_key,
     table_dtype,
 )
+from kvsparse.shard.state import TIER_COUNTERS, tier_stats
 from kvsparse.store import batching
 from kvsparse.store.backend import Backend
 from kvsparse.store.keys import KeyInfo, KeyRegistry
@@ -780,6 +781,14 @@ class KVStore(StoreFront):
     def stats(self) -> dict:
         """Rows and bytes per key (summed over shards) and per-shard counters.
 
+        Servers with a memory budget (``--memory-budget``) add, per sparse
+        table, ``"tier"``: rows_in_memory, rows_on_disk, memory_bytes,
+        disk_bytes, disk_index_bytes, rows_read, row_lookups, disk_hits,
+        evictions (rows moved to disk), bytes_read, bytes_written,
+        bytes_updated, gc_segments_freed, gc_bytes_moved, compactions (summed
+        over shards), hit_rate and write_amplification (computed from the
+        sums); and, per shard, ``"memory": {"budget", "used"}``.
+
         Tables are named by their keys as given to init: an int key stays an
         int (the shards name tables by str(key)), so a name from stats() is
         a key every other call takes.
@@ -805,6 +814,14 @@ class KVStore(StoreFront):
                 for field in _POLICY_COUNTERS:
                     if field in table:
                         total[field] = total.get(field, 0) + table[field]
+                # A shard with a memory budget: its disk tier's counters.
+                if "tier" in table:
+                    tier = total.setdefault("tier", dict.fromkeys(TIER_COUNTERS, 0))
+                    for field in TIER_COUNTERS:
+                        tier[field] += table["tier"].get(field, 0)
+        for total in totals.values():
+            if "tier" in total:  # the ratios of the sums, not a sum of ratios
+                total["tier"] = tier_stats(total["tier"])
         return {"tables": totals, "shards": shards}
 
     def evict(self) -> dict:

@@ -46,9 +46,10 @@ class LocalBackend:
     rank = 0
     num_workers = 1
 
-    def __init__(self):
+    def __init__(self, memory_budget: int = 0, spill_dir: str | None = None):
+        """memory_budget, spill_dir: the shard's (`kvsparse.shard.state.ShardState`)."""
         self.clock = 0  # pushes made (`kvsparse.KVStore.clock`)
-        self.state = ShardState()
+        self.state = ShardState(memory_budget, spill_dir)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -206,4 +207,5 @@ class LocalBackend:
         """Drops the tables; every later call raises InvalidArgument (idempotent)."""
         with self._lock:
             self._closed = True
+            self.state.close()  # the spill directory goes now, not at exit
             self.state = ShardState()

@@ -125,7 +125,8 @@ message; the client re-raises it as the matching `kvsparse.errors` class
 InvalidArgument, 3 ShapeError, 4 DTypeError, 5 KeyTypeError, 6 UnknownKey, 7
 DuplicateKey, 8 NonFiniteGradient, 9 CapacityError (and a server's MemoryError), 10
 ServerError (anything else), 11 CheckpointError, 12 LimitExceeded, 13 WorkerLeft, 14
-UpdateOverflow, 15 SharedMemoryMissing (a client that predates a code raises
+UpdateOverflow, 15 SharedMemoryMissing, 16 CorruptRecord, 17 DiskFull, 18
+StorageError (the disk tier's; a client that predates a code raises
 ServerError with the message). The reply to a message whose header cannot be read echoes its
 request id when the size and magic are right, else 0, with op 0 if the op is
 unknown.
@@ -248,6 +249,9 @@ MUTATING_OPS = frozenset(
 # subclasses before their bases.
 ERROR_CODES = {
     errors.SharedMemoryMissing: 15,
+    errors.CorruptRecord: 16,
+    errors.DiskFull: 17,
+    errors.StorageError: 18,
     errors.ProtocolError: 1,
     errors.NonFiniteGradient: 8,
     errors.UpdateOverflow: 14,

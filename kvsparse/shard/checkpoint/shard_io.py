@@ -332,7 +332,7 @@ def read_shard_state(state: ShardState, path: str, shard_index: int, num_shards:
             raise CheckpointError(f"{path}: checkpoint chain mixes shard counts")
     reshard = Resharding(shard_index, num_shards, int(steps[0]["num_shards"]))
     files = reshard.files()
-    loaded = ShardState()
+    loaded = state.like()
     # Epochs only grow: stamps of the old tables never meet the new ones' anyway.
     loaded.change_epoch = state.change_epoch
     dense_parts: dict[int, dict] = {}
