@@ -30,8 +30,8 @@ thread; the max is checked against budget + 15%).
 Page cache: the spill dir would sit in the page cache of this 24 GiB machine and flatter
 the disk figures. The tiered server runs in a memory cgroup (v2 memory.max, else v1
 memory.limit_in_bytes, under this process's own cgroup) limited to
-budget * (1 + --cgroup-headroom) + the idle server's RSS, which bounds its RSS and page
-cache together; without a writable cgroup the page cache is dropped before every phase
+budget * (1 + --cgroup-headroom) + the idle server's RSS (headroom 0.5 by default), which
+bounds its RSS and page cache together (a server that passes it is OOM-killed: reported); without a writable cgroup the page cache is dropped before every phase
 (drop_caches as root, else posix_fadvise DONTNEED on the spill files). The JSON says which.
 The engine comparison drops the page cache before each of its phases (engine_compare's
 own method).
@@ -659,8 +659,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--cgroup-headroom",
         type=float,
-        default=0.25,
-        help="cgroup limit = budget * (1 + this) + the idle server's RSS",
+        default=0.5,
+        help="cgroup limit = budget * (1 + this) + the idle server's RSS (default 0.5: the "
+        "RSS target's 15%% and 35%% for page cache; a server past it is OOM-killed, reported)",
     )
     parser.add_argument("--no-cgroup", action="store_true", help="drop the page cache instead")
     parser.add_argument("--read-threads", type=int, default=32, help="disk limit queue depth")
