@@ -31,8 +31,9 @@ Page cache: the spill dir would sit in the page cache of this 24 GiB machine and
 the disk figures. The tiered server runs in a memory cgroup (v2 memory.max, else v1
 memory.limit_in_bytes, under this process's own cgroup) limited to
 budget * (1 + --cgroup-headroom) + the idle server's RSS (headroom 0.5 by default), which
-bounds its RSS and page cache together (a server that passes it is OOM-killed: reported); without a writable cgroup the page cache is dropped before every phase
-(drop_caches as root, else posix_fadvise DONTNEED on the spill files). The JSON says which.
+bounds its RSS and page cache together (a server that passes it is OOM-killed: reported);
+without a writable cgroup the page cache is dropped before every phase (drop_caches as
+root, else posix_fadvise DONTNEED on the spill files). The JSON says which.
 The engine comparison drops the page cache before each of its phases (engine_compare's
 own method).
 
