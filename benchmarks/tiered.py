@@ -346,29 +346,41 @@ def populate(kv, rows: int, batch_size: int, sampler: RssSampler) -> dict:
 
 
 def run_steps(kv, distribution: str, args, permutation, grads, sampler, cache_note) -> dict:
-    """--warmup + --steps W1 steps (pull + push) of `distribution` ids; their figures."""
+    """Warm-up + --steps W1 steps (pull + push) of `distribution` ids; their figures.
+
+    Zipf gets --zipf-warmup steps first: the tier's LRU converges on the hot rows over tens
+    of steps (a training run's steady state); uniform ids have no hot set (--warmup).
+    The tier's counters are read after every timed step, outside its timing.
+    """
     rng = np.random.default_rng(args.seed + (1 if distribution == "zipf1.1" else 2))
-    count = args.warmup + args.steps
-    batches = [
-        draw_ids(distribution, rng, args.batch_size, args.rows, permutation) for _ in range(count)
-    ]
-    unique = np.array([np.unique(b).size for b in batches[args.warmup :]], np.int64)
+    warmup = args.zipf_warmup if distribution == "zipf1.1" else args.warmup
     out = np.empty((args.batch_size, wl.DIM), np.float32)
     result = {"distribution": distribution}
     if cache_note is not None:
         result["page_cache"] = cache_note()
     sampler.phase = f"{distribution}_warmup"
-    for ids in batches[: args.warmup]:
+    for _ in range(warmup):
+        ids = draw_ids(distribution, rng, args.batch_size, args.rows, permutation)
         kv.row_sparse_pull(TABLE, out=out, row_ids=ids)
         kv.push(TABLE, (ids, grads))
+    batches = [
+        draw_ids(distribution, rng, args.batch_size, args.rows, permutation)
+        for _ in range(args.steps)
+    ]
+    unique = np.array([np.unique(b).size for b in batches], np.int64)
     before = tier_counters(table_stats(kv))
     sampler.phase = distribution
-    seconds = []
-    for ids in batches[args.warmup :]:
+    seconds, step_hit_rates = [], []
+    previous = before
+    for ids in batches:
         start = time.perf_counter()
         kv.row_sparse_pull(TABLE, out=out, row_ids=ids)
         kv.push(TABLE, (ids, grads))
         seconds.append(time.perf_counter() - start)
+        if previous:
+            now = tier_counters(table_stats(kv))
+            step_hit_rates.append(derived(counter_delta(previous, now)).get("hit_rate"))
+            previous = now
     sampler.sample()  # a phase shorter than the sampling interval still gets its sample
     after_stats = table_stats(kv)
     after = tier_counters(after_stats)
@@ -376,7 +388,7 @@ def run_steps(kv, distribution: str, args, permutation, grads, sampler, cache_no
     result.update(
         {
             "steps": args.steps,
-            "warmup": args.warmup,
+            "warmup": warmup,
             "step_seconds": seconds,
             "ms_p50": float(np.median(seconds) * 1e3),
             "steps_per_s": args.steps / total,
@@ -390,9 +402,24 @@ def run_steps(kv, distribution: str, args, permutation, grads, sampler, cache_no
     if after:
         delta = counter_delta(before, after)
         result["tier_delta"] = delta
+        result["step_hit_rates"] = step_hit_rates
         result.update(derived(delta))
         if delta.get("rows_read"):
             result["disk_rows_read_per_s"] = delta["rows_read"] / total
+            result["disk_rows_read_per_step"] = delta["rows_read"] / args.steps
+            # Bytes read per row brought back, in records: 1 = each missing row read once.
+            result["record_reads_per_row_read"] = delta.get("bytes_read", 0) / (
+                delta["rows_read"] * engine_compare.RECORD_BYTES
+            )
+        resident = after.get("rows_in_memory")
+        if distribution == "zipf1.1" and resident:
+            # An oracle cache holding the `resident` hottest ranks would still miss these:
+            # the share of a batch's distinct ids that Zipf puts beyond them.
+            rank = np.empty_like(permutation)
+            rank[permutation] = np.arange(permutation.size, dtype=permutation.dtype)
+            result["oracle_miss_fraction"] = float(
+                np.mean([(rank[np.unique(b)] >= resident).mean() for b in batches])
+            )
     return result
 
 
@@ -652,7 +679,15 @@ def parse_args(argv=None):
         default=None,
         help="timed steps per distribution (default 10; 3 below 4M rows)",
     )
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3; 1)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed uniform steps first (default 3; 1)"
+    )
+    parser.add_argument(
+        "--zipf-warmup",
+        type=int,
+        default=None,
+        help="untimed Zipf steps first, so the tier's LRU holds the hot rows (default 60; 5)",
+    )
     parser.add_argument("--configs", default="all_ram,tiered")
     parser.add_argument("--distributions", default="zipf1.1,uniform")
     parser.add_argument("--seed", type=int, default=0)
@@ -685,6 +720,8 @@ def parse_args(argv=None):
     small = args.rows < 4_000_000
     args.steps = args.steps if args.steps is not None else (3 if small else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if small else 3)
+    if args.zipf_warmup is None:
+        args.zipf_warmup = 5 if small else 60
     args.engine_rows = (
         parse_size(args.engine_rows)
         if args.engine_rows is not None
@@ -710,7 +747,8 @@ def main(argv=None) -> int:
         f"tiered: {args.rows:,} rows x {ROW_BYTES} B = {args.rows * ROW_BYTES / 2**30:.2f} GiB "
         f"of rows + Adagrad state, budget {args.budget / 2**30:.3g} GiB "
         f"({args.rows * ROW_BYTES / args.budget:.1f}x); steps of {args.batch_size:,} ids, "
-        f"{args.warmup} warmup + {args.steps} timed per distribution",
+        f"{args.zipf_warmup} (Zipf) or {args.warmup} (uniform) warmup + {args.steps} timed "
+        "per distribution",
         flush=True,
     )
     permutation = np.random.default_rng(1).permutation(args.rows).astype(np.int64)
@@ -728,7 +766,8 @@ def main(argv=None) -> int:
             "table_over_budget": args.rows * ROW_BYTES / args.budget,
             "batch_size": args.batch_size,
             "steps": args.steps,
-            "warmup": args.warmup,
+            "warmup_uniform": args.warmup,
+            "warmup_zipf": args.zipf_warmup,
             "dim": wl.DIM,
             "optimizer": "adagrad",
             "initializer": "normal(0, 0.01)",
