@@ -46,7 +46,8 @@ Usage:
     python benchmarks/tiered.py --configs all_ram --no-engines   # without the disk tier
 
 A budget below ~128 MiB cannot take W1's batch: the core counts a 65,536-row push's scratch
-(2 x the rows' state, 64 MiB) and the disk index (32 B a row on disk) in the budget, and
+(2 x the rows' state, 64 MiB) and the disk index (16-byte slots in a power-of-two
+table: 256 MiB for 7.1M rows on disk) in the budget, and
 refuses the request (LimitExceeded, reported); use --batch-size to go smaller.
 
 Writes benchmarks/results/tiered.json.
