@@ -20,6 +20,8 @@
 #ifndef KVSPARSE_DISK_TIER_H_
 #define KVSPARSE_DISK_TIER_H_
 
+#include <malloc.h>
+
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -30,7 +32,12 @@ namespace kvsparse {
 
 class MemoryBudget {
  public:
-  explicit MemoryBudget(int64_t limit) : limit_(limit) {}
+  // Also fixes the C library's mmap threshold at 1 MiB for the process: a
+  // request's large temporaries (the records moving between tiers, arrays
+  // of tens of MiB) then go back to the system when freed, instead of
+  // staying in the heap beside the budget (glibc raises the threshold to
+  // 32 MiB as it sees large blocks freed).
+  explicit MemoryBudget(int64_t limit) : limit_(limit) { ::mallopt(M_MMAP_THRESHOLD, 1 << 20); }
   int64_t limit() const { return limit_; }
   // Sets what owner holds now.
   void Report(const void* owner, int64_t bytes) {

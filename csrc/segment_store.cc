@@ -517,7 +517,6 @@ class SegmentStore final : public RowStore {
   int64_t gc_next_slot_ = 0;
   bool closed_ = false;
   RowStoreStats stats_;
-  std::vector<uint8_t> scratch_;
   ReadPool pool_;
 };
 
@@ -550,7 +549,7 @@ Status SegmentStore::OpenSegmentFile(uint32_t id, bool create, Segment* segment)
 }
 
 Status SegmentStore::SyncActive() {
-  if (active_ == 0) return Status::Ok();
+  if (active_ == 0 || !options_.durable) return Status::Ok();
   const Segment& segment = segments_[active_];
   if (::fdatasync(segment.fd) != 0) return IoError("syncing", segment.path, errno);
   return Status::Ok();
@@ -608,11 +607,14 @@ Status SegmentStore::Append(std::vector<Pending>* pending) {
 
   int64_t i = 0;
   int64_t active_slots = first_slots;
+  // A buffer of this call only (one batch's slots: kept, it would hold the
+  // largest batch's bytes for good).
+  std::vector<uint8_t> scratch;
   while (i < n) {
     if (active_ == 0 || active_slots == slots_per_segment_) {
       if (active_ != 0) {
         Segment& full = segments_[active_];
-        if (::fdatasync(full.fd) != 0) {
+        if (options_.durable && ::fdatasync(full.fd) != 0) {
           const int error = errno;
           undo();
           return IoError("syncing", full.path, error);
@@ -637,17 +639,17 @@ Status SegmentStore::Append(std::vector<Pending>* pending) {
     }
     const int64_t m = std::min(n - i, slots_per_segment_ - active_slots);
     try {
-      scratch_.resize(static_cast<size_t>(m * slot_bytes_));
+      scratch.resize(static_cast<size_t>(m * slot_bytes_));
     } catch (const std::bad_alloc&) {
       undo();
       return Status(StatusCode::kOutOfMemory, "out of memory for the segment write buffer");
     }
     for (int64_t j = 0; j < m; ++j) {
-      EncodeSlot((*pending)[i + j], scratch_.data() + j * slot_bytes_);
+      EncodeSlot((*pending)[i + j], scratch.data() + j * slot_bytes_);
       locations[i + j] = Location(active_, static_cast<uint64_t>(active_slots + j));
     }
     Segment& segment = segments_[active_];
-    const int error = WriteAll(segment.fd, scratch_.data(), m * slot_bytes_,
+    const int error = WriteAll(segment.fd, scratch.data(), m * slot_bytes_,
                                kFileHeaderBytes + active_slots * slot_bytes_);
     if (error != 0) {
       undo();

@@ -49,6 +49,11 @@ struct SegmentStoreOptions {
   // reaches this is rewritten by Maintenance (DeepRec uses a third).
   double gc_stale_fraction = 1.0 / 3.0;
   int64_t read_threads = 16;  // preads in flight per ReadBatch
+  // false: no fdatasync (sealing a file, Sync, garbage collection, Close), for
+  // a store that is never reopened after a crash (a disk tier's spill files:
+  // a restarted server restores from its checkpoint). Flushing 64 MiB at each
+  // sealed file stalled the training step that sealed it.
+  bool durable = true;
 };
 
 // Opens (creating or recovering) the store in options.directory.

@@ -133,6 +133,7 @@ Status EmbeddingTable::OpenTierStore() {
   options.record_bytes = RecordBytes();
   options.segment_bytes = tier_->config.segment_bytes;
   options.read_threads = tier_->config.read_threads;
+  options.durable = false;  // spill files: a restarted server restores from a checkpoint
   std::unique_ptr<RowStore> store;
   Status s = OpenSegmentStore(options, &store);
   if (!s.ok()) return s;
@@ -448,7 +449,9 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
       if ((disk.live_records + incoming) * 5 > entries * 4) disk_index = disk.index_bytes;
     }
     // The records of the rows moving between tiers pass through a buffer of
-    // the request (those moving out, then those it brings back: one at a time).
+    // the request (those moving out, then those it brings back). Freed at
+    // once; the slots the engine encodes beside it for a moment are left to
+    // the RSS's slack.
     const int64_t transit = tier_->store != nullptr ? incoming * tier_->record_bytes : 0;
     const int64_t growth =
         (new_rows > 0 ? RowGrowthBytes(next_row_ + new_rows - 1) : 0) +
