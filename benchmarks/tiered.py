@@ -45,10 +45,10 @@ Usage:
     python benchmarks/tiered.py --budget 256MiB --cgroup-headroom 1.0   # smoke (~1 min)
     python benchmarks/tiered.py --configs all_ram --no-engines   # without the disk tier
 
-A budget below ~128 MiB cannot take W1's batch: the core counts a 65,536-row push's scratch
-(2 x the rows' state, 64 MiB) and the disk index (16-byte slots in a power-of-two
-table: 256 MiB for 7.1M rows on disk) in the budget, and
-refuses the request (LimitExceeded, reported); use --batch-size to go smaller.
+A budget below ~128 MiB cannot take W1's batch: the core counts a 65,536-row push's rows,
+its scratch (each row's state saved or computed aside) and its records in transit, and the
+disk index (16-byte slots in a power-of-two table: 256 MiB for 8.4M rows on disk) in the
+budget, and refuses the request (LimitExceeded, reported); use --batch-size to go smaller.
 
 Writes benchmarks/results/tiered.json.
 """
