@@ -22,7 +22,6 @@ from typing import Callable
 
 from kvsparse import errors
 
-
 # Files of a disk tier (csrc/segment_store.h): the writer reads a tiered table's rows on
 # disk through the descriptors it inherited.
 _SEGMENT_FILE = re.compile(r"/segment-\d+\.kvs$")
