@@ -441,12 +441,13 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
              grown(static_cast<int64_t>(push_saved_state_.bytes() / 4),
                    existing * RowStateFloats()) +
              grown(static_cast<int64_t>(push_saved_meta_.bytes() / 4), existing * 4));
-    // The disk index doubles when 80% full: room for that is kept ahead.
+    // The disk index doubles when 80% full, the old array alive until the new
+    // one is filled: room for the new one (twice the old) is kept ahead.
     int64_t disk_index = 0;
     if (tier_->store != nullptr) {
       const RowStoreStats disk = tier_->store->Stats();
       const int64_t entries = disk.index_bytes / 16;
-      if ((disk.live_records + incoming) * 5 > entries * 4) disk_index = disk.index_bytes;
+      if ((disk.live_records + incoming) * 5 > entries * 4) disk_index = 2 * disk.index_bytes;
     }
     // The records of the rows moving between tiers pass through a buffer of
     // the request (those moving out, then those it brings back). Freed at
