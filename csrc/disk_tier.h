@@ -23,10 +23,13 @@
 #include <malloc.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace kvsparse {
 
@@ -48,10 +51,34 @@ class MemoryBudget {
   }
   void Forget(const void* owner) {
     std::lock_guard<std::mutex> lock(mutex_);
+    releasers_.erase(owner);
     auto it = held_.find(owner);
     if (it == held_.end()) return;
     used_ -= it->second;
     held_.erase(it);
+  }
+  // A member that can give memory back: release(bytes) frees what it can (its
+  // cold rows to disk) and returns the bytes freed. Called with the shard's
+  // lock held, by another member that needs room.
+  void Join(const void* owner, std::function<int64_t(int64_t)> release) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    releasers_[owner] = std::move(release);
+  }
+  // Asks every member but owner, in turn, to free bytes; returns what they freed.
+  int64_t ReleaseFromOthers(const void* owner, int64_t bytes) {
+    std::vector<std::function<int64_t(int64_t)>> others;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const auto& entry : releasers_) {
+        if (entry.first != owner) others.push_back(entry.second);
+      }
+    }
+    int64_t freed = 0;
+    for (auto& release : others) {
+      if (freed >= bytes) break;
+      freed += release(bytes - freed);
+    }
+    return freed;
   }
   int64_t Used() const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -68,6 +95,7 @@ class MemoryBudget {
   const int64_t limit_;
   mutable std::mutex mutex_;
   std::unordered_map<const void*, int64_t> held_;
+  std::unordered_map<const void*, std::function<int64_t(int64_t)>> releasers_;
   int64_t used_ = 0;
 };
 
@@ -78,6 +106,11 @@ struct TierConfig {
   // created it). Empty: no disk tier, the budget only refuses.
   std::string spill_dir;
   std::string name;  // the table's name, for messages
+  // A table read from several threads at once (a serving replica's): lookups
+  // read disk rows through instead of bringing them back (a lookup then
+  // changes nothing), and the table gives no memory to the shard's other
+  // tables (they may run beside its lookups).
+  bool concurrent_lookups = false;
   int64_t read_threads = 16;
   int64_t segment_bytes = 64 << 20;
 };

@@ -230,6 +230,17 @@ Status EmbeddingTable::SetLearningRate(double learning_rate) {
 }
 
 Status EmbeddingTable::Assign(const int64_t* keys, int64_t n, const float* values) {
+  // A tiered table takes a batch larger than its budget could hold at once
+  // (a serving replica's load) piece by piece, in order (the last of a
+  // duplicated id still wins); a disk error then leaves the pieces before it.
+  const int64_t piece = TierBatchRows();
+  if (n > piece) {
+    for (int64_t begin = 0; begin < n; begin += piece) {
+      Status s = Assign(keys + begin, std::min(piece, n - begin), values + begin * config_.dim);
+      if (!s.ok()) return s;
+    }
+    return Status::Ok();
+  }
   Status s = PrepareRows(keys, n, /*insert=*/true);
   if (!s.ok()) return s;
   s = AssignInMemory(keys, n, values);

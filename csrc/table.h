@@ -368,6 +368,9 @@ class EmbeddingTable {
   // Moves rows to disk and gives memory back until the shard is within its
   // budget (after SetOptimizer made every row wider).
   void ShrinkToBudget();
+  // Frees about bytes (push scratch, then cold rows to disk and the row
+  // arrays shrunk); returns what it freed. Another table of the shard asks.
+  int64_t ReleaseMemory(int64_t bytes);
   // After an operation: reports the table's bytes and shrinks back within the
   // budget where the operation's bookkeeping (the disk index, free lists)
   // took it past.
@@ -375,7 +378,7 @@ class EmbeddingTable {
   // Frees the push scratch (not while a push is begun); whether it held any.
   bool ReleaseScratch();
   // Rows per piece when a tiered table writes a large batch piece by piece
-  // (WriteState: a checkpoint's block can be larger than the budget).
+  // (WriteState, Assign: a checkpoint's block can be larger than the budget).
   int64_t TierBatchRows() const;
   // Brings keys' disk rows into memory after making room for them and, with
   // insert, for the keys stored nowhere. Changes no row's state.

@@ -127,7 +127,7 @@ void EmbeddingTable::LookupRangeFor(const int64_t* keys, int64_t n, float* out,
 
 Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const {
   bool promoted = false;
-  if (tier_ != nullptr && DiskRowCount() > 0) {
+  if (tier_ != nullptr && !tier_->config.concurrent_lookups && DiskRowCount() > 0) {
     // A pull of rows on disk brings them back into memory, so that the push
     // that usually follows finds them there (a row is read from disk once,
     // not once per pull and again per push). Lookup is const to its callers:

@@ -59,6 +59,7 @@ namespace {
 constexpr int64_t kMetaBytes = 16;   // step, stamp, touches, last step
 constexpr int64_t kScanBatch = 4096;  // records per scan call of the checkpoint scans
 constexpr int64_t kSamplesPerVictim = 8;
+constexpr int64_t kEvictPieceBytes = 16 << 20;  // records per write when rows move out
 // The disk index costs about this much RAM per row moved to disk (16-byte
 // entries at a load of 0.4 to 0.8).
 constexpr int64_t kDiskIndexBytesPerRow = 24;
@@ -159,6 +160,9 @@ Status EmbeddingTable::EnableTier(const TierConfig& config) {
   tier->owner = ::getpid();
   tier->stats.memory_budget = config.budget->limit();
   tier_ = std::move(tier);
+  if (!config.concurrent_lookups) {
+    tier_->config.budget->Join(this, [this](int64_t bytes) { return ReleaseMemory(bytes); });
+  }
   // A table whose policy bounds it (max_rows, ttl_steps) keeps its rows in
   // memory: its policy is its limit, and it counts against the budget.
   const bool bounded = config_.policy.max_rows > 0 || config_.policy.ttl_steps > 0;
@@ -344,22 +348,28 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
       keys[i] = candidates[i].key;
       rows[i] = index_.Find(keys[i]);
     }
-    // A buffer of this call only: kept, it would hold the largest eviction's
-    // records outside the budget.
-    std::vector<uint8_t> records(static_cast<size_t>(count * tier_->record_bytes));
-    for (int64_t i = 0; i < count; ++i) {
-      EncodeRow(rows[i], records.data() + i * tier_->record_bytes);
-    }
     free_rows_.reserve(free_rows_.size() + static_cast<size_t>(count));
-    // The rows stay in memory until the disk took them all (kDiskFull: nothing moved).
-    Status s = tier_->store->WriteBatch(keys.data(), count, records.data());
-    if (!s.ok()) return s;
-    for (int64_t i = 0; i < count; ++i) {
-      uint32_t row;
-      if (index_.Erase(keys[i], &row)) free_rows_.push_back(row);
+    // In pieces of at most kEvictPieceBytes of records: one write of a
+    // million rows (a shard shrinking for its disk index) held two copies
+    // of them, 2 GB, outside the budget. A buffer of this call only.
+    const int64_t piece = std::max<int64_t>(1, kEvictPieceBytes / tier_->record_bytes);
+    std::vector<uint8_t> records(static_cast<size_t>(std::min(count, piece) * tier_->record_bytes));
+    for (int64_t begin = 0; begin < count; begin += piece) {
+      const int64_t m = std::min(piece, count - begin);
+      for (int64_t i = 0; i < m; ++i) {
+        EncodeRow(rows[begin + i], records.data() + i * tier_->record_bytes);
+      }
+      // A piece's rows stay in memory until the disk took them all (kDiskFull:
+      // the pieces before it moved, which changes no result).
+      Status s = tier_->store->WriteBatch(keys.data() + begin, m, records.data());
+      if (!s.ok()) return s;
+      for (int64_t i = begin; i < begin + m; ++i) {
+        uint32_t row;
+        if (index_.Erase(keys[i], &row)) free_rows_.push_back(row);
+      }
+      tier_->disk_rows += m;
+      tier_->stats.evictions += m;
     }
-    tier_->disk_rows += count;
-    tier_->stats.evictions += count;
   } catch (const std::bad_alloc&) {
     return Status(StatusCode::kOutOfMemory, "out of memory moving rows to disk (nothing moved)");
   }
@@ -424,7 +434,6 @@ void EmbeddingTable::CompactRows() {
 Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& keep,
                                 int64_t resident_kept, int64_t fresh) {
   const int64_t limit = tier_->config.budget->limit();
-  const int64_t others = tier_->config.budget->UsedByOthers(this);
   const int64_t per_row = BytesPerRow();
   for (int round = 0; round < 5; ++round) {
     const int64_t free_now = static_cast<int64_t>(free_rows_.size()) +
@@ -457,9 +466,14 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
     const int64_t growth =
         (new_rows > 0 ? RowGrowthBytes(next_row_ + new_rows - 1) : 0) +
         index_.GrowthBytes(index_.size() + incoming) + scratch + disk_index + transit;
-    const int64_t held = others + TierBytes();
+    const int64_t held = tier_->config.budget->UsedByOthers(this) + TierBytes();
     if (held + growth <= limit) return Status::Ok();
     if (round == 0 && ReleaseScratch()) continue;
+    // The shard's other tables give back what they can first (a serving
+    // replica's two copies, several tables of one server).
+    if (round == 0 && tier_->config.budget->ReleaseFromOthers(this, held + growth - limit) > 0) {
+      continue;
+    }
     if (tier_->store == nullptr) return LimitStatus(incoming, held + growth);
     const int64_t movable = index_.size() - resident_kept;
     int64_t evict;
@@ -470,8 +484,14 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
       evict = incoming - free_now;
     } else {
       // Over without growing (the disk index or the scratch grew): rows out,
-      // and their chunks back to the system.
+      // and their chunks back to the system; if moving them out makes the
+      // disk index double, room for its two arrays too.
       evict = (held + growth - limit) / per_row + 1;
+      const RowStoreStats disk = tier_->store->Stats();
+      if ((disk.live_records + incoming + evict) * 5 > disk.index_bytes / 16 * 4 &&
+          disk_index == 0) {
+        evict += 2 * disk.index_bytes / per_row;
+      }
       compact = true;
     }
     evict = std::min(evict, movable);
@@ -489,28 +509,35 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
 void EmbeddingTable::ShrinkToBudget() {
   if (tier_ == nullptr || tier_->store == nullptr || pending_push_ != nullptr) return;
   const int64_t limit = tier_->config.budget->limit();
-  if (tier_->config.budget->UsedByOthers(this) + TierBytes() <= limit) return;
-  if (ReleaseScratch()) ReportMemory();
-  const int64_t held = tier_->config.budget->UsedByOthers(this) + TierBytes();
-  if (held <= limit) return;
-  // Memory comes back only when the row arrays shrink (CompactRows): to the
-  // largest capacity they can shrink to that ends the excess.
-  const int64_t chunk = int64_t{1} << RowsPerChunkLog2(config_.dim);
-  const int64_t backed = std::min(BackedRows(), std::max<int64_t>(next_row_, 1));
-  const int64_t per_row = std::max<int64_t>(1, BytesPerRow() - 18);
-  const int64_t want = backed - ((held - limit) + per_row - 1) / per_row;
-  int64_t capacity;
-  if (want >= chunk) {
-    capacity = want / chunk * chunk;
-  } else {
-    capacity = ChunkedRows<float>::kFirstChunkRows;
-    while (capacity * 2 <= want) capacity *= 2;
+  const int64_t excess = tier_->config.budget->UsedByOthers(this) + TierBytes() - limit;
+  if (excess > 0) ReleaseMemory(excess);
+}
+
+int64_t EmbeddingTable::ReleaseMemory(int64_t bytes) {
+  if (tier_ == nullptr || pending_push_ != nullptr || bytes <= 0) return 0;
+  const int64_t before = TierBytes();
+  ReleaseScratch();
+  int64_t wanted = bytes - (before - TierBytes());
+  if (wanted > 0 && tier_->store != nullptr && index_.size() > 0) {
+    // Memory comes back only when the row arrays shrink (CompactRows): to the
+    // largest capacity they can shrink to that frees what is wanted.
+    const int64_t chunk = int64_t{1} << RowsPerChunkLog2(config_.dim);
+    const int64_t backed = std::min(BackedRows(), std::max<int64_t>(next_row_, 1));
+    const int64_t per_row = std::max<int64_t>(1, BytesPerRow() - 18);
+    const int64_t want = backed - (wanted + per_row - 1) / per_row;
+    int64_t capacity;
+    if (want >= chunk) {
+      capacity = want / chunk * chunk;
+    } else {
+      capacity = ChunkedRows<float>::kFirstChunkRows;
+      while (capacity * 2 <= want) capacity *= 2;
+    }
+    const int64_t evict = index_.size() - capacity;
+    const std::vector<int64_t> keep;
+    if (evict <= 0 || EvictRows(evict, keep).ok()) CompactRows();
   }
-  const int64_t evict = index_.size() - capacity;
-  const std::vector<int64_t> keep;
-  if (evict > 0 && !EvictRows(evict, keep).ok()) return;
-  CompactRows();
   ReportMemory();
+  return std::max<int64_t>(0, before - TierBytes());
 }
 
 bool EmbeddingTable::ReleaseScratch() {

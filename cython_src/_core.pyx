@@ -280,6 +280,9 @@ cdef class Table:
             not fit (emptied now, removed with the table); None: an insert past the
             budget raises LimitExceeded.
         name: the table's name, for messages.
+        concurrent_lookups: lookups may run on several threads at once (a serving
+            replica): they read disk rows through instead of bringing them back into
+            memory, and the table gives no memory to the budget's other tables.
 
     Raises:
         kvsparse.errors.InvalidArgument: a bad dim, initializer, optimizer or dtype.
@@ -309,7 +312,8 @@ cdef class Table:
 
     def __cinit__(self, int64_t dim, dict initializer=None, optimizer=None, uint64_t seed=0,
                   dict policy=None, str dtype="float32", slot_dtype=None,
-                  MemoryBudget budget=None, spill_dir=None, str name=""):
+                  MemoryBudget budget=None, spill_dir=None, str name="",
+                  bint concurrent_lookups=False):
         cdef TableConfig c_config
         cdef TierConfig c_tier
         if dim < 1 or dim > kMaxDim:
@@ -331,6 +335,7 @@ cdef class Table:
             c_tier.budget = budget.c_budget
             c_tier.spill_dir = os.fsencode(spill_dir) if spill_dir is not None else b""
             c_tier.name = name.encode()
+            c_tier.concurrent_lookups = concurrent_lookups
             _check(self.c_table.get().EnableTier(c_tier))
 
     def tier_stats(self):

@@ -56,6 +56,7 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         shared_ptr[MemoryBudget] budget
         string spill_dir
         string name
+        bint concurrent_lookups
 
     cdef cppclass TierStats:
         int64_t memory_budget

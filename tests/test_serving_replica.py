@@ -635,3 +635,29 @@ def test_launch_save_every_feeds_a_following_replica(tmp_path, replicas):
     # --keep 2: chains of at most 1 full + 2 deltas, and only the last two chains kept.
     assert kinds.count("full") <= 2 and kinds[0] == "full", kinds
     assert "delta, delta, delta" not in ", ".join(kinds), kinds
+
+
+def test_a_replica_serves_a_table_larger_than_its_memory_budget(tmp_path, replicas):
+    """`kvsparse serve --memory-budget --spill-dir`: a table 10x the budget is served
+    exactly, its cold rows read back from the replica's disk tier."""
+    kv = kvsparse.create("local")
+    dim = 256  # 1 KiB a row: 20,000 rows are 20 MiB against a 2 MiB budget
+    kv.init("user", kvsparse.SparseTable(dim=dim, initializer=initializers.Normal(0.1), seed=3))
+    ids = np.arange(20_000, dtype=np.int64) * 7919
+    rng = np.random.default_rng(4)
+    for start in range(0, ids.size, 2000):
+        part = ids[start : start + 2000]
+        kv.push("user", (part, rng.normal(size=(part.size, dim)).astype(np.float32)))
+    kv.save(tmp_path / "ckpt")
+    spill = tmp_path / "spill"
+    replica = replicas(
+        tmp_path / "ckpt", "--memory-budget", "2MiB", "--spill-dir", str(spill), http=False
+    )
+    assert any(spill.rglob("segment-*.kvs")), "the replica's rows did not spill"
+    with Client([replica.address]) as client:
+        for start in range(0, ids.size, 500):
+            part = ids[start : start + 500]
+            np.testing.assert_array_equal(
+                client.lookup("user", part), kv.row_sparse_pull("user", row_ids=part)
+            )
+    kv.close()

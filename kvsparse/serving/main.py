@@ -91,9 +91,9 @@ def parser() -> argparse.ArgumentParser:
     )
     cluster_config.SETTINGS["memory_budget"].add_argument(
         p,
-        "memory the served tables may hold, e.g. 8GiB; both copies of a table (the one "
-        "served and the one a new checkpoint is applied to) count (KVSPARSE_MEMORY_BUDGET; "
-        "default: none)",
+        "memory the served tables may hold, e.g. 8GiB; each of the two copies of the "
+        "tables (the one served and the one a new checkpoint is applied to) gets half "
+        "(KVSPARSE_MEMORY_BUDGET; default: none)",
     )
     p.add_argument(
         "--spill-dir",

@@ -136,7 +136,7 @@ class Side:
         self.tables: dict[str, _core.Table] = {}
         self.infos: dict[str, TableInfo] = {}
         self.version: dict | None = None
-        self.tier = tier  # the replica's memory budget and spill root, shared by both copies
+        self.tier = tier  # this copy's memory budget and spill root (half the replica's)
 
     def lookup(self, name: str, keys: np.ndarray, default: str) -> np.ndarray:
         """Rows (keys.size, dim) float32 of keys (int64, 1-D contiguous) in table name."""
@@ -173,7 +173,8 @@ class Side:
 
 def _new_table(info: TableInfo, tier: ShardTier | None = None) -> _core.Table:
     # Zeros initializer, no optimizer: an id not stored reads as all zeros, marker included.
-    tiered = {} if tier is None else tier.table_options(info.name)
+    # Lookups run on several threads at once: rows on disk are read through, not moved.
+    tiered = {} if tier is None else {**tier.table_options(info.name), "concurrent_lookups": True}
     return _core.Table(info.dim + 1, {"kind": "zeros"}, None, 0, **tiered)
 
 
@@ -255,11 +256,19 @@ class Update:
         side.version = dict(self.version, applied=time.time())
 
 
+def _half(tier: ShardTier | None) -> ShardTier | None:
+    """A ShardTier with half of tier's budget and its spill directory (None: None)."""
+    if tier is None:
+        return None
+    return ShardTier(max(1, tier.memory_budget // 2), tier.spill_dir)
+
+
 class ServingState:
     """The served tables (two copies, see the module docstring) and their version.
 
     tier: a `kvsparse.shard.tier.ShardTier` (``kvsparse serve --memory-budget``):
-    both copies' tables count against its budget and spill under its root.
+    each copy gets half its budget (a `ShardTier` of its own under the same spill
+    directory: the copy being updated cannot take memory from the one being read).
     None: no budget.
 
     Threads: `lookup`, `version` and `describe` from any number of threads at
@@ -268,7 +277,7 @@ class ServingState:
 
     def __init__(self, tier: ShardTier | None = None):
         self.tier = tier
-        self._sides = [Side(tier), Side(tier)]
+        self._sides = [Side(_half(tier)), Side(_half(tier))]
         self._active = 0
         self._readers = [0, 0]
         self._changed = threading.Condition()
