@@ -343,11 +343,7 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
                      [](const Candidate& a, const Candidate& b) { return a.score < b.score; });
     candidates.resize(static_cast<size_t>(count));
     std::vector<int64_t> keys(static_cast<size_t>(count));
-    std::vector<int64_t> rows(static_cast<size_t>(count));
-    for (int64_t i = 0; i < count; ++i) {
-      keys[i] = candidates[i].key;
-      rows[i] = index_.Find(keys[i]);
-    }
+    for (int64_t i = 0; i < count; ++i) keys[i] = candidates[i].key;
     free_rows_.reserve(free_rows_.size() + static_cast<size_t>(count));
     // In pieces of at most kEvictPieceBytes of records: one write of a
     // million rows (a shard shrinking for its disk index) held two copies
@@ -357,7 +353,8 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
     for (int64_t begin = 0; begin < count; begin += piece) {
       const int64_t m = std::min(piece, count - begin);
       for (int64_t i = 0; i < m; ++i) {
-        EncodeRow(rows[begin + i], records.data() + i * tier_->record_bytes);
+        // Found again per piece: CompactRows between pieces moves rows.
+        EncodeRow(index_.Find(keys[begin + i]), records.data() + i * tier_->record_bytes);
       }
       // A piece's rows stay in memory until the disk took them all (kDiskFull:
       // the pieces before it moved, which changes no result).
@@ -369,6 +366,8 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
       }
       tier_->disk_rows += m;
       tier_->stats.evictions += m;
+      // A large move gives memory back as it goes, not only at its end.
+      if (count > 4 * piece) CompactRows();
     }
   } catch (const std::bad_alloc&) {
     return Status(StatusCode::kOutOfMemory, "out of memory moving rows to disk (nothing moved)");
@@ -456,7 +455,12 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
     if (tier_->store != nullptr) {
       const RowStoreStats disk = tier_->store->Stats();
       const int64_t entries = disk.index_bytes / 16;
-      if ((disk.live_records + incoming) * 5 > entries * 4) disk_index = 2 * disk.index_bytes;
+      // Counted from when every row in memory moving out would make it double:
+      // rows moving out to make room for it would otherwise make it double
+      // before their memory is given back (a 90M-row fill was OOM-killed so).
+      if ((disk.live_records + index_.size() + incoming) * 5 > entries * 4) {
+        disk_index = 2 * disk.index_bytes;
+      }
     }
     // The records of the rows moving between tiers pass through a buffer of
     // the request (those moving out, then those it brings back). Freed at
@@ -492,6 +496,7 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
           disk_index == 0) {
         evict += 2 * disk.index_bytes / per_row;
       }
+      evict = std::max<int64_t>(evict, 0);
       compact = true;
     }
     evict = std::min(evict, movable);

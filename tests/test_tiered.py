@@ -1314,3 +1314,34 @@ def test_a_killed_tiered_server_loses_nothing_a_checkpoint_covered(tmp_path):
     assert (values[:covered] == 1).all(), np.flatnonzero(values[:covered] != 1)
     later = (kill_at + every + 2) * 2 * width
     assert (values[later:] == 1).all(), np.flatnonzero(values[later:] != 1)
+
+
+def test_a_large_move_to_disk_goes_in_pieces_and_stays_exact(tmp_path):
+    """set_optimizer widening 1.55M narrow rows past the budget moves ~600k rows out at
+    once: in 16 MiB pieces with the row arrays compacted between them (rows change slots
+    mid-move), and every row, slot and step still equals the all-RAM table's."""
+    adagrad = {"kind": "adagrad", "learning_rate": 0.1}
+    rmsprop = {"kind": "rmsprop", "learning_rate": 0.01, "centered": True, "momentum": 0.5}
+    tiered, budget, in_ram = make_pair(tmp_path, 8, adagrad, 150 * MiB)
+    rng = np.random.default_rng(1)
+    n = 1_550_000
+
+    def push_all():
+        for start in range(0, n, 65536):
+            keys = np.arange(start, min(n, start + 65536), dtype=np.int64)
+            grads = rng.standard_normal((keys.size, 8)).astype(np.float32)
+            assert tiered.apply_gradients(keys, grads) == in_ram.apply_gradients(keys, grads)
+
+    push_all()
+    assert tiered.tier_stats()["rows_on_disk"] == 0
+    tiered.set_optimizer(rmsprop)
+    in_ram.set_optimizer(rmsprop)
+    stats = tiered.tier_stats()
+    assert stats["rows_on_disk"] > 400_000 and stats["compactions"] > 2, stats
+    push_all()
+    keys = np.arange(n, dtype=np.int64)
+    for start in range(0, n, 200_000):
+        part = keys[start : start + 200_000]
+        for got, want in zip(tiered.read_state(part), in_ram.read_state(part)):
+            np.testing.assert_array_equal(got, want)
+    assert budget.used() <= budget.limit
