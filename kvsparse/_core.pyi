@@ -14,6 +14,13 @@ INITIALIZER_VERSION: int
 Int64Array = npt.NDArray[np.int64]
 Float32Array = npt.NDArray[np.float32]
 
+class MemoryBudget:
+    def __init__(self, limit: int) -> None: ...
+    @property
+    def limit(self) -> int: ...
+    def used(self) -> int: ...
+    def set_other_bytes(self, nbytes: int) -> None: ...
+
 class Table:
     def __init__(
         self,
@@ -24,7 +31,12 @@ class Table:
         policy: dict[str, Any] | None = ...,
         dtype: str = ...,
         slot_dtype: str | None = ...,
+        budget: MemoryBudget | None = ...,
+        spill_dir: str | os.PathLike[str] | None = ...,
+        name: str = ...,
+        concurrent_lookups: bool = ...,
     ) -> None: ...
+    def tier_stats(self) -> dict[str, int]: ...
     @property
     def dim(self) -> int: ...
     @property
