@@ -616,8 +616,9 @@ Status SegmentStore::Append(std::vector<Pending>* pending) {
         Segment& full = segments_[active_];
         if (options_.durable && ::fdatasync(full.fd) != 0) {
           const int error = errno;
+          const std::string path = full.path;  // undo() may erase the segment
           undo();
-          return IoError("syncing", full.path, error);
+          return IoError("syncing", path, error);
         }
         full.sealed = true;
       }
@@ -652,8 +653,9 @@ Status SegmentStore::Append(std::vector<Pending>* pending) {
     const int error = WriteAll(segment.fd, scratch.data(), m * slot_bytes_,
                                kFileHeaderBytes + active_slots * slot_bytes_);
     if (error != 0) {
+      const std::string path = segment.path;  // undo() may erase the segment
       undo();
-      return IoError("writing", segment.path, error);
+      return IoError("writing", path, error);
     }
     written[active_] += m;
     active_slots += m;

@@ -55,8 +55,10 @@ Status EmbeddingTable::ReadState(const int64_t* keys, int64_t n, float* values, 
     if (disk_steps[j] < 0) return NotStored(disk_keys[j]);
     const int64_t i = missing[j];
     std::memcpy(values + i * dim, disk_values.data() + j * dim, sizeof(float) * dim);
-    std::memcpy(slots + i * slot_floats, disk_slots.data() + j * slot_floats,
-                sizeof(float) * slot_floats);
+    if (slot_floats > 0) {
+      std::memcpy(slots + i * slot_floats, disk_slots.data() + j * slot_floats,
+                  sizeof(float) * slot_floats);
+    }
     steps[i] = disk_steps[j];
   }
   return Status::Ok();

@@ -694,7 +694,9 @@ Status EmbeddingTable::ReadStateFromDisk(const int64_t* keys, int64_t n, float* 
     const uint8_t* record = records.data() + j * tier_->record_bytes;
     if (values != nullptr) {
       std::memcpy(values + i * dim, record, sizeof(float) * dim);
-      std::memcpy(slots + i * slot_floats, record + 4 * dim, sizeof(float) * slot_floats);
+      if (slot_floats > 0) {
+        std::memcpy(slots + i * slot_floats, record + 4 * dim, sizeof(float) * slot_floats);
+      }
     }
     uint32_t meta[4];
     std::memcpy(meta, record + 4 * dim * (1 + num_slots()), sizeof(meta));
