@@ -280,3 +280,45 @@ def policy_of(spec: dict) -> dict | None:
         "eviction": values["eviction"],
         "evict_every": evict_every,
     }
+
+
+# The counters of `_core.Table.tier_stats()`, summed over shards by `kv.stats()`.
+TIER_COUNTERS = (
+    "memory_budget",
+    "rows_in_memory",
+    "rows_on_disk",
+    "memory_bytes",
+    "disk_bytes",
+    "disk_index_bytes",
+    "rows_read",
+    "row_lookups",
+    "disk_hits",
+    "evictions",
+    "bytes_read",
+    "bytes_written",
+    "bytes_updated",
+    "gc_segments_freed",
+    "gc_bytes_moved",
+    "compactions",
+)
+
+
+def tier_stats(counters: dict) -> dict:
+    """A table's tier counters (`TIER_COUNTERS`) with the two ratios computed from them.
+
+    hit_rate: the share of looked-up or pushed stored ids found in memory,
+    ``1 - disk_hits / row_lookups`` (1.0 before any lookup); write_amplification:
+    ``bytes_written / bytes_updated``, bytes the disk tier wrote (evictions and
+    GC moves) per byte of rows updated (0.0 before any update). Also what
+    `kv.stats()` recomputes from counters summed over shards. Thread-safe.
+
+    Example:
+        >>> tier_stats({"row_lookups": 10, "disk_hits": 1, "bytes_written": 30,
+        ...             "bytes_updated": 20})["hit_rate"]
+        0.9
+    """
+    found = {name: int(counters.get(name, 0)) for name in TIER_COUNTERS}
+    lookups, updated = found["row_lookups"], found["bytes_updated"]
+    found["hit_rate"] = 1.0 - found["disk_hits"] / lookups if lookups else 1.0
+    found["write_amplification"] = found["bytes_written"] / updated if updated else 0.0
+    return found

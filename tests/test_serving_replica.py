@@ -638,12 +638,14 @@ def test_launch_save_every_feeds_a_following_replica(tmp_path, replicas):
 
 
 def test_a_replica_serves_a_table_larger_than_its_memory_budget(tmp_path, replicas):
-    """`kvsparse serve --memory-budget --spill-dir`: a table 10x the budget is served
+    """`kvsparse serve --memory-budget --spill-dir`: a table 5x the budget is served
     exactly, its cold rows read back from the replica's disk tier."""
     kv = kvsparse.create("local")
-    dim = 256  # 1 KiB a row: 20,000 rows are 20 MiB against a 2 MiB budget
+    # 1 KiB a row: 40,000 rows are 40 MiB against 8 MiB (4 MiB for each of the replica's
+    # two copies, the room for their disk index's next doubling included).
+    dim = 256
     kv.init("user", kvsparse.SparseTable(dim=dim, initializer=initializers.Normal(0.1), seed=3))
-    ids = np.arange(20_000, dtype=np.int64) * 7919
+    ids = np.arange(40_000, dtype=np.int64) * 7919
     rng = np.random.default_rng(4)
     for start in range(0, ids.size, 2000):
         part = ids[start : start + 2000]
@@ -651,7 +653,7 @@ def test_a_replica_serves_a_table_larger_than_its_memory_budget(tmp_path, replic
     kv.save(tmp_path / "ckpt")
     spill = tmp_path / "spill"
     replica = replicas(
-        tmp_path / "ckpt", "--memory-budget", "2MiB", "--spill-dir", str(spill), http=False
+        tmp_path / "ckpt", "--memory-budget", "8MiB", "--spill-dir", str(spill), http=False
     )
     assert any(spill.rglob("segment-*.kvs")), "the replica's rows did not spill"
     with Client([replica.address]) as client:

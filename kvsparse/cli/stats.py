@@ -47,7 +47,7 @@ import zmq
 
 from kvsparse import config, errors, extras
 from kvsparse.client.session import NoAnswer, Session
-from kvsparse.shard.state import TIER_COUNTERS, tier_stats
+from kvsparse.table import TIER_COUNTERS, tier_stats
 from kvsparse.wire import ops
 
 

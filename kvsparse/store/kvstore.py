@@ -48,12 +48,11 @@ from kvsparse.arrays import (
     per_key,
     table_dtype,
 )
-from kvsparse.shard.state import TIER_COUNTERS, tier_stats
 from kvsparse.store import batching
 from kvsparse.store.backend import Backend
 from kvsparse.store.keys import KeyInfo, KeyRegistry
 from kvsparse.store.plans import PlanCache
-from kvsparse.table import SparseTable, check_wire_dtype
+from kvsparse.table import TIER_COUNTERS, SparseTable, check_wire_dtype, tier_stats
 
 # Admission/eviction counters of sparse tables, summed over shards by stats().
 _POLICY_COUNTERS = (
