@@ -139,7 +139,6 @@ Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const 
     Status s = self->PrepareRows(keys, n, /*insert=*/false);
     if (s.code() == StatusCode::kCorruption) return s;
     promoted = s.ok();
-    if (promoted) self->SettleBudget();
   }
   // Which keys missed, to keep their generated rows for the push that
   // usually follows; without room for the flags, the lookup just keeps none.
@@ -167,7 +166,12 @@ Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const 
       }
     }
   }
-  return tier_ != nullptr && !promoted ? LookupDisk(keys, n, out) : Status::Ok();
+  if (promoted) {
+    // Only now: settling may move rows out again, those of this pull too.
+    const_cast<EmbeddingTable*>(this)->SettleBudget();
+    return Status::Ok();
+  }
+  return tier_ != nullptr ? LookupDisk(keys, n, out) : Status::Ok();
 }
 
 void EmbeddingTable::FillInitialRowsCached(const int64_t* keys, int64_t n,
