@@ -13,16 +13,8 @@ CRC32C_HARDWARE = bool(Crc32cHardware())
 
 
 cdef int _check_storage(const Status& c_status) except -1:
-    """Raises the kvsparse.errors class of a failed storage-engine Status."""
-    if c_status.ok():
-        return 0
-    code = c_status.code()
-    if code == StatusCode.kCorruption:
-        raise errors.CorruptRecord(c_status.message().decode("utf-8", "replace"))
-    if code == StatusCode.kDiskFull:
-        raise errors.DiskFull(c_status.message().decode("utf-8", "replace"))
-    if code == StatusCode.kIoError:
-        raise errors.StorageError(c_status.message().decode("utf-8", "replace"))
+    """Raises the kvsparse.errors class of a failed storage-engine Status (`_check` maps
+    the storage codes: CorruptRecord, DiskFull, StorageError)."""
     return _check(c_status)
 
 
