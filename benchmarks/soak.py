@@ -2,6 +2,7 @@
 
     python benchmarks/soak.py --minutes 3                 # 2 servers, 4 workers
     python benchmarks/soak.py --minutes 1 --servers 1 --workers 2 --output /tmp/soak.json
+    python benchmarks/soak.py stress --runs 5 --hogs 2 --pauses   # benchmarks/stress.py
 
 Starts ``--servers`` ``kvsparse server`` processes on free 127.0.0.1 ports and
 ``--workers`` worker processes (this script with ``--worker``) with the
@@ -98,6 +99,12 @@ def _rss(pid: int):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["stress"]:  # many short jobs under load and pauses (issue 32)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import stress
+
+        return stress.main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=2.0)
     parser.add_argument("--servers", type=int, default=2)

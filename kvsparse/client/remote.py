@@ -536,8 +536,13 @@ class RemoteBackend:
             self._exchange(ops.LoadOptimizerStates, requests)
 
     def barrier(self):
-        """Blocks until every worker called barrier (server 0 counts)."""
-        self._exchange(ops.Barrier, {0: ops.Barrier.encode_request()})
+        """Blocks until every worker called barrier.
+
+        Sent to every server: each counts the workers, and each must know who
+        waits at the barrier, whose pushes its BSP rounds then stop waiting for
+        (`kvsparse.server.coordination`, "Barrier as join").
+        """
+        self._everywhere(ops.Barrier)
 
     def evict(self):
         """TTL eviction now on every server: [{table name: rows evicted} per server]."""

@@ -4,6 +4,8 @@
 - `SspGate`: the workers' clocks; holds a pull that is too far ahead (SSP).
 - `BspRounds`: holds each table's pushes until every worker pushed, then applies their sum.
 - `Barrier`: answers BARRIER once every worker sent one.
+- A rank waiting at the barrier has no more pushes for the rounds open then:
+  `Coordination.arrive_at_barrier` excuses it from them (see "Barrier as join").
 - `OptimizerEpochs`: another rank's n-th SET_OPTIMIZER waits for rank 0's n-th.
 - `DenseInitWaiters`: a FLAG_DECLARE INIT_DENSE waits for rank 0's values.
 
@@ -13,6 +15,17 @@ all closed (`kvsparse.server.liveness`); each class then fails, with
 it (``fail_waiting_for``), and `Coordination.fail_stuck` does the same for a
 request held later, so nothing waits for a worker that is gone. A rank that
 says anything again is back (`Coordination.rank_back`).
+
+Barrier as join: a worker at a barrier sends nothing else until every
+worker got there, so a BSP round or an SSP pull that waits for it could
+only wait for ever, and the barrier with it (a worker that made one push
+more than the others, say: a loop that runs for a fixed time). While ranks
+wait at the barrier, `BspRounds` applies a round that misses only them with
+the pushes it has (as if they pushed zeros: Horovod's ``hvd.join()``,
+PyTorch's ``Join`` for uneven inputs), and `SspGate` does not count their
+clocks. Every server gets every worker's BARRIER (`kvsparse.client.remote`),
+so each one knows who waits there. Nothing else changes: without a barrier
+the rounds wait for every worker as before.
 
 A held request is any object with ``finish(frames)`` and ``fail(exc)``
 (`kvsparse.server.dispatch.InFlightRequest`); these classes call one of them exactly
@@ -62,9 +75,16 @@ class Round:
         self.current: dict[int, object] = {}
         self.backlog: list[tuple[int, object]] = []
 
-    def add(self, rank: int, value, num_workers: int) -> list[list]:
-        """Adds value; returns the rounds it completed, each a list of values in rank order."""
+    def add(self, rank: int, value, num_workers: int, excused=frozenset()) -> list[list]:
+        """Adds value; returns the rounds it completed, each a list of values in rank order.
+
+        excused: ranks whose contribution is not awaited (they wait at a barrier).
+        """
         self.backlog.append((rank, value))
+        return self.complete(num_workers, excused)
+
+    def complete(self, num_workers: int, excused=frozenset()) -> list[list]:
+        """The rounds complete now that excused ranks are not awaited (see `add`)."""
         completed = []
         while True:
             waiting, self.backlog = self.backlog, []
@@ -73,10 +93,17 @@ class Round:
                     self.backlog.append((entry_rank, entry))
                 else:
                     self.current[entry_rank] = entry
-            if len(self.current) < num_workers:
+            if not self.current or self._missing_count(num_workers, excused):
                 return completed
             completed.append([self.current[r] for r in sorted(self.current)])
             self.current = {}
+
+    def _missing_count(self, num_workers: int, excused) -> int:
+        if not excused:
+            return max(0, num_workers - len(self.current))
+        return sum(
+            1 for rank in range(num_workers) if rank not in self.current and rank not in excused
+        )
 
     def missing(self, ranks) -> list:
         """The ranks among ranks that this (non-empty) round still waits for."""
@@ -181,6 +208,7 @@ class SspGate:
         self._staleness: int | None = None  # None: not SSP, never blocks
         self._held: list[tuple[int, object]] = []
         self._changed = False
+        self._excused: frozenset = frozenset()  # ranks at a barrier: their clocks not awaited
 
     def start(self, num_workers: int, staleness: int | None) -> None:
         """Sets the number of workers (clocks at 0) and the staleness bound (None: no gate)."""
@@ -208,8 +236,18 @@ class SspGate:
         return list(self._clocks)
 
     def blocked(self, clock: int) -> bool:
-        """True if a pull at clock must wait for a slower worker."""
-        return self._staleness is not None and min(self._clocks) < clock - self._staleness
+        """True if a pull at clock must wait for a slower worker (one not at a barrier)."""
+        if self._staleness is None:
+            return False
+        awaited = [c for r, c in enumerate(self._clocks) if r not in self._excused]
+        return bool(awaited) and min(awaited) < clock - self._staleness
+
+    def excuse(self, ranks) -> None:
+        """Ranks waiting at a barrier: pulls no longer wait for their clocks (until cleared)."""
+        ranks = frozenset(ranks)
+        if ranks != self._excused:
+            self._excused = ranks
+            self._changed = True
 
     def hold(self, clock: int, request) -> None:
         """Holds a blocked pull until release() lets it go."""
@@ -328,6 +366,7 @@ class BspRounds:
         self._restarted = restarted
         self._rounds: dict[tuple, Round] = {}
         self._settled: set = set()  # (kind, table_id) that had a full round since the restart
+        self._excused: frozenset = frozenset()  # ranks at a barrier (module docstring)
 
     def contribute(
         self, request, rank: int, clock: int, kind: PushKind, parsed: list, num_workers: int
@@ -354,18 +393,46 @@ class BspRounds:
             if recovering and self._orphaned(kind, table_id, round_, push, parts):
                 completed = []
             else:
-                completed = round_.add(rank, (push, parts), num_workers)
+                completed = round_.add(rank, (push, parts), num_workers, self._excused)
             if not round_:
                 del self._rounds[key]
             if completed and recovering:
                 self._settled.add(key)
-            for i, contributions in enumerate(completed):
-                if i == len(waves):
-                    waves.append([])
-                waves[i].append((table_id, contributions))
+            self._add_waves(waves, table_id, completed)
         for wave in waves:
             self._apply_wave(kind, wave)
         return True
+
+    @staticmethod
+    def _add_waves(waves: list, table_id: int, completed: list) -> None:
+        """waves[i] gets table_id's i-th completed round (rounds of one push go together)."""
+        for i, contributions in enumerate(completed):
+            if i == len(waves):
+                waves.append([])
+            waves[i].append((table_id, contributions))
+
+    def excuse(self, ranks, num_workers: int) -> None:
+        """Ranks waiting at a barrier: the rounds that miss only them are applied now.
+
+        Until the next call (the barrier completes: ranks empty), later
+        rounds do not wait for them either. A push of several tables has its
+        rounds applied together, as in `contribute`.
+        """
+        self._excused = frozenset(ranks)
+        if not self._excused:
+            return
+        waves = {kind: [] for kind in PushKind}
+        for key, round_ in list(self._rounds.items()):
+            kind, table_id = key
+            completed = round_.complete(num_workers, self._excused)
+            if not round_:
+                del self._rounds[key]
+            if completed and self._restarted:
+                self._settled.add(key)
+            self._add_waves(waves[kind], table_id, completed)
+        for kind, kind_waves in waves.items():
+            for wave in kind_waves:
+                self._apply_wave(kind, wave)
 
     def _orphaned(self, kind, table_id, round_: Round, push: _Push, parts) -> bool:
         """After a restart: applies alone the pushes whose round the dead server completed.
@@ -439,6 +506,10 @@ class Barrier:
         for completed in self._round.add(rank, request, num_workers):
             for other in completed:
                 other.finish([])
+
+    def ranks(self) -> set:
+        """The ranks waiting at the barrier now."""
+        return set(self._round.current)
 
     def fail_waiting_for(self, left: dict) -> int:
         """Fails the barrier if it waits for a rank in left (rank -> why); returns how many."""
@@ -609,6 +680,19 @@ class Coordination:
         self.optimizer = OptimizerEpochs()
         self.dense_init = DenseInitWaiters()
         self.left: dict[int, str] = {}  # rank -> why it is gone
+
+    def arrive_at_barrier(self, rank: int, request, num_workers: int) -> None:
+        """BARRIER from rank: held until every worker sent one; excuses the ranks waiting.
+
+        The ranks at the barrier have no more pushes for the BSP rounds open
+        now, and their clocks hold no SSP pull (module docstring, "Barrier as
+        join"). A round completed so is applied, and a pull let go is returned
+        by the next `SspGate.release`.
+        """
+        self.barrier.arrive(rank, request, num_workers)
+        waiting = self.barrier.ranks()
+        self.bsp.excuse(waiting, num_workers)
+        self.ssp.excuse(waiting)
 
     def rank_left(self, rank: int, why: str) -> int:
         """Records that rank left (why: how it was noticed); fails what waits for it.

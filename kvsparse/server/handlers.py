@@ -18,7 +18,8 @@ Ops (`kvsparse.wire.protocol.Op`) and their coordination
 - ASSIGN_SPARSE: rows written verbatim, at once (no optimizer, no BSP round).
 - PULL_SPARSE, PULL_DENSE: rows / the dense slice (held by the SSP gate when too far ahead).
 - PUSH_SPARSE, PUSH_DENSE: applied now (ASP, SSP) or once the BSP round is full.
-- BARRIER: answered when every worker sent one.
+- BARRIER: answered when every worker sent one; meanwhile the BSP rounds and SSP pulls
+  do not wait for the ranks at the barrier (`Coordination.arrive_at_barrier`).
 - GET/LOAD_OPTIMIZER_STATES, STATS, EVICT, CHECKPOINT (`kvsparse.shard.checkpoint`).
 - PING and a monitor's STATS belong to no client session (`answer_outside_session`).
 """
@@ -341,7 +342,7 @@ class Handlers:
 
     def _barrier(self, header, payload, pending):
         ops.Barrier.decode_request(header, payload)
-        self._coordination.barrier.arrive(header.rank, pending, self._job.num_workers)
+        self._coordination.arrive_at_barrier(header.rank, pending, self._job.num_workers)
         return DEFERRED
 
     def _goodbye(self, header, payload, pending):
