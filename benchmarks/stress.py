@@ -207,15 +207,22 @@ def _env() -> dict:
     return env
 
 
-def run_once(mode: str, seconds: float, hang_seconds: float, pauses: bool, rng) -> dict:
-    """One launch of mode: {"outcome": ok|hang|fail, "seconds", "pauses", "detail"}."""
+def run_once(
+    mode: str, seconds: float, hang_seconds: float, pauses: bool, rng, worker_argv=None
+) -> dict:
+    """One launch of mode: {"outcome": ok|hang|fail, "seconds", "pauses", "detail"}.
+
+    worker_argv: the workers' command instead of this script's worker (tests).
+    """
     launch_args, kind, threads, save = MODES[mode]
     with tempfile.TemporaryDirectory(prefix="kvsparse-stress-") as workdir:
         argv = [sys.executable, "-m", "kvsparse", "launch", *launch_args]
         if save:
             argv += ["--checkpoint-dir", os.path.join(workdir, "ckpt"), "--save-every", "1"]
-        argv += ["--", sys.executable, os.path.abspath(__file__), "--worker", "--kind", kind]
-        argv += ["--threads", str(threads), "--seconds", str(seconds)]
+        if worker_argv is None:
+            worker_argv = [sys.executable, os.path.abspath(__file__), "--worker", "--kind", kind]
+            worker_argv += ["--threads", str(threads), "--seconds", str(seconds)]
+        argv += ["--", *worker_argv]
         out = open(os.path.join(workdir, "out"), "w+")
         started = time.monotonic()
         launch = subprocess.Popen(
@@ -256,22 +263,27 @@ def run_once(mode: str, seconds: float, hang_seconds: float, pauses: bool, rng) 
         out.seek(0)
         text = out.read()
         out.close()
-        if outcome == "ok" and launch.returncode != 0:
-            outcome = "fail"
         if outcome == "ok":
-            lines = [
-                json.loads(line.split("] ", 1)[1])
-                for line in text.splitlines()
-                if line.startswith("[worker ") and line.split("] ", 1)[1].startswith("{")
-            ]
-            if len(lines) != 2 or any(line["failures"] for line in lines):
-                outcome = "fail"
+            outcome = parse_outcome(launch.returncode, text)
         return {
             "outcome": outcome,
             "seconds": round(elapsed, 2),
             "pauses": pauser.pauses if pauser is not None else 0,
             "detail": "" if outcome == "ok" else text[-6000:],
         }
+
+
+def parse_outcome(returncode: int, text: str) -> str:
+    """ "ok" when the launch exited 0 and both workers printed a report without failures."""
+    if returncode != 0:
+        return "fail"
+    reports = []
+    for line in text.splitlines():
+        if line.startswith("[worker ") and "] {" in line:
+            reports.append(json.loads(line.split("] ", 1)[1]))
+    if len(reports) != 2 or any(report["failures"] for report in reports):
+        return "fail"
+    return "ok"
 
 
 def _hog() -> subprocess.Popen:
