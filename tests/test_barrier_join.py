@@ -167,3 +167,58 @@ def test_coordination_barrier_excuses_only_until_it_completes():
     held = _Held()
     coordination.bsp.contribute(held, 1, 4, PushKind.SPARSE, parts, num_workers=2)
     assert held.answered is None  # no barrier now: the round waits for rank 0
+
+
+# -- a wait past its deadline says what the server waited for --------------------------------
+
+NEVER_PUSHES = r"""
+import json, time
+import numpy as np
+import kvsparse
+
+kv = kvsparse.create("dist_sparse", timeout=1)
+kv.init("t", kvsparse.SparseTable(dim=2))
+if kv.rank == 0:
+    time.sleep(14)  # connected, alive, and never pushing: rank 1's push can only time out
+    print(json.dumps("slept"))
+else:
+    try:
+        kv.push("t", (np.array([1, 2]), np.ones((2, 2), np.float32)))
+        print(json.dumps("returned"))
+    except kvsparse.errors.WaitTimeout as exc:
+        print(json.dumps(str(exc)))
+"""
+
+
+def test_a_wait_timeout_names_the_request_and_what_the_server_said_it_waits_for(
+    server_factory, tmp_path
+):
+    servers = server_factory(1)
+    outputs = run_workers(NEVER_PUSHES, servers, 2, tmp_path, timeout=60)
+    message = last_json(outputs[1])
+    assert message.startswith("PUSH_SPARSE request "), message
+    assert servers[0] in message
+    assert "the server said: a BSP round of sparse table" in message, message
+    assert "waits for the pushes of ranks [0] (it has ranks [1])" in message, message
+
+
+def test_coordination_describes_each_held_request_of_a_client():
+    class _Header:
+        def __init__(self, client_id):
+            self.client_id = client_id
+
+    coordination = Coordination(_State())
+    coordination.job.adopt(
+        dict(num_workers=3, mode="bsp", staleness=None, num_servers=1, server_index=0)
+    )
+    coordination.ssp.start(3, None)
+    push, barrier = _Held(), _Held()
+    push.header, barrier.header = _Header(11), _Header(22)
+    parts = [(7, np.array([1]), np.ones((1, 2), np.float32), True)]
+    coordination.bsp.contribute(push, 1, 3, PushKind.SPARSE, parts, num_workers=3)
+    coordination.arrive_at_barrier(2, barrier, num_workers=3)
+    assert coordination.describe(11) == (
+        "a BSP round of sparse table 7 waits for the pushes of ranks [0] (it has ranks [1])"
+    )
+    assert coordination.describe(22) == "a barrier waits for ranks [0, 1]"
+    assert coordination.describe(33) == ""

@@ -163,7 +163,7 @@ class _Call:
 
     __slots__ = (
         "requests", "gather", "waiting", "heard", "pings", "drops", "regreeted", "outcomes",
-        "poller", "failure", "sent",
+        "poller", "failure", "sent", "held",
     )  # fmt: skip
 
     def __init__(self, requests: dict, gather: bool):
@@ -179,6 +179,7 @@ class _Call:
         # The failure another thread read for this call (without gather), raised by its owner.
         self.failure: Optional[errors.KVSparseError] = None
         self.sent: dict[int, float] = {}  # server -> when the request was first sent
+        self.held: dict[int, str] = {}  # server -> what its last ping reply said it waits for
 
     def missing(self) -> bool:
         """Whether some server's reply did not come (not sent, awaited, or failed silently)."""
@@ -844,6 +845,7 @@ class Session:
                 return False  # a stray reply; a ping will tell what the server has
         if header.request_id == call.pings[server]:
             call.pings[server] = None
+            call.held[server] = ops.Ping.decode_held(payload)
             if self._lost(call, server, ops.Ping.decode_reply(header, payload)):
                 self._send(server, call.requests[server], call.waiting[server])
             return False
@@ -870,9 +872,13 @@ class Session:
         if not self.monitor and held >= HOLD_FACTOR * self.timeout:
             op = protocol.Op(call.requests[server].op)
             what = _HELD_FOR.get(op, "other workers")
+            said = call.held.get(server)
+            if said:
+                what += f" (the server said: {said})"
             raise errors.WaitTimeout(
-                f"{op.name} request to server {self.servers[server]} was held {held:.0f} s "
-                f"(the server is alive) waiting for {what}; held requests wait at most "
+                f"{op.name} request {call.waiting[server]} to server {self.servers[server]} "
+                f"was held {held:.0f} s (the server is alive) waiting for {what}; held "
+                "requests wait at most "
                 f"{HOLD_FACTOR:g} x the store's timeout ({self.timeout:g} s, "
                 "KVSPARSE_TIMEOUT or timeout=). Does every worker make the same calls?"
             )

@@ -53,6 +53,11 @@ def worker_left(left: dict, ranks: list, what: str) -> errors.WorkerLeft:
     )
 
 
+def _owned_by(request, client_id: int) -> bool:
+    header = getattr(request, "header", None)
+    return header is not None and header.client_id == client_id
+
+
 class Round:
     """One contribution per rank; complete when every rank has contributed.
 
@@ -266,6 +271,15 @@ class SspGate:
             else:
                 released.append(request)
         return released
+
+    def describe(self, client_id: int) -> list:
+        """What the pulls of client_id held here wait for, in words."""
+        return [
+            f"an SSP pull at clock {clock} (staleness {self._staleness}) waits for the "
+            f"clocks {self._clocks} to reach {clock - self._staleness}"
+            for clock, request in self._held
+            if _owned_by(request, client_id)
+        ]
 
     def fail_waiting_for(self, left: dict) -> int:
         """Fails the held pulls that wait for a rank in left (rank -> why); returns how many."""
@@ -490,6 +504,21 @@ class BspRounds:
                 failed += 1
         return failed
 
+    def describe(self, client_id: int, num_workers: int) -> list:
+        """What the pushes of client_id held here wait for, in words (table ids: `names`)."""
+        said = []
+        for (kind, table_id), round_ in self._rounds.items():
+            if not any(_owned_by(push.request, client_id) for push, _ in round_.values()):
+                continue
+            missing = [
+                r for r in range(num_workers) if r not in round_.current and r not in self._excused
+            ]
+            said.append(
+                f"a BSP round of {kind.value} table {table_id} waits for the pushes of "
+                f"ranks {missing} (it has ranks {sorted(round_.current)})"
+            )
+        return said
+
     def waiting(self) -> int:
         """The number of push requests held."""
         return len({id(v[0]) for r in self._rounds.values() for v in r.values()})
@@ -510,6 +539,13 @@ class Barrier:
     def ranks(self) -> set:
         """The ranks waiting at the barrier now."""
         return set(self._round.current)
+
+    def describe(self, client_id: int, num_workers: int) -> list:
+        """What the barrier requests of client_id wait for, in words."""
+        if not any(_owned_by(request, client_id) for request in self._round.values()):
+            return []
+        missing = [r for r in range(num_workers) if r not in self._round.current]
+        return [f"a barrier waits for ranks {missing}"]
 
     def fail_waiting_for(self, left: dict) -> int:
         """Fails the barrier if it waits for a rank in left (rank -> why); returns how many."""
@@ -722,6 +758,29 @@ class Coordination:
             + self.optimizer.fail_waiting_for(self.left)
             + self.dense_init.fail_waiting_for(self.left)
         )
+
+    def describe(self, client_id: int) -> str:
+        """What this server holds of client_id's requests, and for whom, in words ("": none).
+
+        Sent back in a PING reply, so that a client's WaitTimeout can say what
+        the server waited for (`kvsparse.client.session`).
+        """
+        if not self.job.configured:
+            return ""
+        num_workers = self.job.num_workers
+        said = self.bsp.describe(client_id, num_workers) + self.barrier.describe(
+            client_id, num_workers
+        )
+        said += self.ssp.describe(client_id)
+        if any(_owned_by(request, client_id) for request, _, _ in self.optimizer._waiting):
+            said.append("a set_optimizer call waits for rank 0's call of the same number")
+        if any(
+            _owned_by(request, client_id)
+            for requests in self.dense_init._waiting.values()
+            for request, _, _ in requests
+        ):
+            said.append("a dense init waits for rank 0's values")
+        return "; ".join(said)
 
     def waiting(self) -> dict:
         """The number of requests each object holds (STATS ``waiting``)."""

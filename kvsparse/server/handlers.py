@@ -120,11 +120,14 @@ class Handlers:
     def answer_outside_session(self, header: protocol.Header) -> list | None:
         """The reply frames of a request outside any client session, else None.
 
-        PING: the last request id this client's record holds. STATS with
+        PING: the last request id this client's record holds, and what its held
+        requests wait for (`Coordination.describe`). STATS with
         FLAG_MONITOR: a monitor is no worker: no HELLO, no client record.
         """
         if header.op == Op.PING:
-            return ops.Ping.encode_reply(self._resend.last_request_id(header.client_id)).frames
+            last = self._resend.last_request_id(header.client_id)
+            held = self._coordination.describe(header.client_id)
+            return ops.Ping.encode_reply(last, held).frames
         if header.op == Op.STATS and header.flags & FLAG_MONITOR:
             return self._stats_reply().frames
         return None

@@ -282,16 +282,24 @@ class Ping(_Codec):
     op = Op.PING
 
     @classmethod
-    def encode_reply(cls, last_request_id: int) -> Reply:
-        """The reply: the last request id of this client the server holds (0: none)."""
-        return Reply([_U64.pack(last_request_id)])
+    def encode_reply(cls, last_request_id: int, held: str = "") -> Reply:
+        """The reply: the last request id of this client the server holds (0: none), and
+        what the server holds of the client's requests and for whom, in words ("": none)."""
+        return Reply([_U64.pack(last_request_id), held.encode()])
 
     @classmethod
     def decode_reply(cls, header: Header, payload) -> Optional[int]:
         """The last request id the server holds, or None if the reply does not say."""
-        if len(payload) != 1 or protocol.frame_nbytes(payload[0]) != _U64.size:
+        if len(payload) not in (1, 2) or protocol.frame_nbytes(payload[0]) != _U64.size:
             return None
         return int(protocol.frame_array(payload[0], np.uint64, 1, what="PING reply")[0])
+
+    @classmethod
+    def decode_held(cls, payload) -> str:
+        """What the server said it holds of the client's requests ("": nothing, or not said)."""
+        if len(payload) != 2:
+            return ""
+        return protocol.frame_text(payload[1])
 
 
 class HelloRequest(NamedTuple):

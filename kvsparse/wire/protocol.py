@@ -444,6 +444,11 @@ def frame_nbytes(frame) -> int:
     return _buffer(frame).nbytes
 
 
+def frame_text(frame) -> str:
+    """A frame's bytes as UTF-8 text (undecodable bytes replaced: text only informs)."""
+    return bytes(_buffer(frame)).decode("utf-8", "replace")
+
+
 def frame_array(frame, dtype, count: int, *, what: str) -> np.ndarray:
     """A 1-D array of `count` elements viewing a frame (copied only if misaligned).
 
