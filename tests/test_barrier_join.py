@@ -222,3 +222,25 @@ def test_coordination_describes_each_held_request_of_a_client():
     )
     assert coordination.describe(22) == "a barrier waits for ranks [0, 1]"
     assert coordination.describe(33) == ""
+
+
+def test_the_liveness_probe_is_a_well_formed_ping_reply():
+    # Found by the stress harness: PING replies grew a frame, the probe's header still said
+    # one, and a colocated worker that read the probe failed its push with ProtocolError.
+    from kvsparse.server.liveness import Liveness
+    from kvsparse.wire import protocol
+
+    sent, later = [], []
+    liveness = Liveness(
+        Coordination(_State()),
+        lambda routing, frames: sent.append(frames) or True,
+        lambda seconds, callback: later.append(callback),
+        incarnation=5,
+    )
+    liveness.joined(client_id=9, rank=0, routing=b"r")
+    liveness.disconnected()
+    for callback in later:
+        callback()
+    assert sent, "no probe sent"
+    header, payload = protocol.parse_message(sent[0], reply=True)
+    assert header.client_id == 9 and len(payload) == header.num_frames

@@ -161,15 +161,16 @@ class Liveness:
 
     def _probe(self) -> None:
         self._probing = False
+        probe = ops.Ping.encode_reply(0).frames
         for client_id, (rank, routing) in list(self._clients.items()):
             header = protocol.Header(
                 op=int(Op.PING),
                 client_id=client_id,
                 rank=rank,
-                num_frames=1,
+                num_frames=len(probe),
                 incarnation=self._incarnation,
             )
-            if not self._routable(routing, [header.pack(), *ops.Ping.encode_reply(0).frames]):
+            if not self._routable(routing, [header.pack(), *probe]):
                 del self._clients[client_id]
                 self._gone[client_id] = rank
                 self._on_client(client_id, None)
