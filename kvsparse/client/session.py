@@ -82,7 +82,7 @@ from typing import Callable, Optional, Union
 import zmq
 
 from kvsparse import errors
-from kvsparse.client.exchange import send_request
+from kvsparse.client.exchange import collect_replies, send_request
 from kvsparse.client.recovery import Answer, Recovery
 from kvsparse.client.sockets import ServerSockets
 from kvsparse.wire import ops, protocol
@@ -156,6 +156,43 @@ class NoAnswer(errors.ServerUnavailable):
 
 
 Outcome = Union[Answer, errors.KVSparseError]
+
+
+def _goodbye_when_dropped(links, client_id: int, rank: int, request_ids, pid: int, greeted: list):
+    """A session dropped without close() (``mx.kv.create`` again and again): says GOODBYE.
+
+    Run by the session's weakref.finalize, so it holds no reference to the
+    session: its sockets, ids, and the servers it greeted (a list `Session.open`
+    fills). Its servers then count the closed connection as a normal end, not
+    a worker that left. Waits at most `_GOODBYE_SECONDS`, raises nothing (a
+    finalizer runs on whatever thread collected the session), and does nothing
+    in a forked child (the sockets are the parent's) or for shards served in
+    this process (their store closes them).
+    """
+    if os.getpid() != pid:
+        return
+    try:
+        sent = {}
+        for server in greeted:
+            if server in links.local:
+                continue
+            header = Header(
+                op=int(protocol.Op.GOODBYE),
+                request_id=next(request_ids),
+                client_id=client_id,
+                rank=rank,
+                num_frames=0,
+            )
+            sent[server] = send_request(links, server, header, [])
+        if sent:
+            collect_replies(links, sent, _GOODBYE_SECONDS)
+    except Exception:  # noqa: BLE001 - the connection's end tells the rest
+        pass
+    finally:
+        try:
+            links.close()
+        except Exception:  # noqa: BLE001 - nothing is left to tell
+            pass
 
 
 class _Call:
@@ -352,6 +389,23 @@ class Session:
         # still read or write what it names: `kvsparse.client.shared`).
         self.on_lost: Optional[Callable[[list], None]] = None
         self._recovery = Recovery(self.servers, self._links, self._send, self.retry_window)
+        self._greeted: list = []  # servers open() greeted: told GOODBYE if the session is dropped
+        self._dropped = self._finalizer()
+
+    def _finalizer(self) -> weakref.finalize:
+        """Says GOODBYE if this session is dropped without close() (`_goodbye_when_dropped`)."""
+        dropped = weakref.finalize(
+            self,
+            _goodbye_when_dropped,
+            self._links,
+            self._client_id,
+            self.rank,
+            self._request_ids,
+            self._pid,
+            self._greeted,
+        )
+        dropped.atexit = False  # at exit, _settle_at_exit closes what is still open
+        return dropped
 
     @contextlib.contextmanager
     def _locked(self):
@@ -405,6 +459,9 @@ class Session:
         self._client_id = secrets.randbits(64)
         self._links = ServerSockets(self.servers, self.keys, self._client_id)
         self._recovery = Recovery(self.servers, self._links, self._send, self.retry_window)
+        self._dropped.detach()  # the parent's sockets: never used here
+        self._greeted = []
+        self._dropped = self._finalizer()
         if greetings:
             self.open(greetings)
 
@@ -479,6 +536,7 @@ class Session:
         with self._locked():
             answers = self.exchange(greetings)
             self._recovery.greeted(greetings, answers)
+            self._greeted[:] = sorted(greetings)
             _GREETED.add(self)
             for server, answer in answers.items():
                 limit = ops.Hello.decode_reply(answer.header, answer.payload).max_message_size
@@ -629,6 +687,7 @@ class Session:
         with self._locked():
             if self._closed:
                 return
+            self._dropped.detach()  # closed here: GOODBYE below
             try:
                 self._settle_deferred()
             finally:

@@ -72,6 +72,9 @@ class SharedArena:
         self._live: dict[int, list] = {}
         self._kept: list = []  # regions kept for good (their replies never came)
         self._closed = False
+        # The memfd closes with the arena if nobody calls close() (a store dropped unclosed:
+        # each one left its segment's fd open for good).
+        self._release = weakref.finalize(self, os.close, fd)
 
     @classmethod
     def create(cls, size: int = DEFAULT_BYTES) -> Optional[SharedArena]:
@@ -129,7 +132,7 @@ class SharedArena:
         """Closes the memfd; the mapping goes once no array views it."""
         if not self._closed:
             self._closed = True
-            os.close(self._fd)
+            self._release()
 
     # -- the ring ------------------------------------------------------------------------
 
