@@ -26,6 +26,16 @@ What works where:
   hold while x64 is off, naming ``jax.config.update("jax_enable_x64", True)``.
   JAX integer ids reaching `embedding_lookup` with x64 off get an
   `Int32IdsWarning` once per process (they may have been wrapped already).
+  Exact 64-bit ids through ``jax.jit`` with x64 off: carry each id as two
+  32-bit words. `split_ids` (in the input pipeline, on the host) turns int64
+  ids of shape S into uint32 of shape S + (2,) (low word, high word), which
+  JAX holds exactly; ``embedding_lookup(..., split=True)`` takes them and
+  joins them back on the host inside its callbacks, so pulls and pushes see
+  the exact ids (``2**62``, ``-5``, ``-(2**63)``); `join_ids` is the inverse::
+
+      batch = split_ids(np.array([2**40 + 3, -5]))        # uint32, shape (2, 2)
+      step = jax.jit(lambda p, b: loss(p, b))            # inside: split=True
+      step(params, batch)
 - ``jax.vmap`` works, of the lookup and of its gradient (the pushes of the
   batch are applied one after another).
 - The push runs as a host callback, possibly after jax.grad has returned
@@ -121,6 +131,56 @@ def jax_ids(ids):
     return jnp.asarray(host.astype(np.int32))
 
 
+def split_ids(ids) -> np.ndarray:
+    """int64 ids of shape S as uint32 words of shape S + (2,): [..., 0] low, [..., 1] high.
+
+    For ids that must pass through JAX with jax_enable_x64 off (a jitted
+    function's argument): JAX holds uint32 exactly, and
+    ``embedding_lookup(..., split=True)`` joins the words back on the host.
+    Exact for every int64. Host-side NumPy; safe from several threads at once.
+
+    Raises:
+        kvsparse.errors.DTypeError: non-integer ids, or unsigned ids above int64.
+
+    Example:
+        >>> split_ids(np.array([2**40 + 3, -1]))
+        array([[         3,        256],
+               [4294967295, 4294967295]], dtype=uint32)
+    """
+    host = np.asarray(ids)
+    if host.dtype.kind not in "iu":
+        raise errors.DTypeError(f"ids must be integers, got {host.dtype}")
+    if host.dtype == np.uint64 and host.size and host.max() > np.iinfo(np.int64).max:
+        raise errors.DTypeError("uint64 ids above 2**63 - 1 are not int64 ids")
+    return (
+        np.ascontiguousarray(host.astype(np.int64, copy=False))
+        .view(np.uint32)
+        .reshape(host.shape + (2,))
+    )
+
+
+def join_ids(words) -> np.ndarray:
+    """The inverse of `split_ids`: uint32 words of shape S + (2,) -> int64 ids of shape S.
+
+    Host-side NumPy; safe from several threads at once.
+
+    Raises:
+        kvsparse.errors.DTypeError: words that are not 32-bit integers.
+        kvsparse.errors.ShapeError: a last axis other than 2 (low word, high word).
+    """
+    host = np.asarray(words)
+    if host.dtype not in (np.uint32, np.int32):
+        raise errors.DTypeError(
+            f"split ids must be uint32 words (kvsparse.adapters.jax.split_ids), got {host.dtype}"
+        )
+    if host.ndim == 0 or host.shape[-1] != 2:
+        raise errors.ShapeError(
+            "split ids must have a last axis of 2 (low word, high word: "
+            f"kvsparse.adapters.jax.split_ids), got shape {host.shape}"
+        )
+    return np.ascontiguousarray(host).view(np.int64).reshape(host.shape[:-1])
+
+
 def _warn_if_narrowed(ids) -> None:
     """Warns once per process of JAX ids that JAX holds as int32 (x64 off)."""
     global _warned_int32
@@ -148,27 +208,34 @@ def make_anchor():
 class _Table:
     """What the callbacks need: the store, the key, the row width (static to JAX)."""
 
-    def __init__(self, kv, key, dim: int):
+    def __init__(self, kv, key, dim: int, split: bool = False):
         self.kv = kv
         self.key = key
         self.dim = dim
+        self.split = split  # ids come as split_ids' words, joined here on the host
         # The table's dtype: jnp.float32, float16 or bfloat16 rows.
         self.dtype = jnp.dtype(kv.key_info(key).dtype)
 
     # JAX may run callbacks on a thread of its own, while the caller's thread
     # goes on (asynchronous dispatch): the store is only called under its lock.
+    def host_ids(self, ids) -> np.ndarray:
+        return join_ids(ids) if self.split else np.asarray(ids)
+
     def pull(self, ids) -> np.ndarray:
+        ids = self.host_ids(ids)
         with store_lock(self.kv):
-            return self.kv.row_sparse_pull(self.key, row_ids=np.asarray(ids))
+            return self.kv.row_sparse_pull(self.key, row_ids=ids)
 
     def push(self, ids, grad) -> None:
+        ids = self.host_ids(ids)
         with store_lock(self.kv):
             check_trainable(self.kv, self.key)
-            self.kv.push(self.key, (np.asarray(ids), np.asarray(grad, np.float32)))
+            self.kv.push(self.key, (ids, np.asarray(grad, np.float32)))
 
 
 def _pull_callback(table: _Table, ids):
-    shape = jax.ShapeDtypeStruct(tuple(ids.shape) + (table.dim,), table.dtype)
+    id_shape = tuple(ids.shape)[:-1] if table.split else tuple(ids.shape)
+    shape = jax.ShapeDtypeStruct(id_shape + (table.dim,), table.dtype)
     return jax.pure_callback(table.pull, shape, ids, vmap_method="expand_dims")
 
 
@@ -232,6 +299,7 @@ def embedding_lookup(
     partitioner=None,
     nonfinite: str = "raise",
     dtype=None,
+    split: bool = False,
 ):
     """The rows of `ids` in table `key`; differentiating pushes their gradient.
 
@@ -250,6 +318,9 @@ def embedding_lookup(
         dtype: the table's storage dtype when this creates it: jnp.float32
             (default), jnp.float16 or jnp.bfloat16 (an existing table of another
             dtype is refused).
+        split: ids are `split_ids` words (uint32, last axis 2), NumPy or JAX:
+            the exact way to pass 64-bit ids through jax.jit with x64 off. The
+            rows then have shape ids.shape[:-1] + (dim,).
 
     Safe to call from several threads at once: the pull and push callbacks
     call the store under `store_lock(kv)`.
@@ -260,7 +331,9 @@ def embedding_lookup(
     Raises:
         kvsparse.errors.UnknownKey: no table and no embedding_dim.
         kvsparse.errors.ShapeError: embedding_dim differs from the table's.
-        kvsparse.errors.DTypeError: non-integer ids, or a non-float32 anchor.
+        kvsparse.errors.DTypeError: non-integer ids, or a non-float32 anchor;
+            with split, words that are not uint32.
+        kvsparse.errors.ShapeError: with split, a last axis other than 2.
 
     Example:
         >>> rows = embedding_lookup(kv, 'item', np.array([[1, 2], [3, 4]]), embedding_dim=8)
@@ -273,6 +346,11 @@ def embedding_lookup(
         anchor = make_anchor()
     elif jnp.result_type(anchor) != jnp.float32:
         raise errors.DTypeError(f"anchor must be float32, got {jnp.result_type(anchor)}")
+    if split:
+        if isinstance(ids, jax.Array):  # traced under jit: joined in the callbacks
+            join_ids(np.empty(ids.shape, ids.dtype))  # dtype and shape checked now
+            return _lookup(_Table(kv, key, dim, split=True), anchor, ids)
+        return _lookup_host(_Table(kv, key, dim), _HostIds(join_ids(ids)), anchor)
     table = _Table(kv, key, dim)
     if isinstance(ids, jax.Array):
         if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -291,6 +369,8 @@ __all__ = [
     "embedding_lookup",
     "ensure_table",
     "jax_ids",
+    "join_ids",
     "make_anchor",
+    "split_ids",
     "x64_enabled",
 ]

@@ -20,7 +20,9 @@ import jax.numpy as jnp  # noqa: E402
 from kvsparse.adapters.jax import (  # noqa: E402
     embedding_lookup,
     jax_ids,
+    join_ids,
     make_anchor,
+    split_ids,
     x64_enabled,
 )
 
@@ -149,6 +151,71 @@ def test_numpy_ids_beyond_int32_train_their_own_rows_while_x64_is_off(kv, how):
         kv.row_sparse_pull("user", row_ids=wide), before - LR * counts[:, None], rtol=1e-6
     )
     np.testing.assert_array_equal(kv.row_sparse_pull("user", row_ids=aliases), aliases_before)
+
+
+# -- ids as two 32-bit words: exact through jax.jit with x64 off (issue 32) -----------------
+
+EDGE_IDS = np.array([2**40 + 3, -5, 2**62, -(2**63), 2**63 - 1, 0, 3], np.int64)
+
+
+def test_split_ids_round_trip_every_int64_exactly_through_jit_with_x64_off():
+    assert not x64_enabled()
+    words = split_ids(EDGE_IDS.reshape(7, 1))
+    assert words.dtype == np.uint32 and words.shape == (7, 1, 2)
+    through = jax.jit(lambda w: w)(words)  # what a jitted step's argument holds
+    assert through.dtype == jnp.uint32
+    np.testing.assert_array_equal(join_ids(np.asarray(through)), EDGE_IDS.reshape(7, 1))
+    # The bits, not only the values: low word first, the high word's sign kept.
+    assert split_ids(np.array([-1]))[0].tolist() == [2**32 - 1, 2**32 - 1]
+    assert split_ids(np.array([2**32 + 7]))[0].tolist() == [7, 1]
+
+
+@pytest.mark.parametrize("where", ["jit", "eager", "numpy"])
+def test_a_step_on_split_ids_trains_exactly_the_64_bit_rows_with_x64_off(two_servers, where):
+    assert not x64_enabled()
+    kv = two_servers
+    sgd_table(kv)
+    ids = np.array([2**40 + 3, -5, 2**62, -(2**63), 2**40 + 3, 3])
+    aliases = ids.astype(np.int32).astype(np.int64)  # what int32 ids would have reached
+    pulled = kv.row_sparse_pull("user", row_ids=ids)
+    initial = {i: row.copy() for i, row in zip(ids.tolist(), pulled)}
+    untouched = np.setdiff1d(aliases, ids)
+    untouched_before = kv.row_sparse_pull("user", row_ids=untouched).copy()
+    weights = jnp.arange(1.0, 7.0)[:, None] * jnp.ones((6, 4))
+
+    def loss(anchor, words):
+        rows = embedding_lookup(kv, "user", words, anchor=anchor, split=True)
+        assert rows.shape == (6, 4)
+        return (rows * weights).sum()
+
+    words = split_ids(ids)
+    if where == "jit":
+        rows = jax.jit(lambda w: embedding_lookup(kv, "user", w, split=True))(words)
+        np.testing.assert_array_equal(rows, np.stack([initial[i] for i in ids.tolist()]))
+        jax.jit(jax.grad(loss))(make_anchor(), words)
+    elif where == "eager":
+        jax.grad(loss)(make_anchor(), jnp.asarray(words))
+    else:
+        jax.grad(loss)(make_anchor(), words)
+    jax.effects_barrier()
+    expected = expected_after_sgd(initial, ids, np.asarray(weights))
+    for i, row in expected.items():
+        np.testing.assert_allclose(
+            kv.row_sparse_pull("user", row_ids=np.array([i]))[0], row, rtol=1e-6
+        )
+    np.testing.assert_array_equal(kv.row_sparse_pull("user", row_ids=untouched), untouched_before)
+
+
+def test_malformed_split_ids_are_refused_naming_the_problem(kv):
+    sgd_table(kv)
+    with pytest.raises(errors.ShapeError, match="last axis of 2"):
+        embedding_lookup(kv, "user", np.zeros((4, 3), np.uint32), split=True)
+    with pytest.raises(errors.DTypeError, match="uint32 words"):
+        embedding_lookup(kv, "user", np.zeros((4, 2), np.int64), split=True)
+    with pytest.raises(errors.DTypeError, match="uint32 words"):
+        jax.jit(lambda w: embedding_lookup(kv, "user", w, split=True))(jnp.zeros((4, 2)))
+    with pytest.raises(errors.DTypeError, match="integers"):
+        split_ids(np.array([1.5]))
 
 
 X64_ON = """
