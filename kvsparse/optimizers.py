@@ -52,7 +52,8 @@ class Optimizer:
     Settings are checked when the optimizer is made, by the same rules the
     core applies (a learning rate that is not a number, or a negative one,
     is refused here, not at the first push). ``lr`` is accepted as another
-    name of ``learning_rate``, as torch spells it.
+    name of ``learning_rate``, as torch spells it, and the learning rate may
+    come first without its name, as Keras takes it (``SGD(0.5)``).
 
     Raises:
         TypeError: an unknown setting, or both lr and learning_rate.
@@ -65,7 +66,11 @@ class Optimizer:
     kind: str | None = None
     defaults: dict = {}
 
-    def __init__(self, **settings):
+    def __init__(self, learning_rate=None, /, **settings):
+        if learning_rate is not None:
+            if "learning_rate" in settings or "lr" in settings:
+                raise TypeError(f"{type(self).__name__}: the learning rate was given twice")
+            settings["learning_rate"] = learning_rate
         if "lr" in settings:
             if "learning_rate" in settings:
                 raise TypeError(f"{type(self).__name__}: give lr or learning_rate, not both")

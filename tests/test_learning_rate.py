@@ -281,3 +281,14 @@ def test_a_worker_whose_rate_differs_from_rank_0_s_is_refused(server_factory):
     assert results[0] == "done"
     assert isinstance(results[1], errors.InvalidArgument), results[1]
     assert "rank 0" in str(results[1])
+
+
+@pytest.mark.parametrize("kind", ["SGD", "Adagrad", "Adam", "Ftrl"])
+def test_the_learning_rate_may_come_first_unnamed_as_keras_takes_it(kind):
+    # Issue 32's scenario wrote SGD(0.5) and got "takes 1 positional argument".
+    cls = getattr(optimizers, kind)
+    assert cls(0.25).to_dict() == cls(learning_rate=0.25).to_dict() == cls(lr=0.25).to_dict()
+    with pytest.raises(TypeError, match="given twice"):
+        cls(0.25, learning_rate=0.5)
+    with pytest.raises(errors.InvalidArgument, match="learning_rate"):
+        cls("fast")
