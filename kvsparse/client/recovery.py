@@ -19,7 +19,7 @@ import time
 from typing import Callable, NamedTuple, Optional
 
 from kvsparse import errors
-from kvsparse.client.exchange import await_reply
+from kvsparse.client.exchange import WaitLimits, await_reply, refusal
 from kvsparse.client.sockets import ServerSockets
 from kvsparse.wire import ops, protocol
 from kvsparse.wire.protocol import Header
@@ -42,14 +42,15 @@ class Recovery:
         links: the session's sockets (a failed probe replaces a socket).
         send: ``send(server, request, request_id=None) -> request id``, the
             session's way to send (it writes the header).
-        retry_window: seconds to keep trying before ServerUnavailable.
+        limits: the session's `WaitLimits` (its retry_window: seconds to keep
+            trying before ServerUnavailable), shared, not copied.
 
     Threads: not thread-safe; its session calls it under the session's lock.
     """
 
-    def __init__(self, servers: list, links: ServerSockets, send: Callable, retry_window: float):
+    def __init__(self, servers: list, links: ServerSockets, send: Callable, limits: WaitLimits):
         self.servers = servers
-        self.retry_window = retry_window
+        self._limits = limits
         self.restarts = 0  # server restarts this session recovered from
         self._links = links
         self._send = send
@@ -62,6 +63,11 @@ class Recovery:
         self._greetings = dict(greetings)
         for server, answer in answers.items():
             self._incarnations[server] = answer.header.incarnation
+
+    @property
+    def retry_window(self) -> float:
+        """The session's retry window now (`WaitLimits`)."""
+        return self._limits.retry_window
 
     @property
     def greetings(self) -> dict:
@@ -188,8 +194,7 @@ class Recovery:
         return min(deadline, time.monotonic() + _RECOVERY_PROBE_SECONDS)
 
     def _unavailable(self, server: int):
-        self._links.handshake_error(server)  # reads the monitor's news of failed connects
-        failure = self._links.connection_failure(server)
+        failure = refusal(self._links, server, unreachable=True)
         self._links.reset(server)
         raise errors.ServerUnavailable(
             f"server {self.servers[server]} did not come back within the retry window of "

@@ -82,7 +82,13 @@ from typing import Callable, Optional, Union
 import zmq
 
 from kvsparse import errors
-from kvsparse.client.exchange import collect_replies, send_request
+from kvsparse.client.exchange import (
+    ReplyPoller,
+    WaitLimits,
+    collect_replies,
+    refusal,
+    send_request,
+)
 from kvsparse.client.recovery import Answer, Recovery
 from kvsparse.client.sockets import ServerSockets
 from kvsparse.wire import ops, protocol
@@ -212,7 +218,7 @@ class _Call:
         self.drops: dict[int, int] = {}  # server -> resends of a request it never got
         self.regreeted: set = set()  # servers greeted again for SharedMemoryMissing
         self.outcomes: dict[int, Outcome] = {}
-        self.poller: Optional[tuple] = None  # (zmq.Poller, {socket: server})
+        self.poller: Optional[ReplyPoller] = None  # the servers still awaited
         # The failure another thread read for this call (without gather), raised by its owner.
         self.failure: Optional[errors.KVSparseError] = None
         self.sent: dict[int, float] = {}  # server -> when the request was first sent
@@ -222,16 +228,12 @@ class _Call:
         """Whether some server's reply did not come (not sent, awaited, or failed silently)."""
         return any(not isinstance(self.outcomes.get(s), Answer) for s in self.requests)
 
-    def settle(self, server: int, outcome: Outcome, sockets: Optional[tuple] = None) -> None:
-        """Records server's outcome; sockets: its (still registered) sockets to stop polling."""
+    def settle(self, server: int, outcome: Outcome) -> None:
+        """Records server's outcome; it is no longer polled."""
         self.outcomes[server] = outcome
         del self.waiting[server]
-        if sockets is None or self.poller is None:
-            self.poller = None  # rebuilt by the next wait
-        else:
-            for sock in sockets:
-                if sock is not None:  # a server in this process has no monitor
-                    self.poller[0].unregister(sock)
+        if self.poller is not None:
+            self.poller.drop(server)
 
 
 class Pending:
@@ -363,8 +365,10 @@ class Session:
     ):
         self.servers = list(servers)
         self.rank = int(rank)
-        self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-        self.retry_window = float(retry_window)
+        # Shared with the recovery: one place for how long this session waits.
+        self._limits = WaitLimits(
+            DEFAULT_TIMEOUT if timeout is None else float(timeout), retry_window
+        )
         self.keys = keys
         self.monitor = bool(monitor)
         self._client_id = secrets.randbits(64)
@@ -388,7 +392,7 @@ class Session:
         # Called with an exchange's `keep` when some reply of it never came (the server may
         # still read or write what it names: `kvsparse.client.shared`).
         self.on_lost: Optional[Callable[[list], None]] = None
-        self._recovery = Recovery(self.servers, self._links, self._send, self.retry_window)
+        self._recovery = Recovery(self.servers, self._links, self._send, self._limits)
         self._greeted: list = []  # servers open() greeted: told GOODBYE if the session is dropped
         self._dropped = self._finalizer()
 
@@ -458,7 +462,7 @@ class Session:
         }
         self._client_id = secrets.randbits(64)
         self._links = ServerSockets(self.servers, self.keys, self._client_id)
-        self._recovery = Recovery(self.servers, self._links, self._send, self.retry_window)
+        self._recovery = Recovery(self.servers, self._links, self._send, self._limits)
         self._dropped.detach()  # the parent's sockets: never used here
         self._greeted = []
         self._dropped = self._finalizer()
@@ -505,6 +509,20 @@ class Session:
             raise call.failure
 
     # -- the public surface -------------------------------------------------------------------
+
+    @property
+    def timeout(self) -> float:
+        """Seconds of silence from a server before NoAnswer (see the class docstring)."""
+        return self._limits.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._limits.timeout = float(seconds)
+
+    @property
+    def retry_window(self) -> float:
+        """Seconds to keep trying to reach a restarted or silent server (0: no retry)."""
+        return self._limits.retry_window
 
     @property
     def restarts(self) -> int:
@@ -709,23 +727,20 @@ class Session:
         greeted = list(self._recovery.greetings)
         if not greeted or self.monitor:
             return
-        saved = self.timeout, self.retry_window
-        self.timeout = min(self.timeout, _GOODBYE_SECONDS)
-        self.retry_window = self._recovery.retry_window = 0.0
+        limits = self._limits
+        saved = limits.timeout, limits.retry_window
+        limits.timeout, limits.retry_window = min(limits.timeout, _GOODBYE_SECONDS), 0.0
         try:
             self.exchange({s: ops.Goodbye.encode_request() for s in greeted}, gather=True)
         except errors.KVSparseError:
             pass  # closing anyway: the connection's end tells the rest
         finally:
-            self.timeout, self.retry_window = saved
-            self._recovery.retry_window = self.retry_window
+            limits.timeout, limits.retry_window = saved
 
     def limit_waits(self, seconds: float) -> None:
         """Caps the timeout and the retry window at seconds (a retry window stays on)."""
         with self._locked():
-            self.timeout = min(self.timeout, seconds)
-            self.retry_window = min(self.retry_window, seconds)
-            self._recovery.retry_window = self.retry_window
+            self._limits.cap(seconds)
 
     def _settle_deferred(self) -> None:
         """Reads the replies of every exchange sent with wait=False (the lock held)."""
@@ -802,33 +817,18 @@ class Session:
         return min(silence, call.sent[server] + HOLD_FACTOR * self.timeout)
 
     def _wait(self, call: _Call) -> None:
-        """One poll: handles what arrived, then what stayed silent too long."""
-        if call.poller is not None and any(
-            self._links.socket(server) not in call.poller[1] for server in call.waiting
-        ):
-            call.poller = None  # another thread's exchange replaced a socket (`reset`)
-        if call.poller is None:  # again after a server settled or its socket was replaced
-            poller, owners = zmq.Poller(), {}
-            for server in call.waiting:
-                for sock in (self._links.socket(server), self._links.monitor(server)):
-                    if sock is None:
-                        continue  # a server in this process has no monitor
-                    poller.register(sock, zmq.POLLIN)
-                    owners[sock] = server
-            call.poller = (poller, owners)
-        poller, owners = call.poller
+        """One poll (`kvsparse.client.exchange.ReplyPoller`): what arrived, then what stayed
+        silent too long."""
+        if call.poller is None or not call.poller.covers(call.waiting):
+            # First, or after a server settled or another thread's exchange replaced a socket.
+            call.poller = ReplyPoller(self._links, call.waiting)
         due = min(self._deadline(call, server) for server in call.waiting)
-        # zmq_poll waits without the GIL; no busy loop.
         # At most a turn: another thread may want the session meanwhile (`_await`).
         wait = min(max(0.0, due - time.monotonic()), _TURN_SECONDS)
-        events = poller.poll(wait * 1000 + 1)
-        for sock, _ in events:
-            server = owners[sock]
-            if server not in call.waiting or (
-                sock is not self._links.socket(server) and sock is not self._links.monitor(server)
-            ):
-                continue  # settled, or a socket a recovery above replaced
-            if sock is self._links.monitor(server):
+        for server, from_monitor in call.poller.poll(wait):
+            if server not in call.waiting:
+                continue  # settled meanwhile
+            if from_monitor:
                 self._attempt(call, server, self._check_handshake, server)
             else:
                 self._attempt(call, server, self._receive, call, server)
@@ -838,12 +838,10 @@ class Session:
                 self._attempt(call, server, self._on_silence, call, server)
 
     def _check_handshake(self, server: int) -> None:
-        refused = self._links.handshake_error(server)
-        if refused is None and self.retry_window <= 0:
-            # Nothing will come from an address that refuses connections: say so now, not
-            # after the timeout. With a retry window, servers may be (re)starting: the
-            # recovery keeps trying, and names the failure at its end.
-            refused = self._links.connection_failure(server)
+        # Nothing will come from an address that refuses connections: say so now, not after
+        # the timeout. With a retry window, servers may be (re)starting: the recovery keeps
+        # trying, and names the failure at its end.
+        refused = refusal(self._links, server, unreachable=self.retry_window <= 0)
         if refused is not None:
             self._links.reset(server)
             raise refused
@@ -887,7 +885,6 @@ class Session:
 
     def _handle(self, call: _Call, server: int, header: Header, payload) -> bool:
         """Handles one reply from server for call; True if the socket must not be read on."""
-        sock = self._links.socket(server)
         call.heard[server] = time.monotonic()
         if self._recovery.restarted(server, header.incarnation):
             # A restarted server. Our request may have reached it anyway (a DEALER
@@ -923,7 +920,7 @@ class Session:
             return False
         if header.status:
             protocol.raise_remote_error(header, payload, self.servers[server])
-        call.settle(server, Answer(header, payload), (sock, self._links.monitor(server)))
+        call.settle(server, Answer(header, payload))
         return False
 
     def _on_silence(self, call: _Call, server: int) -> None:
