@@ -176,10 +176,10 @@ import json, time
 import numpy as np
 import kvsparse
 
-kv = kvsparse.create("dist_sparse", timeout=1)
+kv = kvsparse.create("dist_sparse", timeout=0.5)
 kv.init("t", kvsparse.SparseTable(dim=2))
 if kv.rank == 0:
-    time.sleep(14)  # connected, alive, and never pushing: rank 1's push can only time out
+    time.sleep(6)  # connected, alive, and never pushing: rank 1's push can only time out
     print(json.dumps("slept"))
 else:
     try:
