@@ -44,6 +44,8 @@ Usage:
     python benchmarks/tiered.py                  # 1 GiB budget, 8.4M rows (~5 min here)
     python benchmarks/tiered.py --budget 256MiB --cgroup-headroom 1.0   # smoke (~1 min)
     python benchmarks/tiered.py --configs all_ram --no-engines   # without the disk tier
+    python benchmarks/tiered.py capacity         # rows per budget, dims 16/32/64 x SGD,
+                                                 # Adagrad (benchmarks/tiered_capacity.py)
 
 A budget below ~128 MiB cannot take W1's batch: the core counts a 65,536-row push's rows,
 its scratch (each row's state saved or computed aside) and its records in transit, and the
@@ -744,6 +746,12 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["capacity"]:
+        # Rows per budget, RAM per disk row, reads per miss: benchmarks/tiered_capacity.py.
+        import tiered_capacity
+
+        return tiered_capacity.main(given[1:])
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the servers are stopped and the cgroup removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
