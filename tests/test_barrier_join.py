@@ -222,6 +222,14 @@ def test_coordination_describes_each_held_request_of_a_client():
     )
     assert coordination.describe(22) == "a barrier waits for ranks [0, 1]"
     assert coordination.describe(33) == ""
+    follower, declaring = _Held(), _Held()
+    follower.header = declaring.header = _Header(44)
+    assert not coordination.optimizer.follow(follower, 1, {"kind": "sgd"})
+    coordination.dense_init.wait(5, declaring, "bias", 8)
+    assert coordination.describe(44) == (
+        "set_optimizer call 1 waits for rank 0's call 1; "
+        "the init of dense key 'bias' waits for rank 0's values"
+    )
 
 
 def test_the_liveness_probe_is_a_well_formed_ping_reply():

@@ -505,7 +505,7 @@ class BspRounds:
         return failed
 
     def describe(self, client_id: int, num_workers: int) -> list:
-        """What the pushes of client_id held here wait for, in words (table ids: `names`)."""
+        """What the pushes of client_id held here wait for, in words."""
         said = []
         for (kind, table_id), round_ in self._rounds.items():
             if not any(_owned_by(push.request, client_id) for push, _ in round_.values()):
@@ -621,6 +621,14 @@ class OptimizerEpochs:
             else:
                 request.finish([])
 
+    def describe(self, client_id: int) -> list:
+        """What the follower calls of client_id held here wait for, in words."""
+        return [
+            f"set_optimizer call {epoch} waits for rank 0's call {epoch}"
+            for request, epoch, _ in self._waiting
+            if _owned_by(request, client_id)
+        ]
+
     def follow(self, request, epoch: int, spec) -> bool:
         """A follower's call: True if rank 0's call epoch is in (checked), False if held.
 
@@ -674,6 +682,15 @@ class DenseInitWaiters:
     def wait(self, table_id: int, request, name: str, size: int) -> None:
         """Holds a declaring request until release(table_id)."""
         self._waiting.setdefault(table_id, []).append((request, name, size))
+
+    def describe(self, client_id: int) -> list:
+        """What the declarations of client_id held here wait for, in words."""
+        return [
+            f"the init of dense key {name!r} waits for rank 0's values"
+            for requests in self._waiting.values()
+            for request, name, _ in requests
+            if _owned_by(request, client_id)
+        ]
 
     def release(self, table_id: int, held: int) -> None:
         """Answers the requests waiting for table_id, which now holds held values."""
@@ -768,18 +785,13 @@ class Coordination:
         if not self.job.configured:
             return ""
         num_workers = self.job.num_workers
-        said = self.bsp.describe(client_id, num_workers) + self.barrier.describe(
-            client_id, num_workers
-        )
-        said += self.ssp.describe(client_id)
-        if any(_owned_by(request, client_id) for request, _, _ in self.optimizer._waiting):
-            said.append("a set_optimizer call waits for rank 0's call of the same number")
-        if any(
-            _owned_by(request, client_id)
-            for requests in self.dense_init._waiting.values()
-            for request, _, _ in requests
-        ):
-            said.append("a dense init waits for rank 0's values")
+        said = [
+            *self.bsp.describe(client_id, num_workers),
+            *self.barrier.describe(client_id, num_workers),
+            *self.ssp.describe(client_id),
+            *self.optimizer.describe(client_id),
+            *self.dense_init.describe(client_id),
+        ]
         return "; ".join(said)
 
     def waiting(self) -> dict:
