@@ -33,6 +33,7 @@ from test_recovery import _Job
 
 import kvsparse
 from kvsparse import errors
+from kvsparse.server.listening import read_first_line
 
 WORKER_TIMEOUT = 60.0
 
@@ -439,50 +440,103 @@ def test_server_started_after_the_worker_within_the_retry_window_is_reached(tmp_
         server.stderr.close()
 
 
-# Stores made and dropped without close(), as MXNet users call mx.kv.create again and again:
-# each says GOODBYE (no "left" on the servers), and leaves no file descriptor behind (each
-# one's shared-memory segment stayed open for good).
+# Stores made and dropped without close(), as MXNet users call mx.kv.create again and again
+# (issue 32): each says GOODBYE (no "left" on the servers, which count one GOODBYE per
+# store while the worker still runs) and leaves no file descriptor behind. How they were
+# kept: each one's shared-memory segment stayed open; a cycle (session -> its recovery ->
+# the session's bound method) left a dropped store to the cyclic collector ("unreferenced":
+# the collector off, as a program that seldom runs it); a store with a push sent with
+# wait=False stayed in a module-level set until the process ended ("pending").
 DROPPED = r"""
-import gc, json, os, sys, time
+import gc, json, os, re, sys, time, urllib.request
 import numpy as np
-if sys.argv[1] == "mxnet":
+how, metrics = sys.argv[1], sys.argv[2:]
+if how == "mxnet":
     np.bool = bool
     import mxnet as mx
     import kvsparse.adapters.mxnet  # noqa: F401 - registers dist_sparse
 import kvsparse
 
+CYCLES = 20
+ids, rows = np.arange(300), np.ones((300, 2), np.float32)
+
 def make(i):
-    if sys.argv[1] == "mxnet":
+    if how == "mxnet":
         kv = mx.kv.create("dist_sparse")
         kv.init(f"w{i}", mx.nd.ones((4, 2)))
         return kv
     kv = kvsparse.create("dist_sparse", shared_memory=True)
     kv.init("t", kvsparse.SparseTable(dim=2))
-    kv.push("t", (np.arange(300), np.ones((300, 2), np.float32)))
-    kv.row_sparse_pull("t", row_ids=np.arange(300))
+    if how == "pending":
+        kv.push("t", (ids, rows), wait=False)  # its replies are never read by the store
+        kv.row_sparse_pull("t", row_ids=ids, wait=False)  # nor this pull's
+        return kv
+    kv.push("t", (ids, rows))
+    kv.row_sparse_pull("t", row_ids=ids)
     return kv
 
+def fds():
+    return len(os.listdir("/proc/self/fd"))
+
+if how == "unreferenced":
+    gc.disable()
 counts = []
-for i in range(30):
+for i in range(CYCLES):
     kv = make(i)
     del kv
-    gc.collect()
-    counts.append(len(os.listdir("/proc/self/fd")))
+    if how != "unreferenced":
+        gc.collect()
+    counts.append(fds())
 time.sleep(2)  # past the servers' wait for a closed connection's rank to come back
-print(json.dumps(counts))
+
+def requests(url, op):
+    text = urllib.request.urlopen(url, timeout=20).read().decode()
+    found = re.search(r'^kvsparse_requests_total\{op="%s"\} (\S+)$' % op, text, re.M)
+    return int(float(found.group(1))) if found else 0
+
+# Counted now: at exit, the stores still alive would be closed (and say GOODBYE) anyway.
+seen = {op: [requests(url, op) for url in metrics] for op in ("hello", "goodbye", "push_sparse")}
+print(json.dumps({"fds": counts, "cycles": CYCLES, **seen}))
 """
 
 
-@pytest.mark.parametrize("how", ["kvsparse", "mxnet"])
+@pytest.fixture
+def metrics_servers():
+    """Two servers with --metrics-port: [(address, /metrics URL)], and their processes."""
+    pytest.importorskip("prometheus_client")  # what --metrics-port serves with
+    processes = []
+    try:
+        for _ in range(2):
+            server = ServerProcess(extra_args=("--metrics-port", "0"))
+            processes.append(server)
+            line = read_first_line(server.process.stdout, time.monotonic() + 30).decode()
+            assert line.startswith("kvsparse metrics on "), (line, server.error_output())
+            server.metrics_url = line.split()[-1]
+        yield processes
+    finally:
+        for server in processes:
+            server.stop()
+            server.stderr.close()
+
+
+@pytest.mark.parametrize("how", ["kvsparse", "mxnet", "unreferenced", "pending"])
 def test_a_store_dropped_without_close_says_goodbye_and_leaks_nothing(
-    server_factory, tmp_path, how
+    metrics_servers, tmp_path, how
 ):
-    servers = server_factory(2)
-    (out,) = run_workers(DROPPED, servers, 1, tmp_path, timeout=120, args=(how,))
-    counts = json.loads(out.splitlines()[-1])
+    servers = [server.address for server in metrics_servers]
+    urls = [server.metrics_url for server in metrics_servers]
+    (out,) = run_workers(DROPPED, servers, 1, tmp_path, timeout=120, args=(how, *urls))
+    seen = json.loads(out.splitlines()[-1])
+    counts, cycles = seen["fds"], seen["cycles"]
     # ZeroMQ closes tcp sockets in its own thread, a few at a time: the count wobbles by a few;
-    # a segment left open per store grew it by 30.
+    # a store kept alive grew it by 4 (its sockets and monitors), a segment left open by 1.
     assert max(counts[-5:]) - max(counts[:5]) < 10, counts
-    for server in server_factory.processes:
+    # Every store greeted every server, and said GOODBYE to each before the worker ended.
+    assert seen["hello"] == [cycles, cycles], seen
+    assert seen["goodbye"] == [cycles, cycles], seen
+    if how == "pending":
+        # The pushes sent last reached the servers before the dropped stores' sockets closed.
+        assert seen["push_sparse"] == [cycles, cycles], seen
+    for server in metrics_servers:
         log = server.error_output()
-        assert "left" not in log and "killed" not in log, log
+        assert "left" not in log and "killed" not in log and "failed" not in log, log

@@ -85,6 +85,7 @@ from kvsparse import errors
 from kvsparse.client.exchange import (
     ReplyPoller,
     WaitLimits,
+    await_reply,
     collect_replies,
     refusal,
     send_request,
@@ -129,11 +130,15 @@ _LOG = logging.getLogger(__name__)
 
 # Sessions holding exchanges sent with wait=False whose replies are not read yet. Their
 # sockets close with LINGER 0, which drops what is still queued: a push sent last, by a
-# program that then ends (or drops its store) without close(), never reached the servers.
-# A session stays here, alive, until its replies are read; at exit they are read by
-# `_settle_at_exit` (registered after zmq's own exit hook, so it runs before it), waiting
-# at most _EXIT_SECONDS for a silent server (a program must not hang at exit on a dead one).
-_UNSETTLED: set = set()
+# program that then ends without close(), never reached the servers. At exit their replies
+# are read by `_settle_at_exit` (registered after zmq's own exit hook, so it runs before
+# it), waiting at most _EXIT_SECONDS for a silent server (a program must not hang at exit on
+# a dead one). Weak: a store dropped meanwhile reads them in its finalizer
+# (`_goodbye_when_dropped`); held here, every store dropped after a push with wait=False
+# (the torch adapter's) stayed alive with its sockets until the process ended (issue 32).
+# Such a store is freed by the cyclic collector, not at once: its session and the `Pending`
+# of each such exchange refer to each other until the replies are read.
+_UNSETTLED: weakref.WeakSet = weakref.WeakSet()
 _EXIT_SECONDS = 10.0
 # Workers' sessions not closed yet: closed at exit too, so that their servers get a GOODBYE
 # (a program that ends without kv.close() ends normally; see `Session.close`).
@@ -164,20 +169,27 @@ class NoAnswer(errors.ServerUnavailable):
 Outcome = Union[Answer, errors.KVSparseError]
 
 
-def _goodbye_when_dropped(links, client_id: int, rank: int, request_ids, pid: int, greeted: list):
+def _goodbye_when_dropped(
+    links, client_id: int, rank: int, request_ids, pid: int, greeted: list, calls: set
+):
     """A session dropped without close() (``mx.kv.create`` again and again): says GOODBYE.
 
     Run by the session's weakref.finalize, so it holds no reference to the
-    session: its sockets, ids, and the servers it greeted (a list `Session.open`
-    fills). Its servers then count the closed connection as a normal end, not
-    a worker that left. Waits at most `_GOODBYE_SECONDS`, raises nothing (a
-    finalizer runs on whatever thread collected the session), and does nothing
-    in a forked child (the sockets are the parent's) or for shards served in
-    this process (their store closes them).
+    session: its sockets, ids, the servers it greeted (a list `Session.open`
+    fills) and its exchanges still awaited (``calls``: those sent with
+    wait=False). It first reads those exchanges' replies, so that what they
+    sent reached the servers before the sockets close (LINGER 0 drops what is
+    queued; a failure is logged, nobody is left to raise it to), then says
+    GOODBYE: the servers count the closed connection as a normal end, not a
+    worker that left. Waits at most `_GOODBYE_SECONDS` for each of the two,
+    raises nothing (a finalizer runs on whatever thread collected the
+    session), and does nothing in a forked child (the sockets are the
+    parent's) or for shards served in this process (their store closes them).
     """
     if os.getpid() != pid:
         return
     try:
+        _read_unsettled(links, calls, time.monotonic() + _GOODBYE_SECONDS)
         sent = {}
         for server in greeted:
             if server in links.local:
@@ -199,6 +211,43 @@ def _goodbye_when_dropped(links, client_id: int, rank: int, request_ids, pid: in
             links.close()
         except Exception:  # noqa: BLE001 - nothing is left to tell
             pass
+
+
+def _read_unsettled(links, calls: set, until: float) -> None:
+    """Reads the replies of a dropped session's exchanges still awaited, until `until`.
+
+    A failed one is logged (its store is gone); a server still silent at
+    `until` is left to the GOODBYE (a push held for a BSP round).
+    """
+    for call in list(calls):
+        for server, request_id in list(call.waiting.items()):
+            if server in links.local:
+                continue
+            answer = await_reply(links, server, (request_id,), until)
+            if answer is None or not answer[0].status:
+                continue
+            try:
+                protocol.raise_remote_error(*answer, links.servers[server])
+            except errors.KVSparseError as exc:
+                op = protocol.Op(call.requests[server].op).name
+                _LOG.error(
+                    "a %s sent with wait=False by a store dropped unclosed failed: %s", op, exc
+                )
+
+
+def _sending_for(session: Session) -> Callable:
+    """session._send, for the session's `Recovery`, without keeping the session alive.
+
+    A bound method there closed a cycle (session -> recovery -> session):
+    a dropped store then waited for the cyclic collector, maybe for ever in a
+    program that seldom runs it, to say GOODBYE and close its sockets.
+    """
+    send = weakref.WeakMethod(session._send)
+
+    def send_through_session(*args, **kwargs) -> int:
+        return send()(*args, **kwargs)
+
+    return send_through_session
 
 
 class _Call:
@@ -392,7 +441,7 @@ class Session:
         # Called with an exchange's `keep` when some reply of it never came (the server may
         # still read or write what it names: `kvsparse.client.shared`).
         self.on_lost: Optional[Callable[[list], None]] = None
-        self._recovery = Recovery(self.servers, self._links, self._send, self._limits)
+        self._recovery = Recovery(self.servers, self._links, _sending_for(self), self._limits)
         self._greeted: list = []  # servers open() greeted: told GOODBYE if the session is dropped
         self._dropped = self._finalizer()
 
@@ -407,6 +456,7 @@ class Session:
             self._request_ids,
             self._pid,
             self._greeted,
+            self._calls,
         )
         dropped.atexit = False  # at exit, _settle_at_exit closes what is still open
         return dropped
@@ -462,7 +512,7 @@ class Session:
         }
         self._client_id = secrets.randbits(64)
         self._links = ServerSockets(self.servers, self.keys, self._client_id)
-        self._recovery = Recovery(self.servers, self._links, self._send, self._limits)
+        self._recovery = Recovery(self.servers, self._links, _sending_for(self), self._limits)
         self._dropped.detach()  # the parent's sockets: never used here
         self._greeted = []
         self._dropped = self._finalizer()
