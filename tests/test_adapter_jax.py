@@ -170,6 +170,74 @@ def test_split_ids_round_trip_every_int64_exactly_through_jit_with_x64_off():
     assert split_ids(np.array([2**32 + 7]))[0].tolist() == [7, 1]
 
 
+def test_join_ids_reads_the_high_word_as_signed_and_the_low_word_as_unsigned():
+    words = np.array([[0xFFFFFFFB, 0xFFFFFFFF], [0, 0x80000000], [3, 0x40000000]], np.uint32)
+    np.testing.assert_array_equal(join_ids(words), [-5, -(2**63), 2**62 + 3])
+    # int32 words of the same bits (as tf.bitcast of int64 ids gives) read alike.
+    np.testing.assert_array_equal(join_ids(words.view(np.int32)), [-5, -(2**63), 2**62 + 3])
+    assert join_ids(split_ids(np.int64(-(2**63)))) == -(2**63)  # 0-d ids: words of shape (2,)
+    assert join_ids(np.zeros((0, 2), np.uint32)).shape == (0,)
+
+
+def test_split_and_join_ids_never_share_the_callers_memory():
+    """An input pipeline may refill its buffer while the words are still queued."""
+    ids = EDGE_IDS.copy()
+    words = split_ids(ids)
+    ids[:] = 1
+    np.testing.assert_array_equal(join_ids(words), EDGE_IDS)
+    joined = join_ids(words)
+    words[:] = 0
+    np.testing.assert_array_equal(joined, EDGE_IDS)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_jitted_step_keeps_the_numpy_ids_it_closed_over(kv, split):
+    """A closed-over NumPy array is a constant of the trace, split words as int64 ids:
+    refilling the caller's buffer afterwards changes neither the pull nor the push."""
+    kv.init(
+        "user",
+        kvsparse.SparseTable(
+            dim=1, initializer=initializers.Zeros(), optimizer=optimizers.SGD(learning_rate=1.0)
+        ),
+    )
+    ids = np.array([2**40 + 11, -12])
+    buffer = split_ids(ids) if split else ids.copy()
+    step = jax.jit(
+        jax.grad(lambda a: embedding_lookup(kv, "user", buffer, anchor=a, split=split).sum())
+    )
+    step(make_anchor())
+    buffer[:] = split_ids(np.array([21, 22])) if split else [21, 22]
+    step(make_anchor())
+    jax.effects_barrier()
+    np.testing.assert_array_equal(
+        kv.row_sparse_pull("user", row_ids=np.array([2**40 + 11, -12, 21, 22])).ravel(),
+        [-2, -2, 0, 0],
+    )
+
+
+def test_vmap_of_a_step_on_split_ids(kv):
+    assert not x64_enabled()
+    kv.init(
+        "user",
+        kvsparse.SparseTable(
+            dim=2, initializer=initializers.Zeros(), optimizer=optimizers.SGD(learning_rate=1.0)
+        ),
+    )
+    words = jnp.asarray(split_ids(np.array([[2**40, -5], [-5, 2**62]])))
+
+    def loss(anchor, example_words):
+        return jnp.sum(embedding_lookup(kv, "user", example_words, anchor=anchor, split=True))
+
+    rows = jax.vmap(lambda w: embedding_lookup(kv, "user", w, split=True))(words)
+    assert rows.shape == (2, 2, 2)
+    jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(make_anchor(), words)
+    jax.effects_barrier()
+    np.testing.assert_array_equal(
+        kv.row_sparse_pull("user", row_ids=np.array([2**40, -5, 2**62, 0])),
+        [[-1, -1], [-2, -2], [-1, -1], [0, 0]],
+    )
+
+
 @pytest.mark.parametrize("where", ["jit", "eager", "numpy"])
 def test_a_step_on_split_ids_trains_exactly_the_64_bit_rows_with_x64_off(two_servers, where):
     assert not x64_enabled()
@@ -216,6 +284,8 @@ def test_malformed_split_ids_are_refused_naming_the_problem(kv):
         jax.jit(lambda w: embedding_lookup(kv, "user", w, split=True))(jnp.zeros((4, 2)))
     with pytest.raises(errors.DTypeError, match="integers"):
         split_ids(np.array([1.5]))
+    with pytest.raises(errors.ShapeError, match="last axis of 2"):
+        join_ids(np.uint32(3))
 
 
 X64_ON = """
