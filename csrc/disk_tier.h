@@ -127,6 +127,7 @@ struct TierStats {
   int64_t disk_hits = 0;       // of those, found on disk
   int64_t rows_read = 0;       // rows brought back from disk into memory
   int64_t evictions = 0;       // rows moved to disk
+  int64_t disk_reads = 0;      // read calls (a page each for lookups)
   int64_t bytes_read = 0;
   int64_t bytes_written = 0;
   int64_t bytes_updated = 0;

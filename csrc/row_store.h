@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "status.h"
 
@@ -50,6 +51,15 @@ struct RowStoreStats {
   int64_t gc_segments_freed = 0;  // segments removed by Maintenance
   int64_t gc_records_moved = 0;  // live records Maintenance copied forward
   int64_t gc_bytes_moved = 0;    // bytes Maintenance read and wrote
+  int64_t reads = 0;             // read calls (preads) ReadBatch, Take and Contains issued
+  // RAM one more record costs the index on average (planning: a caller that
+  // moves n rows out keeps n times this free); the most RAM a read or write
+  // call holds beyond index_bytes while it runs; and what a Maintenance call
+  // holds (a caller may run it only when that much is free).
+  int64_t index_bytes_per_record = 0;
+  int64_t working_bytes = 0;
+  int64_t maintenance_bytes = 0;
+  int64_t read_unit_bytes = 0;  // bytes one read of a lookup brings (a page)
 };
 
 class RowStore {
@@ -66,6 +76,18 @@ class RowStore {
   // The reads of one batch are issued together (queue depth), not one by one.
   virtual Status ReadBatch(const int64_t* keys, int64_t n, uint8_t* out,
                            uint8_t* found) = 0;
+
+  // ReadBatch, then the found keys removed as by Discard, all or nothing: on
+  // an error nothing is removed. For a caller moving rows back into memory.
+  virtual Status Take(const int64_t* keys, int64_t n, uint8_t* out, uint8_t* found) {
+    Status s = ReadBatch(keys, n, out, found);
+    if (!s.ok()) return s;
+    std::vector<int64_t> held;
+    for (int64_t i = 0; i < n; ++i) {
+      if (found[i]) held.push_back(keys[i]);
+    }
+    return Discard(held.data(), static_cast<int64_t>(held.size()));
+  }
 
   // Removes n keys (absent ones are ignored); all or nothing like WriteBatch.
   virtual Status Erase(const int64_t* keys, int64_t n) = 0;
@@ -85,8 +107,15 @@ class RowStore {
   virtual Status Scan(uint64_t* cursor, int64_t max_records, int64_t* keys, uint8_t* records,
                       int64_t* count) = 0;
 
-  // found[i] = 1 where the store holds keys[i]. No I/O.
+  // found[i] = 1 where the store holds keys[i]. SegmentStore answers from its
+  // index; RunStore may read (a filter's positives are checked on disk).
   virtual Status Contains(const int64_t* keys, int64_t n, uint8_t* found) const = 0;
+
+  // maybe[i] = 0 where the store surely does not hold keys[i], else 1 (it
+  // may). No I/O. A caller sizes what may come back with it.
+  virtual Status MayContain(const int64_t* keys, int64_t n, uint8_t* maybe) const {
+    return Contains(keys, n, maybe);
+  }
 
   // Hands buffered writes to the operating system (visible to a reopen after
   // the process ends); Sync also makes them durable (fdatasync).

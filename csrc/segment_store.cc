@@ -20,7 +20,9 @@
 #include <vector>
 
 #include "crc32c.h"
+#include "file_io.h"
 #include "hash.h"
+#include "read_pool.h"
 
 namespace kvsparse {
 namespace {
@@ -42,17 +44,6 @@ uint64_t Location(uint64_t segment, uint64_t slot) { return (segment << kSlotBit
 uint32_t SegmentOf(uint64_t location) { return static_cast<uint32_t>(location >> kSlotBits); }
 uint64_t SlotOf(uint64_t location) { return location & kSlotMask; }
 
-std::string ErrnoText(int error) { return std::string(std::strerror(error)); }
-
-Status IoError(const std::string& what, const std::string& path, int error) {
-  if (error == ENOSPC || error == EFBIG || error == EDQUOT) {
-    return Status(StatusCode::kDiskFull, "disk full while " + what + " " + path + ": " +
-                                             ErrnoText(error) +
-                                             "; nothing of the batch was applied");
-  }
-  return Status(StatusCode::kIoError, what + " " + path + ": " + ErrnoText(error));
-}
-
 std::string SegmentName(uint32_t id) {
   char name[32];
   std::snprintf(name, sizeof(name), "segment-%08u.kvs", id);
@@ -68,69 +59,6 @@ bool ParseSegmentName(const std::string& name, uint32_t* id) {
   }
   *id = value;
   return true;
-}
-
-// Writes all of size bytes at offset, retrying short writes and EINTR.
-int WriteAll(int fd, const uint8_t* data, int64_t size, int64_t offset) {
-  while (size > 0) {
-    const ssize_t written = ::pwrite(fd, data, static_cast<size_t>(size), offset);
-    if (written < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    data += written;
-    size -= written;
-    offset += written;
-  }
-  return 0;
-}
-
-// Reads up to size bytes at offset; *got is what the file had.
-int ReadAll(int fd, uint8_t* data, int64_t size, int64_t offset, int64_t* got) {
-  *got = 0;
-  while (size > 0) {
-    const ssize_t read = ::pread(fd, data, static_cast<size_t>(size), offset);
-    if (read < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    if (read == 0) break;
-    data += read;
-    size -= read;
-    offset += read;
-    *got += read;
-  }
-  return 0;
-}
-
-int SyncDirectory(const std::string& directory) {
-  const int fd = ::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return errno;
-  const int rc = ::fsync(fd) == 0 ? 0 : errno;
-  ::close(fd);
-  return rc;
-}
-
-// Creates directory (one level) unless it exists; fails if it holds files.
-Status EmptyDirectory(const std::string& directory) {
-  if (::mkdir(directory.c_str(), 0755) != 0 && errno != EEXIST) {
-    return IoError("creating directory", directory, errno);
-  }
-  DIR* dir = ::opendir(directory.c_str());
-  if (dir == nullptr) return IoError("opening directory", directory, errno);
-  bool empty = true;
-  while (dirent* entry = ::readdir(dir)) {
-    if (std::strcmp(entry->d_name, ".") != 0 && std::strcmp(entry->d_name, "..") != 0) {
-      empty = false;
-    }
-  }
-  ::closedir(dir);
-  if (!empty) {
-    return Status(StatusCode::kInvalidArgument,
-                  "directory " + directory + " is not empty: a checkpoint or restore needs an "
-                                             "empty or missing directory");
-  }
-  return Status::Ok();
 }
 
 // The in-RAM index: open addressing with linear probing over 16-byte
@@ -230,95 +158,6 @@ class LocationIndex {
   std::vector<Entry> entries_;
   uint64_t mask_ = 0;
   uint64_t size_ = 0;
-};
-
-// A fixed pool of threads that run fn(0..count) together with the caller;
-// each index runs once. Used for the preads of one ReadBatch.
-class ReadPool {
- public:
-  explicit ReadPool(int64_t threads) : owner_(::getpid()) {
-    for (int64_t t = 1; t < threads; ++t) {
-      try {
-        workers_.emplace_back([this] { Work(); });
-      } catch (const std::exception&) {
-        break;  // fewer threads only lowers the queue depth
-      }
-    }
-  }
-
-  ~ReadPool() {
-    if (::getpid() != owner_) {
-      for (std::thread& t : workers_) t.detach();  // they live in the parent only
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    wake_.notify_all();
-    for (std::thread& t : workers_) t.join();
-  }
-
-  void Run(int64_t count, const std::function<void(int64_t)>& fn) {
-    if (count <= 0) return;
-    if (::getpid() != owner_) {
-      // A forked child (a server's checkpoint writer) has none of the
-      // workers: the caller reads alone.
-      for (int64_t i = 0; i < count; ++i) fn(i);
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      fn_ = &fn;
-      count_ = count;
-      next_.store(0);
-      active_ = static_cast<int64_t>(workers_.size());
-      ++generation_;
-    }
-    wake_.notify_all();
-    Drain(fn, count);
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return active_ == 0; });
-    fn_ = nullptr;
-  }
-
- private:
-  void Drain(const std::function<void(int64_t)>& fn, int64_t count) {
-    for (int64_t i = next_.fetch_add(1); i < count; i = next_.fetch_add(1)) fn(i);
-  }
-
-  void Work() {
-    uint64_t seen = 0;
-    for (;;) {
-      const std::function<void(int64_t)>* fn;
-      int64_t count;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
-        if (stopping_) return;
-        seen = generation_;
-        fn = fn_;
-        count = count_;
-      }
-      Drain(*fn, count);
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        --active_;
-      }
-      done_.notify_all();
-    }
-  }
-
-  const pid_t owner_;  // the process whose threads workers_ are
-  std::vector<std::thread> workers_;
-  std::mutex mutex_;
-  std::condition_variable wake_, done_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t count_ = 0;
-  std::atomic<int64_t> next_{0};
-  int64_t active_ = 0;
-  uint64_t generation_ = 0;
-  bool stopping_ = false;
 };
 
 struct Segment {

@@ -348,6 +348,8 @@ class EmbeddingTable {
   // MemoryBytes and the disk tier's index: what the table reports to the budget.
   int64_t TierBytes() const;
   void ReportMemory();
+  // The disk tier's merges, paced by the rows moved out, in room the budget has.
+  void RunMaintenance();
   int64_t BackedRows() const;
   int64_t RowGrowthBytes(int64_t last_row) const;
   int64_t BytesPerRow() const;

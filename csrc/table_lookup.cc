@@ -171,7 +171,11 @@ Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const 
     const_cast<EmbeddingTable*>(this)->SettleBudget();
     return Status::Ok();
   }
-  return tier_ != nullptr ? LookupDisk(keys, n, out) : Status::Ok();
+  if (tier_ == nullptr) return Status::Ok();
+  Status read = LookupDisk(keys, n, out);
+  // A refused promotion may have moved rows out before it gave up.
+  if (!tier_->config.concurrent_lookups) const_cast<EmbeddingTable*>(this)->ReportMemory();
+  return read;
 }
 
 void EmbeddingTable::FillInitialRowsCached(const int64_t* keys, int64_t n,

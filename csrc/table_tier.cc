@@ -44,7 +44,7 @@
 
 #include "disk_tier.h"
 #include "hash.h"
-#include "segment_store.h"
+#include "run_store.h"
 #include "table.h"
 #include "table_internal.h"
 #include "table_tier.h"
@@ -60,9 +60,6 @@ constexpr int64_t kMetaBytes = 16;   // step, stamp, touches, last step
 constexpr int64_t kScanBatch = 4096;  // records per scan call of the checkpoint scans
 constexpr int64_t kSamplesPerVictim = 8;
 constexpr int64_t kEvictPieceBytes = 16 << 20;  // records per write when rows move out
-// The disk index costs about this much RAM per row moved to disk (16-byte
-// entries at a load of 0.4 to 0.8).
-constexpr int64_t kDiskIndexBytesPerRow = 24;
 
 std::string HumanBytes(int64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -129,14 +126,20 @@ int64_t EmbeddingTable::RecordBytes() const {
 }
 
 Status EmbeddingTable::OpenTierStore() {
-  SegmentStoreOptions options;
+  RunStoreOptions options;
   options.directory = tier_->StoreDirectory();
   options.record_bytes = RecordBytes();
-  options.segment_bytes = tier_->config.segment_bytes;
   options.read_threads = tier_->config.read_threads;
   options.durable = false;  // spill files: a restarted server restores from a checkpoint
+  // A row moves out only from memory, where it is not on disk: nothing to check.
+  options.check_writes = false;
+  // Its read and merge buffers: a small share of the budget they count against.
+  const int64_t limit = tier_->config.budget->limit();
+  options.buffer_bytes = std::min<int64_t>(8 << 20, std::max<int64_t>(16 << 10, limit / 64));
+  // Merges run after an operation, in room made for them (RunMaintenance).
+  options.merge_buffer_bytes = std::min<int64_t>(16 << 20, std::max<int64_t>(64 << 10, limit / 8));
   std::unique_ptr<RowStore> store;
-  Status s = OpenSegmentStore(options, &store);
+  Status s = OpenRunStore(options, &store);
   if (!s.ok()) return s;
   tier_->store = std::move(store);
   tier_->record_bytes = options.record_bytes;
@@ -210,6 +213,7 @@ TierStats EmbeddingTable::tier_stats() const {
     stats.bytes_updated = disk.bytes_updated;
     stats.gc_segments_freed = disk.gc_segments_freed;
     stats.gc_bytes_moved = disk.gc_bytes_moved;
+    stats.disk_reads = disk.reads;
   }
   return stats;
 }
@@ -374,8 +378,10 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
   }
   // Garbage collection at the pace of the writes: at most twice what this
   // eviction wrote is read and rewritten.
-  int64_t moved = 0;
-  tier_->store->Maintenance(2 * count * tier_->record_bytes, &moved);
+  // Merges at the pace of the writes (each record is merged about
+  // log4(table / batch) times, and a merge step reads and writes it), once
+  // the operation is done: RunMaintenance.
+  tier_->maintenance_credit += 8 * count * tier_->record_bytes;
   return Status::Ok();
 }
 
@@ -449,18 +455,17 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
              grown(static_cast<int64_t>(push_saved_state_.bytes() / 4),
                    existing * RowStateFloats()) +
              grown(static_cast<int64_t>(push_saved_meta_.bytes() / 4), existing * 4));
-    // The disk index doubles when 80% full, the old array alive until the new
-    // one is filled: room for the new one (twice the old) is kept ahead.
+    // The disk index grows by a few bytes per row moved out (no doubling:
+    // csrc/run_store.h), and a batch's reads or a merge step hold a bounded
+    // buffer while they run.
     int64_t disk_index = 0;
+    int64_t index_per_row = 0;
     if (tier_->store != nullptr) {
       const RowStoreStats disk = tier_->store->Stats();
-      const int64_t entries = disk.index_bytes / 16;
-      // Counted from when every row in memory moving out would make it double:
-      // rows moving out to make room for it would otherwise make it double
-      // before their memory is given back (a 90M-row fill was OOM-killed so).
-      if ((disk.live_records + index_.size() + incoming) * 5 > entries * 4) {
-        disk_index = 2 * disk.index_bytes;
-      }
+      index_per_row = disk.index_bytes_per_record;
+      // The reads' buffer holds at most a page per row of the request.
+      disk_index = std::min(disk.working_bytes, incoming * disk.read_unit_bytes + 4096) +
+                   incoming * index_per_row;
     }
     // The records of the rows moving between tiers pass through a buffer of
     // the request (those moving out, then those it brings back). Freed at
@@ -485,18 +490,11 @@ Status EmbeddingTable::MakeRoom(int64_t incoming, const std::vector<int64_t>& ke
     if (incoming > free_now) {
       // Enough rows out that the incoming ones need no new memory (rows
       // moved out cost the disk index a little).
-      evict = incoming - free_now;
+      evict = incoming - free_now + incoming * index_per_row / per_row + 1;
     } else {
       // Over without growing (the disk index or the scratch grew): rows out,
-      // and their chunks back to the system; if moving them out makes the
-      // disk index double, room for its two arrays too.
-      evict = (held + growth - limit) / per_row + 1;
-      const RowStoreStats disk = tier_->store->Stats();
-      if ((disk.live_records + incoming + evict) * 5 > disk.index_bytes / 16 * 4 &&
-          disk_index == 0) {
-        evict += 2 * disk.index_bytes / per_row;
-      }
-      evict = std::max<int64_t>(evict, 0);
+      // and their chunks back to the system.
+      evict = std::max<int64_t>(0, (held + growth - limit) / std::max<int64_t>(1, per_row - index_per_row) + 1);
       compact = true;
     }
     evict = std::min(evict, movable);
@@ -558,6 +556,27 @@ bool EmbeddingTable::ReleaseScratch() {
 void EmbeddingTable::SettleBudget() {
   ReportMemory();
   ShrinkToBudget();
+  RunMaintenance();
+}
+
+void EmbeddingTable::RunMaintenance() {
+  if (tier_ == nullptr || tier_->store == nullptr || pending_push_ != nullptr ||
+      tier_->maintenance_credit <= 0) {
+    return;
+  }
+  // A merge step stages a fragment of records: it runs in room the budget
+  // has, made by moving rows out if need be, so that the budget holds while
+  // it runs too.
+  const int64_t needed = tier_->store->Stats().maintenance_bytes;
+  const int64_t room =
+      tier_->config.budget->limit() - tier_->config.budget->UsedByOthers(this) - TierBytes();
+  if (room < needed && ReleaseMemory(needed - room) < needed - room) return;
+  int64_t moved = 0;
+  Status s = tier_->store->Maintenance(tier_->maintenance_credit, &moved);
+  // Nothing to merge (moved 0) or a failed step (a full disk: tried again
+  // after the next write) ends the credit.
+  tier_->maintenance_credit = s.ok() && moved > 0 ? tier_->maintenance_credit - moved : 0;
+  ReportMemory();
 }
 
 int64_t EmbeddingTable::TierBatchRows() const {
@@ -580,43 +599,48 @@ Status EmbeddingTable::PrepareRows(const int64_t* keys, int64_t n, bool insert) 
       if (rows[i] < 0) absent.push_back(unique[i]);
     }
     const int64_t resident = u - static_cast<int64_t>(absent.size());
-    std::vector<int64_t> on_disk;
+    // The ids the disk may hold (its filters, no I/O); the others are new.
+    std::vector<int64_t> maybe_on_disk;
     if (tier_->store != nullptr && tier_->disk_rows > 0 && !absent.empty()) {
-      std::vector<uint8_t> found(absent.size());
-      Status s = tier_->store->Contains(absent.data(), static_cast<int64_t>(absent.size()),
-                                        found.data());
+      std::vector<uint8_t> maybe(absent.size());
+      Status s = tier_->store->MayContain(absent.data(), static_cast<int64_t>(absent.size()),
+                                          maybe.data());
       if (!s.ok()) return s;
       for (size_t i = 0; i < absent.size(); ++i) {
-        if (found[i]) on_disk.push_back(absent[i]);
+        if (maybe[i]) maybe_on_disk.push_back(absent[i]);
       }
     }
-    const int64_t d = static_cast<int64_t>(on_disk.size());
-    const int64_t fresh = static_cast<int64_t>(absent.size()) - d;
-    tier_->stats.row_lookups += resident + d;
-    tier_->stats.disk_hits += d;
-    const int64_t incoming = d + (insert ? fresh : 0);
+    const int64_t m = static_cast<int64_t>(maybe_on_disk.size());
+    const int64_t fresh = static_cast<int64_t>(absent.size()) - m;
+    const int64_t incoming = m + (insert ? fresh : 0);
     if (incoming > 0) {
       Status s = MakeRoom(incoming, unique, resident, insert ? fresh : 0);
       if (!s.ok()) return s;
     }
-    if (d == 0) return Status::Ok();
-    // Read the request's disk rows in one batch, then put them in memory.
-    std::vector<uint8_t> records(static_cast<size_t>(d * tier_->record_bytes));
-    std::vector<uint8_t> found(static_cast<size_t>(d));
-    Status s = tier_->store->ReadBatch(on_disk.data(), d, records.data(), found.data());
-    if (!s.ok()) return s;
-    s = index_.Reserve(index_.size() + d);
-    if (!s.ok()) return s;
-    int64_t placed = 0;
-    for (; placed < d; ++placed) {
-      if (free_rows_.empty()) EnsureRowsUpTo(next_row_);
-      const int64_t row = InsertReservedRow(on_disk[placed], /*init_slots=*/false);
-      DecodeRow(records.data() + placed * tier_->record_bytes, row);
+    int64_t d = 0;
+    if (m > 0) {
+      // Room in the index and the row arrays first: once the store gave the
+      // rows up, nothing may fail before they are in memory.
+      Status s = index_.Reserve(index_.size() + m);
+      if (!s.ok()) return s;
+      const int64_t new_rows = m - static_cast<int64_t>(free_rows_.size());
+      if (new_rows > 0) EnsureRowsUpTo(next_row_ + new_rows - 1);
+      // One batch of reads, then the rows in memory with their exact state.
+      std::vector<uint8_t> records(static_cast<size_t>(m * tier_->record_bytes));
+      std::vector<uint8_t> found(static_cast<size_t>(m));
+      s = tier_->store->Take(maybe_on_disk.data(), m, records.data(), found.data());
+      if (!s.ok()) return s;
+      for (int64_t i = 0; i < m; ++i) {
+        if (!found[i]) continue;
+        const int64_t row = InsertReservedRow(maybe_on_disk[i], /*init_slots=*/false);
+        DecodeRow(records.data() + i * tier_->record_bytes, row);
+        ++d;
+      }
+      tier_->disk_rows -= d;
+      tier_->stats.rows_read += d;
     }
-    s = tier_->store->Discard(on_disk.data(), d);
-    if (!s.ok()) return s;
-    tier_->disk_rows -= d;
-    tier_->stats.rows_read += d;
+    tier_->stats.row_lookups += resident + d;
+    tier_->stats.disk_hits += d;
   } catch (const std::bad_alloc&) {
     return Status(StatusCode::kOutOfMemory, "out of memory bringing rows back from disk");
   }
@@ -717,22 +741,30 @@ int64_t EmbeddingTable::DiskRowCount() const { return tier_ == nullptr ? 0 : tie
 
 int64_t EmbeddingTable::RemoveFromDisk(const int64_t* keys, int64_t n) {
   if (tier_ == nullptr || tier_->store == nullptr || tier_->disk_rows == 0) return 0;
-  std::vector<uint8_t> found(static_cast<size_t>(n));
-  if (!tier_->store->Contains(keys, n, found.data()).ok()) return 0;
-  std::vector<int64_t> gone;
-  for (int64_t i = 0; i < n; ++i) {
-    if (found[i]) gone.push_back(keys[i]);
+  std::vector<int64_t> unique(keys, keys + n);
+  std::sort(unique.begin(), unique.end());
+  unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
+  const int64_t u = static_cast<int64_t>(unique.size());
+  std::vector<uint8_t> found(static_cast<size_t>(u));
+  // Read to find them (the store's index has no exact membership); in
+  // pieces, so that the records read stay a small buffer.
+  const int64_t piece = std::max<int64_t>(1, (4 << 20) / tier_->record_bytes);
+  std::vector<uint8_t> records(static_cast<size_t>(std::min(u, piece) * tier_->record_bytes));
+  if (change_epoch_ > 1) removed_.reserve(removed_.size() + unique.size());
+  int64_t gone = 0;
+  for (int64_t begin = 0; begin < u; begin += piece) {
+    const int64_t m = std::min(piece, u - begin);
+    if (!tier_->store->Take(unique.data() + begin, m, records.data(), found.data() + begin).ok()) {
+      break;
+    }
+    for (int64_t i = begin; i < begin + m; ++i) {
+      if (!found[i]) continue;
+      if (change_epoch_ > 1) removed_.emplace_back(unique[i], change_epoch_);
+      ++gone;
+    }
   }
-  std::sort(gone.begin(), gone.end());
-  gone.erase(std::unique(gone.begin(), gone.end()), gone.end());
-  if (gone.empty()) return 0;
-  if (change_epoch_ > 1) removed_.reserve(removed_.size() + gone.size());
-  if (!tier_->store->Discard(gone.data(), static_cast<int64_t>(gone.size())).ok()) return 0;
-  for (int64_t key : gone) {
-    if (change_epoch_ > 1) removed_.emplace_back(key, change_epoch_);
-  }
-  tier_->disk_rows -= static_cast<int64_t>(gone.size());
-  return static_cast<int64_t>(gone.size());
+  tier_->disk_rows -= gone;
+  return gone;
 }
 
 int64_t EmbeddingTable::NextDiskRows(int64_t* cursor, int64_t max_rows, bool changed_only,

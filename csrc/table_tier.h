@@ -27,6 +27,8 @@ struct EmbeddingTable::Tier {
   int generation = 0;  // rows-<generation>: the store's directory under spill_dir
   uint64_t random = 0x243F6A8885A308D3ull;
   TierStats stats;
+  // Bytes of merging the writes so far have earned (RunMaintenance).
+  int64_t maintenance_credit = 0;
   // Counted by Lookup, which is const and may run on several threads at once.
   mutable std::atomic<int64_t> lookup_rows{0};
   mutable std::atomic<int64_t> lookup_hits{0};

@@ -344,7 +344,8 @@ cdef class Table:
         Keys: memory_budget (0: none), rows_in_memory, rows_on_disk, memory_bytes (the
         disk index included), disk_bytes, disk_index_bytes, row_lookups (ids named that
         the table stores), disk_hits (of those, on disk), rows_read (brought back),
-        evictions (moved to disk), bytes_read, bytes_written, bytes_updated,
+        evictions (moved to disk), disk_reads (read calls: one page per row looked
+        up, plus the filters' false positives), bytes_read, bytes_written, bytes_updated,
         gc_segments_freed, gc_bytes_moved, compactions.
         """
         cdef EmbeddingTable* c_table = self._table()
@@ -354,7 +355,7 @@ cdef class Table:
             "rows_on_disk": c.rows_on_disk, "memory_bytes": c.memory_bytes,
             "disk_bytes": c.disk_bytes, "disk_index_bytes": c.disk_index_bytes,
             "row_lookups": c.row_lookups, "disk_hits": c.disk_hits, "rows_read": c.rows_read,
-            "evictions": c.evictions, "bytes_read": c.bytes_read,
+            "evictions": c.evictions, "disk_reads": c.disk_reads, "bytes_read": c.bytes_read,
             "bytes_written": c.bytes_written, "bytes_updated": c.bytes_updated,
             "gc_segments_freed": c.gc_segments_freed, "gc_bytes_moved": c.gc_bytes_moved,
             "compactions": c.compactions,

@@ -69,6 +69,7 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         int64_t disk_hits
         int64_t rows_read
         int64_t evictions
+        int64_t disk_reads
         int64_t bytes_read
         int64_t bytes_written
         int64_t bytes_updated

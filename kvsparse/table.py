@@ -294,6 +294,7 @@ TIER_COUNTERS = (
     "row_lookups",
     "disk_hits",
     "evictions",
+    "disk_reads",
     "bytes_read",
     "bytes_written",
     "bytes_updated",

@@ -85,6 +85,7 @@ _TIER_COUNTER_FIELDS = frozenset(
         "row_lookups",
         "disk_hits",
         "evictions",
+        "disk_reads",
         "bytes_read",
         "bytes_written",
         "bytes_updated",

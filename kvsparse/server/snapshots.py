@@ -22,13 +22,14 @@ from typing import Callable
 
 from kvsparse import errors
 
-# Files of a disk tier (csrc/segment_store.h): the writer reads a tiered table's rows on
-# disk through the descriptors it inherited.
-_SEGMENT_FILE = re.compile(r"/segment-\d+\.kvs$")
+# Files of a disk tier (csrc/run_store.h, and csrc/segment_store.h's): the writer reads a
+# tiered table's rows on disk through the descriptors it inherited.
+_SEGMENT_FILE = re.compile(r"/(run-\d+\.kvr|segment-\d+\.kvs)$")
 
 
 def _segment_fds() -> list:
-    """The open descriptors of disk-tier segment files, ascending ([] without /proc)."""
+    """The open descriptors of disk-tier run (or segment) files, ascending ([] without
+    /proc)."""
     found = []
     try:
         names = os.listdir("/proc/self/fd")

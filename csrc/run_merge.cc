@@ -1,0 +1,263 @@
+// RunStore: merges (run_store.h, "Merges keep the runs few").
+//
+// A merge of the runs at positions [first, last] writes one output run placed
+// just after last, one output fragment per step. A step copies the live
+// records of the fragment's hash range from every input, marks them dead
+// there and frees the input fragments it has passed; lookups go newest run
+// first, so at every moment each key is found in the output (range merged)
+// or in its input (range not yet merged), and the RAM added is one fragment's.
+// A step that fails (a full disk) leaves everything as it was before it.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "crc32c.h"
+#include "file_io.h"
+#include "run_store_internal.h"
+
+namespace kvsparse {
+namespace run_store {
+
+namespace {
+
+int SizeClass(int64_t live, int64_t fan_in) {
+  int size_class = 0;
+  for (int64_t size = std::max<int64_t>(live, 1); size >= fan_in; size /= fan_in) ++size_class;
+  return size_class;
+}
+
+constexpr int64_t kMaxRuns = 24;
+
+}  // namespace
+
+bool RunStore::PickMerge() {
+  // Runs with nothing live go at once: no I/O.
+  for (size_t i = 0; i < runs_.size();) {
+    if (runs_[i]->live == 0 && !runs_[i]->building) {
+      DropRun(runs_[i].get());
+      runs_.erase(runs_.begin() + static_cast<long>(i));
+    } else {
+      ++i;
+    }
+  }
+  const int64_t m = static_cast<int64_t>(runs_.size());
+  if (m == 0) return false;
+  const int64_t fan_in = options_.merge_fan_in;
+  int64_t first = -1, last = -1;
+  // merge_fan_in runs of one size class in a row, the newest such group.
+  for (int64_t end = m - 1; end >= 0 && first < 0;) {
+    const int size_class = SizeClass(runs_[end]->live, fan_in);
+    int64_t begin = end;
+    while (begin > 0 && SizeClass(runs_[begin - 1]->live, fan_in) == size_class) --begin;
+    if (end - begin + 1 >= fan_in) {
+      first = end - fan_in + 1;
+      last = end;
+    }
+    end = begin - 1;
+  }
+  // Too many runs (sizes that never line up): the newest fan_in merge.
+  if (first < 0 && m > kMaxRuns) {
+    first = m - fan_in;
+    last = m - 1;
+  }
+  // A run mostly dead (rows taken back into memory) is rewritten alone: its
+  // index costs RAM per record written, live or not.
+  if (first < 0) {
+    int64_t most_dead = 0;
+    for (int64_t i = 0; i < m; ++i) {
+      const Run& run = *runs_[i];
+      const int64_t dead = run.records - run.live;
+      if (run.records >= 4 * records_per_page_ && 2 * run.live < run.records &&
+          dead > most_dead) {
+        most_dead = dead;
+        first = last = i;
+      }
+    }
+  }
+  if (first < 0) return false;
+  std::unique_ptr<Run> output(new Run());
+  if (!CreateRunFile(output.get()).ok()) return false;  // tried again at the next call
+  int64_t live = 0;
+  std::unique_ptr<Merge> merge(new Merge());
+  for (int64_t i = first; i <= last; ++i) {
+    live += runs_[i]->live;
+    MergeInput input;
+    input.run = runs_[i].get();
+    merge->inputs.push_back(input);
+  }
+  output->fragment_bits = FragmentBitsFor(live);
+  output->fragments.resize(size_t{1} << output->fragment_bits);
+  output->building = true;
+  merge->output = output.get();
+  runs_.insert(runs_.begin() + last + 1, std::move(output));
+  merge_ = std::move(merge);
+  return true;
+}
+
+Status RunStore::MergeFragment(int64_t* moved) {
+  Merge& merge = *merge_;
+  Run& output = *merge.output;
+  const int64_t g = merge.next_fragment;
+  const bool last_fragment = g + 1 == static_cast<int64_t>(output.fragments.size());
+  const uint64_t end = last_fragment ? 0 : output.FragmentBegin(g + 1);
+  auto before_end = [&](uint64_t hash) { return last_fragment || hash < end; };
+  const int64_t entry_bytes = EntryBytes();
+
+  // Stage the range's live records of every input: (hash, offset in staged).
+  std::vector<std::pair<uint64_t, int64_t>> order;
+  std::vector<uint8_t> staged;
+  struct Copied {
+    Fragment* fragment;
+    int64_t bit;
+  };
+  std::vector<Copied> copied;
+  std::vector<MergeInput> positions = merge.inputs;  // moved on only if the step succeeds
+  std::vector<Fragment*> passed;                     // input fragments wholly merged
+  std::vector<uint8_t> buffer(static_cast<size_t>(StreamPages() * page_bytes_));
+  int64_t bytes_read = 0;
+  for (MergeInput& input : positions) {
+    const Run& run = *input.run;
+    bool done = false;
+    while (!done && input.fragment < static_cast<int64_t>(run.fragments.size())) {
+      Fragment& fragment = input.run->fragments[input.fragment];
+      if (input.page >= fragment.pages) {
+        if (fragment.pages > 0) passed.push_back(&fragment);
+        ++input.fragment;
+        input.page = input.entry = 0;
+        continue;
+      }
+      if (!before_end(run.FragmentBegin(input.fragment)) && input.page == 0 && input.entry == 0) {
+        break;  // this input's next fragment starts past the range
+      }
+      const int64_t chunk = std::min<int64_t>(StreamPages(), fragment.pages - input.page);
+      const int64_t first = fragment.first_page + input.page;
+      int64_t got = 0;
+      const int error =
+          ReadAll(run.fd, buffer.data(), chunk * page_bytes_, PageOffset(first), &got);
+      if (error != 0) return IoError("reading run file", PathOf(run), error);
+      bytes_read += got;
+      if (got != chunk * page_bytes_) {
+        return CorruptPage(run, first + got / page_bytes_, "the file ends inside it");
+      }
+      for (int64_t p = 0; p < chunk && !done; ++p) {
+        const uint8_t* page = buffer.data() + p * page_bytes_;
+        if (Status s = CheckPage(run, first + p, page); !s.ok()) return s;
+        uint32_t count;
+        std::memcpy(&count, page + 4, 4);
+        for (; input.entry < count; ++input.entry) {
+          const uint8_t* at = page + kPageHeaderBytes + input.entry * entry_bytes;
+          int64_t key;
+          std::memcpy(&key, at, 8);
+          const uint64_t hash = KeyHash(key);
+          if (!before_end(hash)) {
+            done = true;
+            break;
+          }
+          const int64_t bit = input.page * records_per_page_ + input.entry;
+          if (!fragment.Live(bit)) continue;
+          order.push_back({hash, static_cast<int64_t>(staged.size())});
+          staged.insert(staged.end(), at, at + entry_bytes);
+          copied.push_back({&fragment, bit});
+        }
+        if (!done) {
+          ++input.page;
+          input.entry = 0;
+        }
+      }
+    }
+  }
+
+  // Write the output fragment.
+  std::sort(order.begin(), order.end());
+  Fragment built;
+  const int64_t count = static_cast<int64_t>(order.size());
+  built.first_page = output.pages;
+  int64_t bytes_written = 0;
+  if (count > 0) {
+    built.records = built.live = count;
+    built.pages = (count + records_per_page_ - 1) / records_per_page_;
+    built.page_hash.resize(static_cast<size_t>(built.pages));
+    built.bloom.assign(static_cast<size_t>(Bloom::Words(count, options_.bloom_bits_per_key)), 0);
+    built.live_bits.assign(static_cast<size_t>((built.pages * records_per_page_ + 63) / 64), 0);
+    int64_t buffered = 0, flushed = 0;
+    for (int64_t p = 0; p < built.pages; ++p) {
+      uint8_t* page = buffer.data() + buffered * page_bytes_;
+      std::memset(page, 0, static_cast<size_t>(page_bytes_));
+      const int64_t from = p * records_per_page_;
+      const int64_t to = std::min(count, from + records_per_page_);
+      const uint32_t in_page = static_cast<uint32_t>(to - from);
+      std::memcpy(page + 4, &in_page, 4);
+      built.page_hash[p] = order[from].first;
+      for (int64_t j = from; j < to; ++j) {
+        std::memcpy(page + kPageHeaderBytes + (j - from) * entry_bytes,
+                    staged.data() + order[j].second, static_cast<size_t>(entry_bytes));
+        Bloom::Add(&built.bloom, order[j].first);
+        const int64_t bit = p * records_per_page_ + (j - from);
+        built.live_bits[bit >> 6] |= uint64_t{1} << (bit & 63);
+      }
+      const uint32_t crc = Crc32c(page + 4, static_cast<size_t>(page_bytes_ - 4));
+      std::memcpy(page, &crc, 4);
+      if (++buffered == StreamPages() || p + 1 == built.pages) {
+        const int error = WriteAll(output.fd, buffer.data(), buffered * page_bytes_,
+                                   PageOffset(built.first_page + flushed));
+        if (error != 0) return IoError("writing run file", PathOf(output), error);
+        bytes_written += buffered * page_bytes_;
+        flushed += buffered;
+        buffered = 0;
+      }
+    }
+  }
+
+  // Commit: the output fragment in, the copied records dead in the inputs,
+  // the passed input fragments freed.
+  output.fragments[g] = std::move(built);
+  output.pages += output.fragments[g].pages;
+  output.records += count;
+  output.live += count;
+  output.synced = false;
+  for (const Copied& copy : copied) copy.fragment->SetDead(copy.bit);
+  // Live counts: each copied record leaves its input fragment and run.
+  for (const Copied& copy : copied) --copy.fragment->live;
+  for (MergeInput& input : positions) {
+    int64_t live = 0, records = 0;
+    for (Fragment& fragment : input.run->fragments) {
+      for (Fragment* gone : passed) {
+        if (gone == &fragment) fragment.Free();
+      }
+      live += fragment.live;
+      records += fragment.records;
+    }
+    input.run->live = live;
+    input.run->records = records;
+  }
+  merge.inputs = positions;
+  merge.next_fragment = g + 1;
+  stats_.bytes_read += bytes_read;
+  stats_.bytes_written += bytes_written;
+  stats_.gc_bytes_moved += bytes_read + bytes_written;
+  stats_.gc_records_moved += count;
+  *moved = std::max<int64_t>(1, bytes_read + bytes_written);
+  return Status::Ok();
+}
+
+void RunStore::FinishMerge() {
+  Merge& merge = *merge_;
+  merge.output->building = false;
+  for (const MergeInput& input : merge.inputs) {
+    for (size_t i = 0; i < runs_.size(); ++i) {
+      if (runs_[i].get() == input.run) {
+        DropRun(runs_[i].get());
+        runs_.erase(runs_.begin() + static_cast<long>(i));
+        ++stats_.gc_segments_freed;
+        break;
+      }
+    }
+  }
+  merge_.reset();
+}
+
+}  // namespace run_store
+}  // namespace kvsparse
