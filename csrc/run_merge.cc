@@ -144,7 +144,9 @@ Status RunStore::MergeFragment(int64_t* moved) {
       }
       for (int64_t p = 0; p < chunk && !done; ++p) {
         const uint8_t* page = buffer.data() + p * page_bytes_;
-        if (Status s = CheckPage(run, first + p, page); !s.ok()) return s;
+        if (Status s = CheckPage(run, first + p, page); !s.ok()) {
+          return Status(s.code(), s.message() + " (it says it holds " + PageKeys(page) + ")");
+        }
         uint32_t count;
         std::memcpy(&count, page + 4, 4);
         for (; input.entry < count; ++input.entry) {

@@ -121,6 +121,20 @@ Status RunStore::CorruptPage(const Run& run, int64_t page, const std::string& wh
                     "; its records are not served");
 }
 
+std::string RunStore::PageKeys(const uint8_t* page) const {
+  uint32_t count;
+  std::memcpy(&count, page + 4, 4);
+  const int64_t shown = std::min<int64_t>({count, records_per_page_, 8});
+  std::string text;
+  for (int64_t e = 0; e < shown; ++e) {
+    int64_t key;
+    std::memcpy(&key, page + kPageHeaderBytes + e * EntryBytes(), 8);
+    text += (e > 0 ? ", key " : "key ") + std::to_string(key);
+  }
+  if (count > shown) text += ", ...";
+  return text.empty() ? "no records" : text;
+}
+
 Status RunStore::CheckPage(const Run& run, int64_t file_page, const uint8_t* page) const {
   uint32_t crc, count;
   std::memcpy(&crc, page, 4);
@@ -334,8 +348,10 @@ Status RunStore::Locate(const int64_t* keys, int64_t n, std::vector<Location>* w
       });
       stats_.reads += static_cast<int64_t>(reads.size());
       stats_.bytes_read += static_cast<int64_t>(reads.size()) * page_bytes_;
-      for (const Status& error : errors) {
-        if (!error.ok()) return error;
+      for (const auto& [probe, slot] : round) {
+        if (errors[slot].ok()) continue;
+        return Status(errors[slot].code(), errors[slot].message() + " (looking up key " +
+                                               std::to_string(keys[probe.index]) + ")");
       }
       for (auto& [probe, slot] : round) {
         const uint8_t* page = buffer.data() + slot * page_bytes_;
@@ -515,7 +531,9 @@ Status RunStore::Scan(uint64_t* cursor, int64_t max_records, int64_t* keys, uint
       }
       for (int64_t p = 0; p < chunk && *count < max_records; ++p) {
         const uint8_t* data = buffer.data() + p * page_bytes_;
-        if (Status s = CheckPage(run, first + p, data); !s.ok()) return s;
+        if (Status s = CheckPage(run, first + p, data); !s.ok()) {
+          return Status(s.code(), s.message() + " (it says it holds " + PageKeys(data) + ")");
+        }
         uint32_t in_page;
         std::memcpy(&in_page, data + 4, 4);
         for (; entry < in_page && *count < max_records; ++entry) {

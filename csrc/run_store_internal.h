@@ -182,6 +182,8 @@ class RunStore final : public RowStore {
   // Verifies a page read into buffer (crc, count); the key looked up, if any,
   // goes into the message.
   Status CheckPage(const Run& run, int64_t file_page, const uint8_t* page) const;
+  // The keys a page says it holds, for messages (unverified: it failed its check).
+  std::string PageKeys(const uint8_t* page) const;
 
   // Finds keys (the whole lookup: filters, then rounds of page reads). On
   // success where[i].run is the key's live location or null. Reads the

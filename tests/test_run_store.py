@@ -1,0 +1,225 @@
+"""RunStore (csrc/run_store.h), the disk tier's engine, against a plain dict model.
+
+Tables many times the size of what one write holds, through writes, takes, reads, merges
+(maintenance) and checkpoint/restore by reference; the RAM its index holds per record;
+a corrupt page named; a checkpoint killed before its MANIFEST refused.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import subprocess_env
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvsparse import errors
+from kvsparse._core import RunStore
+
+RECORD = 80  # a dim-16 float32 row under SGD and its 16 bytes of metadata
+
+
+def records_for(keys, salt):
+    keys = np.asarray(keys, dtype=np.int64)
+    return ((keys[:, None] * 31 + np.arange(RECORD)[None, :] + salt) % 251).astype(np.uint8)
+
+
+class DictModel:
+    """What the store must hold: key -> record bytes."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def write(self, keys, records):
+        for key, record in zip(keys.tolist(), records):
+            self.rows[key] = record.copy()
+
+    def take(self, keys):
+        return [self.rows.pop(key, None) for key in keys.tolist()]
+
+    def check(self, store, keys):
+        out, found = store.read(np.asarray(keys, dtype=np.int64))
+        for i, key in enumerate(keys):
+            want = self.rows.get(int(key))
+            assert bool(found[i]) == (want is not None), key
+            if want is not None:
+                np.testing.assert_array_equal(out[i], want, err_msg=str(key))
+
+
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    batches=st.integers(20, 60),
+    batch=st.sampled_from([1, 7, 300, 2000]),
+    fan_in=st.sampled_from([2, 4]),
+)
+def test_writes_takes_and_merges_equal_a_dict(tmp_path_factory, seed, batches, batch, fan_in):
+    """Rows move out (write) and back (take) as a disk tier moves them; maintenance merges
+    between; the table ends up ~30x one write's size; every read equals the model."""
+    rng = np.random.default_rng(seed)
+    directory = tmp_path_factory.mktemp("runs")
+    store = RunStore(str(directory / "s"), RECORD, merge_fan_in=fan_in, check_writes=True)
+    model = DictModel()
+    universe = batch * 40
+    for step in range(batches):
+        held = np.fromiter(model.rows.keys(), dtype=np.int64, count=len(model.rows))
+        fresh = rng.integers(-universe, universe, batch).astype(np.int64)
+        fresh = np.unique(fresh[~np.isin(fresh, held)])
+        records = records_for(fresh, step)
+        store.write(fresh, records)
+        model.write(fresh, records)
+        asked = np.concatenate(
+            [
+                rng.choice(held, min(len(held), batch // 2 + 1))
+                if len(held)
+                else np.zeros(0, np.int64),
+                rng.integers(-universe, universe, 3),
+            ]
+        )
+        out, found = store.take(asked.astype(np.int64))
+        seen = set()
+        for i, key in enumerate(asked.tolist()):
+            want = None if key in seen else model.rows.pop(key, None)
+            seen.add(key)
+            assert bool(found[i]) == (want is not None) or key in seen, key
+            if want is not None:
+                assert found[i], key
+                np.testing.assert_array_equal(out[i], want)
+        store.maintenance(int(rng.integers(1, 4)) * batch * RECORD * 8)
+        if step % 10 == 0:
+            model.check(store, rng.integers(-universe, universe, 50))
+    stats = store.stats()
+    assert stats["live_records"] == len(model.rows)
+    keys = np.array(sorted(model.rows), dtype=np.int64)
+    model.check(store, keys)
+    # A write of a key the store holds is refused whole.
+    if len(keys):
+        with pytest.raises(errors.InvalidArgument, match="already in the run store"):
+            store.write(keys[:1], records_for(keys[:1], 0))
+    # Checkpoint by reference, restore: the same rows, the index read from the MANIFEST.
+    store.checkpoint(str(directory / "ckpt"))
+    restored = RunStore.restore(str(directory / "ckpt"), str(directory / "back"), RECORD)
+    model.check(restored, keys)
+    assert restored.stats()["live_records"] == len(model.rows)
+    # The restored store moves on alone: taking from it changes neither the checkpoint
+    # nor the original store.
+    if len(keys):
+        restored.take(keys[: len(keys) // 2])
+        model.check(store, keys)
+        again = RunStore.restore(str(directory / "ckpt"), str(directory / "again"), RECORD)
+        model.check(again, keys)
+        again.close()
+    restored.close()
+    store.close()
+
+
+def test_ram_per_record_on_disk_is_under_two_bytes_at_scale(tmp_path):
+    """A million dim-16 records written as a tier writes them (blocks of 65,536), merged:
+    the index holds under 2 bytes per record and never doubles."""
+    store = RunStore(str(tmp_path / "s"), RECORD, check_writes=False)
+    peak = 0
+    block = 65536
+    for start in range(0, 1 << 20, block):
+        keys = np.arange(start, start + block, dtype=np.int64) * 7919
+        store.write(keys, records_for(keys, 1))
+        store.maintenance(block * RECORD * 8)
+        stats = store.stats()
+        peak = max(peak, stats["index_bytes"] / stats["live_records"])
+    while store.maintenance(64 << 20):
+        pass
+    stats = store.stats()
+    per_record = stats["index_bytes"] / stats["live_records"]
+    assert per_record < 2.0, stats
+    assert peak < 3.0, peak
+    keys = np.arange(0, 1 << 20, 997, dtype=np.int64) * 7919
+    before = stats["reads"]
+    out, found = store.read(keys)
+    assert found.all()
+    np.testing.assert_array_equal(out, records_for(keys, 1))
+    reads_per_lookup = (store.stats()["reads"] - before) / len(keys)
+    assert reads_per_lookup <= 1.1, reads_per_lookup
+
+
+def test_a_corrupt_page_is_named_and_never_served(tmp_path):
+    store = RunStore(str(tmp_path / "s"), RECORD)
+    keys = np.arange(1000, dtype=np.int64)
+    store.write(keys, records_for(keys, 3))
+    store.close()
+    (path,) = (tmp_path / "s").glob("run-*.kvr")
+    data = bytearray(path.read_bytes())
+    data[64 + 8 + 8 + 5] ^= 0x10  # first page, first record's payload
+    path.write_bytes(bytes(data))
+    store = RunStore(str(tmp_path / "back"), RECORD)
+    store.close()
+    # Reopen through a checkpoint of the damaged file: RunStore reads its MANIFEST.
+    healthy = RunStore(str(tmp_path / "h"), RECORD)
+    healthy.write(keys, records_for(keys, 3))
+    healthy.checkpoint(str(tmp_path / "ckpt"))
+    healthy.close()
+    (linked,) = (tmp_path / "ckpt").glob("run-*.kvr")
+    os.unlink(linked)
+    linked.write_bytes(bytes(data))
+    damaged = RunStore.restore(str(tmp_path / "ckpt"), str(tmp_path / "d"), RECORD)
+    count = int.from_bytes(data[64 + 4 : 64 + 8], "little")
+    first_page_keys = [
+        int.from_bytes(data[64 + 8 + i * (8 + RECORD) :][:8], "little", signed=True)
+        for i in range(count)
+    ]
+    with pytest.raises(errors.CorruptRecord) as raised:
+        damaged.read(np.array(first_page_keys[:1], dtype=np.int64))
+    message = str(raised.value)
+    assert linked.name in message and "offset 64" in message, message
+    assert f"key {first_page_keys[0]}" in message, message
+    # Keys of other pages are served exactly.
+    others = np.array([k for k in range(1000) if k not in first_page_keys], dtype=np.int64)
+    out, found = damaged.read(others[-100:])
+    assert found.all()
+    np.testing.assert_array_equal(out, records_for(others[-100:], 3))
+
+
+def test_a_checkpoint_killed_before_its_manifest_is_refused(tmp_path):
+    """kill -9 of a process in the middle of checkpoints by reference: a checkpoint
+    directory without MANIFEST is refused by name; the ones that finished restore."""
+    script = f"""
+import numpy as np, os, sys
+from kvsparse._core import RunStore
+store = RunStore({str(tmp_path / "s")!r}, {RECORD}, check_writes=False)
+keys = np.arange(200000, dtype=np.int64)
+store.write(keys, np.zeros((len(keys), {RECORD}), np.uint8))
+i = 0
+while True:
+    store.checkpoint(os.path.join({str(tmp_path)!r}, f"ckpt-{{i}}"))
+    print(i, flush=True)
+    i += 1
+"""
+    process = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, env=subprocess_env(), text=True
+    )
+    try:
+        for _ in range(3):
+            line = process.stdout.readline()
+            assert line, "the checkpointing process ended"
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    finished = refused = 0
+    for directory in sorted(tmp_path.glob("ckpt-*")):
+        target = tmp_path / ("restored-" + directory.name)
+        if (directory / "MANIFEST").exists():
+            store = RunStore.restore(str(directory), str(target), RECORD)
+            assert store.stats()["live_records"] == 200000
+            store.close()
+            finished += 1
+        else:
+            with pytest.raises(errors.CorruptRecord, match="no MANIFEST"):
+                RunStore.restore(str(directory), str(target), RECORD)
+            refused += 1
+    assert finished >= 3
