@@ -817,7 +817,7 @@ def test_a_corrupted_record_is_named_and_never_served(tmp_path):
     # copy; a merge in progress may hold a dead one too). A byte of each copy flipped.
     records = records_of(5, tmp_path / "spill-emb")
     assert records, records
-    for path, page, at in records:
+    for path, _, at in records:
         flip_byte(path, at + 8 + 17)
     names = {path.name for path, _, _ in records}
     offsets = {page for _, page, _ in records}
