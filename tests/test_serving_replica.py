@@ -655,7 +655,7 @@ def test_a_replica_serves_a_table_larger_than_its_memory_budget(tmp_path, replic
     replica = replicas(
         tmp_path / "ckpt", "--memory-budget", "8MiB", "--spill-dir", str(spill), http=False
     )
-    assert any(spill.rglob("segment-*.kvs")), "the replica's rows did not spill"
+    assert any(spill.rglob("run-*.kvr")), "the replica's rows did not spill"
     with Client([replica.address]) as client:
         for start in range(0, ids.size, 500):
             part = ids[start : start + 500]
