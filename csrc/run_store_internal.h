@@ -38,7 +38,7 @@ constexpr const char* kManifestName = "MANIFEST";
 inline uint64_t KeyHash(int64_t key) { return Mix64(static_cast<uint64_t>(key)); }
 
 // A blocked Bloom filter over a fragment's hashes: 512-bit blocks, 7 probes
-// in one block.
+// in one block. Thread-safety: static functions over the caller's words.
 struct Bloom {
   static constexpr int kProbes = 7;
   static uint64_t Block(uint64_t hash, uint64_t blocks) {
@@ -72,7 +72,8 @@ struct Bloom {
 };
 
 // One fragment of a run: its pages and their index. Empty (pages == 0) once a
-// merge has moved it into a newer run.
+// merge has moved it into a newer run. Thread-safety: none of its own; the
+// RunStore's mutex guards every Fragment, Run and Merge.
 struct Fragment {
   int64_t first_page = 0;  // in the run's file
   int64_t pages = 0;
@@ -144,6 +145,8 @@ struct Merge {
   int64_t next_fragment = 0;
 };
 
+// Thread-safety: every public call takes mutex_; Locate's page reads run on
+// pool_'s threads, which only read the files and write their own buffers.
 class RunStore final : public RowStore {
  public:
   explicit RunStore(const RunStoreOptions& options);
