@@ -19,22 +19,19 @@
 #include <string>
 #include <vector>
 
+#include "../../csrc/hash.h"
+
 namespace engine_bench {
 // Records: every byte a function of (key, version), so that a record read
 // back can be checked without keeping a copy.
 
-inline uint64_t SplitMix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
+using kvsparse::Mix64;  // splitmix64's finalizer, the core's own
 
 inline void Pattern(int64_t key, uint32_t version, int64_t record_bytes, uint8_t* out) {
-  const uint64_t seed = SplitMix64(static_cast<uint64_t>(key)) ^ (uint64_t{version} << 40);
+  const uint64_t seed = Mix64(static_cast<uint64_t>(key)) ^ (uint64_t{version} << 40);
   int64_t offset = 0;
   for (uint64_t word = 0; offset < record_bytes; ++word) {
-    const uint64_t value = SplitMix64(seed + word);
+    const uint64_t value = Mix64(seed + word);
     const int64_t take = std::min<int64_t>(8, record_bytes - offset);
     std::memcpy(out + offset, &value, static_cast<size_t>(take));
     offset += take;
