@@ -133,6 +133,18 @@ class RowStore {
   // brings the rows back.
   virtual Status Checkpoint(const std::string& directory) = 0;
 
+  // Checkpoint in two halves, for a checkpoint written by a snapshot of the
+  // process (a fork) while the store goes on changing: LinkCheckpoint in the
+  // owner, right before the snapshot, hard-links the files (never copies:
+  // an error across file systems), and FinishCheckpoint in the snapshot
+  // makes them durable and writes the manifest of the store as it was then.
+  // A store whose files are not immutable cannot split it (the defaults).
+  virtual Status LinkCheckpoint(const std::string& directory) {
+    (void)directory;
+    return Status(StatusCode::kInvalidArgument, "this store cannot link a checkpoint ahead");
+  }
+  virtual Status FinishCheckpoint(const std::string& directory) { return Checkpoint(directory); }
+
   virtual RowStoreStats Stats() const = 0;
 
   // Syncs and closes the files; any later call returns an error.

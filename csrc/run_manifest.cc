@@ -151,24 +151,58 @@ Status RunStore::WriteManifest(const std::string& directory) const {
   return Status::Ok();
 }
 
-Status RunStore::Checkpoint(const std::string& directory) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (Status s = CheckOpen(); !s.ok()) return s;
+Status RunStore::LinkRuns(const std::string& directory, bool copy_across) {
   if (Status s = EmptyDirectory(directory); !s.ok()) return s;
   for (auto& run : runs_) {
+    const std::string to = directory + "/" + run->name;
+    Status s = copy_across ? LinkOrCopy(PathOf(*run), to) : Status::Ok();
+    if (!copy_across && ::link(PathOf(*run).c_str(), to.c_str()) != 0) {
+      s = IoError("linking", PathOf(*run) + " to " + to, errno);
+    }
+    if (!s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
+Status RunStore::SyncAndWriteManifest(const std::string& directory) {
+  for (auto& run : runs_) {
+    // Every run the manifest names must be there (LinkCheckpoint linked them).
+    struct stat info;
+    const std::string linked = directory + "/" + run->name;
+    if (::stat(linked.c_str(), &info) != 0) {
+      return Status(StatusCode::kIoError, "checkpoint " + directory + " lacks the run file " +
+                                              run->name + " (linked before the store changed?)");
+    }
     // A spill run's pages may still be in the page cache only.
     if (!run->synced) {
       if (::fdatasync(run->fd) != 0) return IoError("syncing run file", PathOf(*run), errno);
       run->synced = !run->building;
     }
-    Status s = LinkOrCopy(PathOf(*run), directory + "/" + run->name);
-    if (!s.ok()) return s;
   }
   try {
     return WriteManifest(directory);
   } catch (const std::bad_alloc&) {
     return Status(StatusCode::kOutOfMemory, "out of memory writing the run store manifest");
   }
+}
+
+Status RunStore::Checkpoint(const std::string& directory) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (Status s = CheckWritable(); !s.ok()) return s;
+  if (Status s = LinkRuns(directory, /*copy_across=*/true); !s.ok()) return s;
+  return SyncAndWriteManifest(directory);
+}
+
+Status RunStore::LinkCheckpoint(const std::string& directory) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (Status s = CheckWritable(); !s.ok()) return s;
+  return LinkRuns(directory, /*copy_across=*/false);
+}
+
+Status RunStore::FinishCheckpoint(const std::string& directory) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (Status s = CheckOpen(); !s.ok()) return s;
+  return SyncAndWriteManifest(directory);
 }
 
 Status RunStore::LoadManifest() {
@@ -191,14 +225,21 @@ Status RunStore::LoadManifest() {
       !reader.Get(&next_id) || !reader.Get(&run_count)) {
     return malformed("truncated header");
   }
-  if (record_bytes != static_cast<uint64_t>(options_.record_bytes) ||
-      page_bytes != static_cast<uint64_t>(page_bytes_) ||
-      records_per_page != static_cast<uint64_t>(records_per_page_)) {
+  if (record_bytes != static_cast<uint64_t>(options_.record_bytes)) {
     return Status(StatusCode::kInvalidArgument,
                   "the run store in " + options_.directory + " holds records of " +
                       std::to_string(record_bytes) + " bytes, not " +
                       std::to_string(options_.record_bytes));
   }
+  // Its pages keep the size they were written with (a store opened with
+  // other buffers, e.g. under another budget, would pick another).
+  const uint64_t entry = static_cast<uint64_t>(EntryBytes());
+  const uint64_t header = static_cast<uint64_t>(kPageHeaderBytes);
+  if (page_bytes < header + entry || page_bytes > (uint64_t{64} << 20) ||
+      records_per_page != (page_bytes - header) / entry) {
+    return malformed("page size " + std::to_string(page_bytes) + " does not fit its records");
+  }
+  SetPageBytes(static_cast<int64_t>(page_bytes));
   const uint64_t word_limit = data.size() / 8;
   for (uint64_t r = 0; r < run_count; ++r) {
     std::unique_ptr<Run> run(new Run());

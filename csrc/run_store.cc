@@ -33,9 +33,8 @@ std::string RunName(uint64_t id) {
 
 RunStore::RunStore(const RunStoreOptions& options) : options_(options) {
   const int64_t entry = EntryBytes();
-  if (entry <= (4096 - kPageHeaderBytes) / 16) {
-    page_bytes_ = 4096;
-  } else {
+  int64_t page_bytes = 4096;
+  if (entry > (4096 - kPageHeaderBytes) / 16) {
     // A wide record: up to 24 per page keep the page index under ~0.4 B per
     // record; past 16 KiB a page the index is nothing beside the records,
     // and smaller pages keep reads and merges small. A page fits a quarter
@@ -43,14 +42,19 @@ RunStore::RunStore(const RunStoreOptions& options) : options_(options) {
     const int64_t cap = std::max<int64_t>(4096, options.buffer_bytes / 4);
     int64_t per_page = std::max<int64_t>(1, std::min<int64_t>(24, 16384 / entry));
     while (per_page > 1 && kPageHeaderBytes + per_page * entry > cap) --per_page;
-    page_bytes_ = kPageHeaderBytes + per_page * entry;
+    page_bytes = kPageHeaderBytes + per_page * entry;
   }
-  records_per_page_ = (page_bytes_ - kPageHeaderBytes) / entry;
-  read_round_pages_ = std::max<int64_t>(1, options.buffer_bytes / page_bytes_);
+  SetPageBytes(page_bytes);
+  stats_.record_bytes = options.record_bytes;
+}
+
+void RunStore::SetPageBytes(int64_t page_bytes) {
+  page_bytes_ = page_bytes;
+  records_per_page_ = (page_bytes_ - kPageHeaderBytes) / EntryBytes();
+  read_round_pages_ = std::max<int64_t>(1, options_.buffer_bytes / page_bytes_);
   // A merge stages up to two fragments' worth of records.
   min_pages_per_fragment_ = std::max<int64_t>(
-      1, std::min<int64_t>(64, options.merge_buffer_bytes / 2 / page_bytes_));
-  stats_.record_bytes = options.record_bytes;
+      1, std::min<int64_t>(64, options_.merge_buffer_bytes / 2 / page_bytes_));
 }
 
 RunStore::~RunStore() { Close(); }
@@ -60,7 +64,21 @@ Status RunStore::CheckOpen() const {
   return Status::Ok();
 }
 
+Status RunStore::CheckWritable() const {
+  if (Status s = CheckOpen(); !s.ok()) return s;
+  if (options_.read_only) {
+    return Status(StatusCode::kInvalidArgument,
+                  "the run store in " + options_.directory + " is open read-only (a checkpoint)");
+  }
+  return Status::Ok();
+}
+
 Status RunStore::Open() {
+  if (options_.read_only) {
+    // A checkpoint read in place: nothing is created, written or removed.
+    pool_.reset(new ReadPool(std::max<int64_t>(1, options_.read_threads)));
+    return LoadManifest();
+  }
   if (::mkdir(options_.directory.c_str(), 0755) != 0 && errno != EEXIST) {
     return IoError("creating directory", options_.directory, errno);
   }
@@ -228,7 +246,7 @@ Status RunStore::WriteRun(const std::vector<std::pair<uint64_t, int64_t>>& order
 
 Status RunStore::WriteBatch(const int64_t* keys, int64_t n, const uint8_t* records) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (Status s = CheckOpen(); !s.ok()) return s;
+  if (Status s = CheckWritable(); !s.ok()) return s;
   if (n <= 0) return Status::Ok();
   try {
     // Sorted by hash; a key given twice keeps its last record.
@@ -417,7 +435,7 @@ Status RunStore::ReadBatch(const int64_t* keys, int64_t n, uint8_t* out, uint8_t
 
 Status RunStore::Take(const int64_t* keys, int64_t n, uint8_t* out, uint8_t* found) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (Status s = CheckOpen(); !s.ok()) return s;
+  if (Status s = CheckWritable(); !s.ok()) return s;
   try {
     std::vector<Location> where;
     Status s = Locate(keys, n, &where, out);
@@ -437,7 +455,7 @@ Status RunStore::Take(const int64_t* keys, int64_t n, uint8_t* out, uint8_t* fou
 
 Status RunStore::Discard(const int64_t* keys, int64_t n) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (Status s = CheckOpen(); !s.ok()) return s;
+  if (Status s = CheckWritable(); !s.ok()) return s;
   try {
     std::vector<Location> where;
     Status s = Locate(keys, n, &where, nullptr);
@@ -574,7 +592,7 @@ Status RunStore::Sync() {
 Status RunStore::Maintenance(int64_t max_bytes, int64_t* bytes_moved) {
   std::lock_guard<std::mutex> lock(mutex_);
   *bytes_moved = 0;
-  if (Status s = CheckOpen(); !s.ok()) return s;
+  if (Status s = CheckWritable(); !s.ok()) return s;
   try {
     while (*bytes_moved < max_bytes) {
       if (merge_ == nullptr && !PickMerge()) break;

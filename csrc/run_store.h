@@ -78,6 +78,10 @@ struct RunStoreOptions {
   // restarted server restores from its checkpoint). Checkpoint syncs the
   // files it links either way.
   bool durable = true;
+  // Opens the store a MANIFEST in directory describes (a checkpoint) in
+  // place, for reads and scans only: nothing there is created, written,
+  // merged or removed; writes, takes and Maintenance are refused.
+  bool read_only = false;
 };
 
 // Opens the store in options.directory: a new one in a missing or empty

@@ -167,6 +167,8 @@ class RunStore final : public RowStore {
   Status Sync() override;
   Status Maintenance(int64_t max_bytes, int64_t* bytes_moved) override;
   Status Checkpoint(const std::string& directory) override;
+  Status LinkCheckpoint(const std::string& directory) override;
+  Status FinishCheckpoint(const std::string& directory) override;
   RowStoreStats Stats() const override;
   Status Close() override;
 
@@ -180,6 +182,10 @@ class RunStore final : public RowStore {
   int64_t MergeStagingBytes() const;
   int64_t PageOffset(int64_t page) const { return kFileHeaderBytes + page * page_bytes_; }
   Status CheckOpen() const;
+  Status CheckWritable() const;  // open, and not read_only
+  // The page size and what follows from it (records per page, read rounds,
+  // fragment size): the options' at first, a MANIFEST's when it is loaded.
+  void SetPageBytes(int64_t page_bytes);
   std::string PathOf(const Run& run) const { return options_.directory + "/" + run.name; }
   Status CorruptPage(const Run& run, int64_t page, const std::string& why) const;
   // Verifies a page read into buffer (crc, count); the key looked up, if any,
@@ -208,6 +214,11 @@ class RunStore final : public RowStore {
   // Manifest (run_manifest.cc).
   Status LoadManifest();
   Status WriteManifest(const std::string& directory) const;
+  // Checkpoint's halves (mutex_ held): hard links of every run file into an
+  // empty directory (copies across file systems only if copy_across); then
+  // the runs synced and the MANIFEST of the index as it is now.
+  Status LinkRuns(const std::string& directory, bool copy_across);
+  Status SyncAndWriteManifest(const std::string& directory);
 
   const RunStoreOptions options_;
   int64_t page_bytes_ = 0;

@@ -207,8 +207,29 @@ class EmbeddingTable {
   Status ReserveRows(int64_t rows) { return tier_ != nullptr ? Status::Ok() : index_.Reserve(rows); }
   // Like NextChangedKeys, but also copies each row's state (as ReadState
   // does) straight from the scan, without a second hash probe per key.
+  // memory_only: the rows in memory alone (a checkpoint that takes the disk
+  // tier's rows by reference, below).
   int64_t NextChangedRows(int64_t* cursor, int64_t max_rows, uint32_t since, int64_t* keys_out,
-                          float* values, float* slots, int64_t* steps) const;
+                          float* values, float* slots, int64_t* steps,
+                          bool memory_only = false) const;
+
+  // Checkpoints by reference (table_disk_checkpoint.cc): a full checkpoint
+  // takes the rows on disk as hard links of the disk tier's immutable run
+  // files plus a MANIFEST of their index (~2% of their bytes), not as copies.
+  // LinkDiskCheckpoint runs in the process that owns the table, right before
+  // the snapshot (fork) whose FinishDiskCheckpoint syncs the files and writes
+  // the MANIFEST as of the snapshot; *rows gets the rows it holds. Errors:
+  // kInvalidArgument without a disk tier; the store's I/O errors (a link
+  // across file systems among them).
+  bool HasDiskStore() const;
+  Status LinkDiskCheckpoint(const std::string& directory);
+  Status FinishDiskCheckpoint(const std::string& directory, int64_t* rows) const;
+  // Makes such a checkpoint this table's disk tier: its files are linked into
+  // the tier's own directory and its index loaded; no row is read. The table
+  // must be empty, with a disk tier, and its rows the checkpoint's width
+  // (dim, optimizer slots); kLimitExceeded if the index alone passes the
+  // budget. On error the table is as it was.
+  Status AdoptDiskCheckpoint(const std::string& directory);
 
   // Admission and eviction (semantics in admission_policy.h, above PolicyConfig).
   // Drops rows (and candidates) not touched for ttl_steps; returns the rows

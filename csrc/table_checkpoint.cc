@@ -150,7 +150,7 @@ int64_t EmbeddingTable::NextChangedKeys(int64_t* cursor, int64_t max_rows, uint3
 
 int64_t EmbeddingTable::NextChangedRows(int64_t* cursor, int64_t max_rows, uint32_t since,
                                         int64_t* keys_out, float* values, float* slots,
-                                        int64_t* steps) const {
+                                        int64_t* steps, bool memory_only) const {
   const int64_t dim = config_.dim;
   int64_t count = 0;
   const int64_t capacity = index_.SlotCount();
@@ -163,7 +163,7 @@ int64_t EmbeddingTable::NextChangedRows(int64_t* cursor, int64_t max_rows, uint3
     ++count;
   }
   *cursor = b;
-  if (count < max_rows && tier_ != nullptr) {
+  if (count < max_rows && tier_ != nullptr && !memory_only) {
     count += NextDiskRows(cursor, max_rows - count, true, since, keys_out + count,
                           values + count * dim, slots + count * dim * num_slots(), steps + count);
   }

@@ -42,6 +42,7 @@
 #include <system_error>
 #include <vector>
 
+#include "disk_checkpoint.h"
 #include "disk_tier.h"
 #include "hash.h"
 #include "run_store.h"
@@ -56,7 +57,6 @@ using table_internal::RowsPerChunkLog2;
 
 namespace {
 
-constexpr int64_t kMetaBytes = 16;   // step, stamp, touches, last step
 constexpr int64_t kScanBatch = 4096;  // records per scan call of the checkpoint scans
 constexpr int64_t kSamplesPerVictim = 8;
 constexpr int64_t kEvictPieceBytes = 16 << 20;
@@ -124,22 +124,27 @@ EmbeddingTable::~EmbeddingTable() {
 }
 
 int64_t EmbeddingTable::RecordBytes() const {
-  return 4 * config_.dim * (1 + num_slots()) + kMetaBytes;
+  return RowRecordBytes(config_.dim, num_slots());
 }
 
-Status EmbeddingTable::OpenTierStore() {
+RunStoreOptions EmbeddingTable::Tier::StoreOptions(int64_t record_bytes) const {
   RunStoreOptions options;
-  options.directory = tier_->StoreDirectory();
-  options.record_bytes = RecordBytes();
-  options.read_threads = tier_->config.read_threads;
+  options.directory = StoreDirectory();
+  options.record_bytes = record_bytes;
+  options.read_threads = config.read_threads;
   options.durable = false;  // spill files: a restarted server restores from a checkpoint
   // A row moves out only from memory, where it is not on disk: nothing to check.
   options.check_writes = false;
   // Its read and merge buffers: a small share of the budget they count against.
-  const int64_t limit = tier_->config.budget->limit();
+  const int64_t limit = config.budget->limit();
   options.buffer_bytes = std::min<int64_t>(8 << 20, std::max<int64_t>(16 << 10, limit / 64));
   // Merges run after an operation, in room made for them (RunMaintenance).
   options.merge_buffer_bytes = std::min<int64_t>(16 << 20, std::max<int64_t>(64 << 10, limit / 8));
+  return options;
+}
+
+Status EmbeddingTable::OpenTierStore() {
+  const RunStoreOptions options = tier_->StoreOptions(RecordBytes());
   std::unique_ptr<RowStore> store;
   Status s = OpenRunStore(options, &store);
   if (!s.ok()) return s;

@@ -13,6 +13,7 @@
 
 #include "disk_tier.h"
 #include "row_store.h"
+#include "run_store.h"
 #include "status.h"
 #include "table.h"
 
@@ -39,6 +40,9 @@ struct EmbeddingTable::Tier {
   std::string StoreDirectory() const {
     return config.spill_dir + "/rows-" + std::to_string(generation);
   }
+  // The store's options: StoreDirectory, and buffers sized from the budget
+  // (OpenTierStore, AdoptDiskCheckpoint).
+  RunStoreOptions StoreOptions(int64_t record_bytes) const;
 };
 
 }  // namespace kvsparse

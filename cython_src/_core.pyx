@@ -6,6 +6,7 @@
 from cython.operator cimport dereference as deref
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libcpp.memory cimport make_shared, shared_ptr, unique_ptr
+from libcpp.string cimport string
 from libcpp.vector cimport vector
 
 import os
@@ -25,6 +26,7 @@ from status cimport Status, StatusCode
 from table cimport EmbeddingTable, NonFinitePolicy, StorageType, TableConfig, kMaxDim
 from table cimport MemoryBudget as CMemoryBudget, TierConfig, TierStats
 from table cimport EvictionKind, PolicyConfig, PolicyStats, ValidatePolicy
+from table cimport DiskCheckpointReader
 
 MAX_DIM = kMaxDim
 # Version of the initializer streams (the initial row each (seed, id) gets; see
@@ -676,13 +678,16 @@ cdef class Table:
                 return
             yield buffer[:c_count].copy()
 
-    def iter_state(self, uint32_t since=0, int64_t chunk_rows=65536, bint reuse=False):
+    def iter_state(self, uint32_t since=0, int64_t chunk_rows=65536, bint reuse=False,
+                   bint memory_only=False):
         """Yields (keys, values, slots, steps) of the rows written at an epoch > since.
 
         since=0: every row. One scan of the map, rows copied as found (no
         probe per key). The table must not change while the iteration runs.
         reuse: every chunk is written into the same buffers (valid until the
         next one), which saves the page faults of fresh memory per chunk.
+        memory_only: the rows in memory alone, not the disk tier's (a
+        checkpoint that takes those by reference: link_disk_checkpoint).
         """
         cdef EmbeddingTable* c_table = self._table()
         cdef int64_t c_cursor = 0
@@ -707,11 +712,62 @@ cdef class Table:
             with nogil:
                 c_count = c_table.NextChangedRows(
                     &c_cursor, c_rows, c_since, &c_keys[0], &c_values[0, 0], c_slot_ptr,
-                    &c_steps[0])
+                    &c_steps[0], memory_only)
             if c_count == 0:
                 _check(c_table.scan_status())
                 return
             yield keys[:c_count], values[:c_count], slots[:c_count], steps[:c_count]
+
+    # -- checkpoints by reference of the disk tier (csrc/table.h) -----------------------------
+
+    @property
+    def has_disk_store(self):
+        """True if rows that do not fit the budget go to a disk tier (a spill directory)."""
+        cdef EmbeddingTable* c_table = self._table()
+        return c_table.HasDiskStore()
+
+    def link_disk_checkpoint(self, directory):
+        """Hard-links the disk tier's run files into directory (missing or empty).
+
+        The first half of a checkpoint by reference, run by the process that owns the
+        table right before the snapshot (fork) whose finish_disk_checkpoint completes it.
+        Raises InvalidArgument without a disk tier, StorageError if a link fails (another
+        file system among the causes).
+        """
+        cdef EmbeddingTable* c_table = self._table()
+        cdef string c_dir = os.fsencode(directory)
+        cdef Status c_status
+        with nogil:
+            c_status = c_table.LinkDiskCheckpoint(c_dir)
+        _check(c_status)
+
+    def finish_disk_checkpoint(self, directory):
+        """Syncs the linked run files and writes directory's MANIFEST; returns the rows
+        on disk it holds. The second half (in the snapshot)."""
+        cdef EmbeddingTable* c_table = self._table()
+        cdef string c_dir = os.fsencode(directory)
+        cdef int64_t c_rows = 0
+        cdef Status c_status
+        with nogil:
+            c_status = c_table.FinishDiskCheckpoint(c_dir, &c_rows)
+        _check(c_status)
+        return c_rows
+
+    def adopt_disk_checkpoint(self, directory):
+        """Makes a checkpoint by reference (finish_disk_checkpoint's directory) this empty
+        table's disk tier without reading a row: its files are linked into the tier's own
+        directory, so the checkpoint stays as it is.
+
+        Raises InvalidArgument (no disk tier, a table not empty, records of another width),
+        LimitExceeded (the index alone passes the budget), CorruptRecord (no or a damaged
+        MANIFEST); the table is then as it was.
+        """
+        cdef EmbeddingTable* c_table = self._table()
+        cdef string c_dir = os.fsencode(directory)
+        cdef Status c_status
+        with nogil:
+            c_status = c_table.AdoptDiskCheckpoint(c_dir)
+        _check(c_status)
 
     def removed_since(self, uint32_t since):
         """Ids removed at an epoch > since (oldest first; an id may repeat)."""
@@ -1212,3 +1268,4 @@ include "dlpack.pxi"
 include "serving_apply.pxi"
 include "serve_loop.pxi"
 include "segment_store.pxi"
+include "disk_checkpoint.pxi"

@@ -124,7 +124,13 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         void PruneRemoved(uint32_t through)
         Status ReserveRows(int64_t rows) except +
         int64_t NextChangedRows(int64_t* cursor, int64_t max_rows, uint32_t since,
-                                int64_t* keys_out, float* values, float* slots, int64_t* steps) except +
+                                int64_t* keys_out, float* values, float* slots, int64_t* steps,
+                                bint memory_only) except +
+        # Checkpoints by reference of the disk tier (csrc/table_disk_checkpoint.cc).
+        bint HasDiskStore()
+        Status LinkDiskCheckpoint(const string& directory) except +
+        Status FinishDiskCheckpoint(const string& directory, int64_t* rows) except +
+        Status AdoptDiskCheckpoint(const string& directory) except +
         # Admission and eviction.
         int64_t EvictExpired() except +
         void AdvanceStep()
@@ -144,3 +150,14 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
                            int64_t* last_steps) except +
         Status WriteRowMeta(const int64_t* keys, int64_t n, const int64_t* touches,
                             const int64_t* last_steps) except +
+
+
+cdef extern from "disk_checkpoint.h" namespace "kvsparse" nogil:
+    cdef cppclass DiskCheckpointReader:
+        @staticmethod
+        Status Open(const string& directory, int64_t dim, int64_t num_slots,
+                    unique_ptr[DiskCheckpointReader]* out) except +
+        int64_t rows()
+        Status Next(int64_t max_rows, int64_t* keys, float* values, float* slots,
+                    int64_t* steps, int64_t* touches, int64_t* last_steps,
+                    int64_t* count) except +

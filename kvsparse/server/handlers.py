@@ -26,6 +26,8 @@ Ops (`kvsparse.wire.protocol.Op`) and their coordination
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from kvsparse import errors
@@ -466,10 +468,15 @@ class Handlers:
         else:
             seq, parent = int(body["seq"]), body.get("parent")
             since, epoch = checkpoint.begin_save(state, bool(body.get("incremental")), path, parent)
+            # Rows on disk enter a full save by reference: their files are linked now, before
+            # the fork (a merge here may remove one the moment after); the writer finishes.
+            disk = {}
+            if since is None:
+                disk = checkpoint.link_disk_rows(state, path, seq, shard_index, num_shards)
             # Taken at the moment of the tables' snapshot.
             server = restart.snapshot(self._resend, self._coordination)
             job = lambda: checkpoint.save_shard(  # noqa: E731
-                state, path, seq, shard_index, num_shards, since, parent, server
+                state, path, seq, shard_index, num_shards, since, parent, server, disk
             )
             done = lambda: checkpoint.end_save(state, path, seq, epoch)  # noqa: E731
 
@@ -481,7 +488,14 @@ class Handlers:
                 done()
             pending.finish(ops.Checkpoint.encode_reply(reply))
 
-        # A writer that died leaves its temporary file: removed (it never got a manifest).
-        cleanup = lambda pid: checkpoint.remove_temporary_files(path, pid)  # noqa: E731
+        def cleanup(pid):
+            # A writer that died leaves its temporary file: removed (it never got a
+            # manifest), and the rows on disk it linked unless its shard file is there.
+            checkpoint.remove_temporary_files(path, pid)
+            if action == save:
+                name = checkpoint.shard_file_name(seq, shard_index, num_shards)
+                if not os.path.exists(os.path.join(path, name)):
+                    checkpoint.remove_disk_dir(path, seq, shard_index, num_shards)
+
         self._writer.start(job, on_done, cleanup)
         return DEFERRED

@@ -43,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import threading
@@ -429,7 +430,11 @@ def read_checkpoints(
                     raise CheckpointError(f"{f.path}: table {table!r} changed width to {dim}")
                 change = TableChange(info)
                 change.removed.append(np.array(f.removed(section)))
-                for keys, values, _, _ in f.sparse_blocks(section):
+                # The rows in the file, then those on disk of a checkpoint by reference
+                # (read in place: new arrays, where the file's blocks are views of it).
+                disk = ((k, v) for k, v, *_ in f.disk_rows(section))
+                blocks = ((k, v) for k, v, *_ in f.sparse_blocks(section))
+                for keys, values in itertools.chain(blocks, disk):
                     if reshard is None or reshard.same:
                         change.blocks.append((keys, values))
                         continue

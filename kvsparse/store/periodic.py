@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import time
 from typing import Optional
 
@@ -102,8 +103,12 @@ class PeriodicSaver:
         old = [n for n in names if (m := _CHECKPOINT_FILE.match(n)) and int(m.group(1)) < seq]
         manifests = [n for n in old if n.endswith(".manifest.json")]
         for name in manifests + [n for n in old if n not in manifests]:
+            target = os.path.join(path, name)
+            if os.path.isdir(target):  # a shard's rows on disk (hard links): a directory
+                shutil.rmtree(target, ignore_errors=True)
+                continue
             try:
-                os.unlink(os.path.join(path, name))
+                os.unlink(target)
             except FileNotFoundError:
                 pass
         if old:

@@ -29,6 +29,8 @@ The modules, one concern each:
 - `shard_io`: a `ShardState` to and from shard files: `save_shard`,
   `load_shard_state` (with resharding), `restore_shard` (what a restarting
   server runs).
+- `disk`: checkpoints by reference of tiered tables' rows on disk (hard-linked
+  run files and their index; `link_disk_rows` before the snapshot).
 - `export`: `export_shard`, the inference export (NumPy .npz) that
   `kvsparse.serving` reads.
 - `actions`: the CHECKPOINT request's `CheckpointAction` and `handle`.
@@ -43,6 +45,7 @@ Example:
 """
 
 from kvsparse.shard.checkpoint.actions import CheckpointAction, handle
+from kvsparse.shard.checkpoint.disk import disk_dir_name, link_disk_rows, remove_disk_dir
 from kvsparse.shard.checkpoint.export import export_shard
 from kvsparse.shard.checkpoint.files import remove_temporary_files
 from kvsparse.shard.checkpoint.format import (
@@ -80,16 +83,19 @@ __all__ = [
     "begin_save",
     "chain",
     "commit",
+    "disk_dir_name",
     "end_save",
     "export_shard",
     "handle",
     "latest_manifest",
+    "link_disk_rows",
     "list_manifests",
     "load_shard_state",
     "manifest_name",
     "prepare",
     "read_manifest",
     "read_shard_file",
+    "remove_disk_dir",
     "remove_temporary_files",
     "restore_shard",
     "save_shard",

@@ -13,6 +13,7 @@ import os
 
 from kvsparse import errors
 from kvsparse.shard.checkpoint import manifest as manifests
+from kvsparse.shard.checkpoint.disk import link_disk_rows, remove_disk_dir
 from kvsparse.shard.checkpoint.export import export_shard
 from kvsparse.shard.checkpoint.shard_io import (
     abort_save,
@@ -103,7 +104,12 @@ def handle(state: ShardState, body: dict, shard_index: int, num_shards: int) -> 
     if action is CheckpointAction.SAVE:
         seq, parent = int(body["seq"]), body.get("parent")
         since, epoch = begin_save(state, bool(body.get("incremental")), path, parent)
-        result = save_shard(state, path, seq, shard_index, num_shards, since, parent)
+        disk = link_disk_rows(state, path, seq, shard_index, num_shards) if since is None else {}
+        try:
+            result = save_shard(state, path, seq, shard_index, num_shards, since, parent, disk=disk)
+        except BaseException:
+            remove_disk_dir(path, seq, shard_index, num_shards)
+            raise
         end_save(state, path, seq, epoch)
         return result
     return export_shard(state, path, shard_index, num_shards, body["table_ids"], body["export_id"])

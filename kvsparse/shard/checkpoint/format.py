@@ -36,8 +36,12 @@ FORMAT = "kvsparse-checkpoint"
 # step ("meta"); sections record the spec the table was created with ("init_spec") when a
 # set_optimizer(key=...) gave it its own optimizer since; a server's file holds its resend
 # records, rank 0's set_optimizer calls and the job's configuration ("server").
-VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# 5: a full save's section of a tiered table may name its rows on disk ("disk": a
+# directory of hard-linked run files and their MANIFEST, kvsparse.shard.checkpoint.disk)
+# instead of holding them; files without such a section are still written as version 4.
+VERSION = 5
+BY_VALUE_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MAGIC = b"KVSPCKPT"
 END_MAGIC = b"KVSPEND1"
 # magic (8) + version (u32) + flags (u32)
@@ -77,11 +81,12 @@ class BlockWriter:
         final_path: the shard file to create.
         total_rows: rows the file will hold (for the progress bar).
         desc: the progress bar's label.
+        version: the format version in the header (the index must say the same).
     """
 
-    def __init__(self, final_path: str, total_rows: int, desc: str):
+    def __init__(self, final_path: str, total_rows: int, desc: str, version: int = VERSION):
         self._out = AtomicFile(final_path)
-        self._out.file.write(HEADER.pack(MAGIC, VERSION, 0))
+        self._out.file.write(HEADER.pack(MAGIC, version, 0))
         self._offset = HEADER.size
         self.blocks = 0  # blocks written so far
         self._progress = progress_bar(total_rows, desc)
@@ -209,6 +214,33 @@ class ShardFile:
         touches = np.frombuffer(raw[: 4 * n], np.uint32).astype(np.int64)
         last_steps = np.frombuffer(raw[4 * n :], np.uint32).astype(np.int64)
         return touches, last_steps
+
+    def disk_rows(self, section: dict, chunk_rows: int = BLOCK_ROWS):
+        """Yields (keys, values, slots, steps, (touches, last_steps)) of a section's rows
+        on disk (a checkpoint by reference; none for other sections), read in place.
+
+        Raises CheckpointError for a missing or damaged directory or page, naming it.
+        """
+        entry = section.get("disk")
+        if not entry:
+            return
+        from kvsparse import _core  # the format's bytes need no core; these rows do
+
+        directory = os.path.join(os.path.dirname(self.path), str(entry["dir"]))
+        try:
+            rows = _core.DiskCheckpointRows(
+                directory, int(section["dim"]), int(section["num_slots"])
+            )
+            if rows.rows != int(entry["rows"]):
+                raise CheckpointError(
+                    f"{directory}: holds {rows.rows} rows, the shard file says {entry['rows']}"
+                )
+            for keys, values, slots, steps, touches, last_steps in rows.chunks(chunk_rows):
+                yield keys, values, slots, steps, (touches, last_steps)
+        except (errors.StorageError, errors.InvalidArgument) as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"{self.path}: its rows on disk: {exc}") from None
 
     def removed(self, section: dict) -> np.ndarray:
         """The ids a delta's sparse table section removed (empty for a full checkpoint)."""

@@ -24,9 +24,11 @@ import numpy as np
 from kvsparse import _core, errors
 from kvsparse.arrays import TABLE_DTYPES
 from kvsparse.placement import dense_ranges
+from kvsparse.shard.checkpoint.disk import finish_disk_rows, remove_disk_dir
 from kvsparse.shard.checkpoint.files import fsync_dir
 from kvsparse.shard.checkpoint.format import (
     BLOCK_ROWS,
+    BY_VALUE_VERSION,
     FORMAT,
     VERSION,
     BlockWriter,
@@ -51,7 +53,9 @@ def table_optimizer_spec(state: ShardState, entry: SparseEntry) -> dict | None:
     return entry.spec.get("optimizer") if entry.own_optimizer else state.default_optimizer
 
 
-def write_shard_file(state: ShardState, final_path: str, *, since: int | None, info: dict) -> dict:
+def write_shard_file(
+    state: ShardState, final_path: str, *, since: int | None, info: dict, disk: dict | None = None
+) -> dict:
     """Writes state's tables to final_path (tmp + fsync + rename).
 
     Args:
@@ -61,18 +65,25 @@ def write_shard_file(state: ShardState, final_path: str, *, since: int | None, i
         since: None for a full snapshot; else only rows written at a change
             epoch > since, and the ids removed since then.
         info: extra fields for the index (seq, shard_index, num_shards, ...).
+        disk: {table_id: directory relative to the file's} of tables whose rows on
+            disk `disk.link_disk_rows` linked (a full save): their sections hold
+            the rows in memory and name the directory (`disk.finish_disk_rows`).
 
     Returns:
         {"file", "bytes", "rows"}.
 
     Only reads state, so nothing may change it meanwhile (not thread-safe with writers).
     """
+    disk = disk or {}
     total = sum(len(e.table) for e in state.sparse.values())
-    writer = BlockWriter(final_path, total, desc=os.path.basename(final_path))
+    # Version 4 unless a section names rows on disk: older readers then read the file.
+    version = VERSION if disk else BY_VALUE_VERSION
+    writer = BlockWriter(final_path, total, desc=os.path.basename(final_path), version=version)
+    folder = os.path.dirname(final_path)
     try:
         index = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": version,
             **info,
             "kind": "full" if since is None else "delta",
             "default_optimizer": state.default_optimizer,
@@ -94,7 +105,12 @@ def write_shard_file(state: ShardState, final_path: str, *, since: int | None, i
             # The rows' touch counts and last steps, for a table whose eviction ranks by them:
             # a restarted server evicts what the old one would have.
             tracks_meta = entry.table.tracks_row_meta
-            for keys, values, slots, steps in entry.table.iter_state(since or 0, BLOCK_ROWS, True):
+            by_reference = since is None and table_id in disk
+            if by_reference:  # the rows on disk: links and a manifest
+                section["disk"] = finish_disk_rows(entry.table, folder, disk[table_id])
+                rows_written += section["disk"]["rows"]
+            rows = entry.table.iter_state(since or 0, BLOCK_ROWS, True, by_reference)
+            for keys, values, slots, steps in rows:
                 meta = entry.table.read_row_meta(keys) if tracks_meta else None
                 section["blocks"].append(writer.sparse_block(keys, values, slots, steps, meta))
                 rows_written += int(keys.size)
@@ -221,21 +237,25 @@ def abort_save(state: ShardState, path: str, seq: int, shard_index: int, num_sha
         return {"removed": False}  # committed after all: it exists
     real = os.path.realpath(path)
     state.uncommitted_saves = [s for s in state.uncommitted_saves if s[:2] != (real, seq)]
+    removed = remove_disk_dir(path, seq, shard_index, num_shards)
     try:
         os.unlink(os.path.join(path, shard_file_name(seq, shard_index, num_shards)))
+        removed = True
     except FileNotFoundError:
-        return {"removed": False}
-    fsync_dir(path)
-    return {"removed": True}
+        pass
+    if removed:
+        fsync_dir(path)
+    return {"removed": removed}
 
 
 def save_shard(
-    state: ShardState, path, seq, shard_index, num_shards, since, parent, server=None
+    state: ShardState, path, seq, shard_index, num_shards, since, parent, server=None, disk=None
 ) -> dict:
     """Writes this shard's file of checkpoint seq; returns {"file", "bytes", "rows"}.
 
     server: a server's own state at the same moment (`kvsparse.server.restart.snapshot`),
     which `restore_shard` gives back; None (the local store): none.
+    disk: what `link_disk_rows` returned before the snapshot (None: every row by value).
     Reads state only; it must not change meanwhile (see write_shard_file).
     """
     final = os.path.join(path, shard_file_name(seq, shard_index, num_shards))
@@ -246,7 +266,7 @@ def save_shard(
         "parent": parent,
         "server": server,
     }
-    return write_shard_file(state, final, since=since, info=info)
+    return write_shard_file(state, final, since=since, info=info, disk=disk)
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -336,6 +356,7 @@ def read_shard_state(state: ShardState, path: str, shard_index: int, num_shards:
     # Epochs only grow: stamps of the old tables never meet the new ones' anyway.
     loaded.change_epoch = state.change_epoch
     dense_parts: dict[int, dict] = {}
+    stamps_through = 0  # the highest change stamp of rows adopted on disk
     total_rows = sum(int(m["shards"][i].get("rows", 0)) for m in steps for i in files)
     progress = progress_bar(total_rows, f"load shard {shard_index}")
     try:
@@ -349,7 +370,8 @@ def read_shard_state(state: ShardState, path: str, shard_index: int, num_shards:
                 # the store-wide optimizer without it, and could not load that save again.
                 loaded.default_optimizer = f.index.get("default_optimizer")
                 for section in f.index["sparse"]:
-                    _load_sparse_section(loaded, f, section, reshard, progress)
+                    stamps = _load_sparse_section(loaded, f, section, reshard, progress)
+                    stamps_through = max(stamps_through, stamps)
                     if m is steps[-1]:  # each file holds all its candidates: the newest count
                         _load_candidates(loaded, f, section, reshard)
                 # A delta holds every dense key in full: the newest copy wins.
@@ -362,7 +384,7 @@ def read_shard_state(state: ShardState, path: str, shard_index: int, num_shards:
             progress.close()
     for table_id, parts in dense_parts.items():
         loaded.dense[table_id] = _dense_entry(path, parts, reshard)
-    loaded.set_change_epoch(loaded.change_epoch + 1)
+    loaded.set_change_epoch(max(loaded.change_epoch, stamps_through) + 1)
     loaded.saved_epoch = loaded.change_epoch - 1
     loaded.checkpoint_base = (os.path.realpath(path), int(manifest["seq"]))
     return loaded, manifest
@@ -404,7 +426,9 @@ def discard_load(state: ShardState) -> None:
 
 def _load_sparse_section(
     state: ShardState, f: ShardFile, section: dict, reshard: Resharding, progress
-) -> None:
+) -> int:
+    """Loads a file's section of a sparse table into state; returns the highest change
+    stamp its rows kept (those of rows on disk it adopted), else 0."""
     table_id = int(section["table_id"])
     spec = section["spec"]
     if f.version == 1:  # written before tables recorded their initializer's streams
@@ -428,6 +452,7 @@ def _load_sparse_section(
     removed = f.removed(section)
     if removed.size:
         table.remove(removed)
+    stamps = _load_disk_rows(table, f, section, reshard, progress)
     # Views of the file: no copy. Each block with its rows' eviction metadata (or None).
     blocks = [
         reshard.sparse_rows(*rows, meta=f.row_meta(entry))
@@ -446,6 +471,44 @@ def _load_sparse_section(
     if progress is not None and not reshard.same:
         progress.update(sum(int(b["rows"]) for b in section["blocks"]))
     table.table_step = int(section["table_step"])
+    return stamps
+
+
+def _load_disk_rows(table, f: ShardFile, section: dict, reshard: Resharding, progress) -> int:
+    """The section's rows on disk (a checkpoint by reference), before its rows in memory.
+
+    Adopted as the table's disk tier when it has one, is empty and the shard count is
+    the same: the files are linked, no row is read, and the rows keep their change
+    stamps (returned: the load's epoch continues past them). Otherwise read and written
+    like the blocks (returns 0).
+    """
+    entry = section.get("disk")
+    if not entry:
+        return 0
+    rows = int(entry["rows"])
+    if reshard.same and table.has_disk_store and len(table) == 0:
+        directory = os.path.join(os.path.dirname(f.path), str(entry["dir"]))
+        try:
+            table.adopt_disk_checkpoint(directory)
+        except errors.StorageError as exc:  # a missing or damaged MANIFEST or run file
+            raise CheckpointError(f"{f.path}: its rows on disk in {directory}: {exc}") from None
+        if len(table) != rows:
+            raise CheckpointError(f"{directory}: holds {len(table)} rows, {f.path} says {rows}")
+        if progress is not None:
+            progress.update(rows)
+        return int(entry["stamps_through"])
+    table.reserve(len(table) + rows)
+    tracks_meta = table.tracks_row_meta
+    for keys, values, slots, steps, meta in f.disk_rows(section):
+        keys, values, slots, steps, meta = reshard.sparse_rows(keys, values, slots, steps, meta)
+        table.write_state(keys, values, slots, steps)
+        if tracks_meta:
+            table.write_row_meta(keys, *meta)
+        if progress is not None:
+            progress.update(int(keys.size) if reshard.same else 0)
+    if progress is not None and not reshard.same:
+        progress.update(rows)
+    return 0
 
 
 def _load_candidates(state: ShardState, f: ShardFile, section: dict, reshard: Resharding) -> None:
