@@ -427,7 +427,7 @@ def test_a_format_3_checkpoint_still_loads_its_rows_without_their_ages(tmp_path)
     kv.save(tmp_path / "new")
     name = checkpoint.shard_file_name(1, 0, 1)
     index = checkpoint.read_shard_file(str(tmp_path / "new" / name)).index
-    assert index["version"] == checkpoint.VERSION == 4
+    assert index["version"] == checkpoint.BY_VALUE_VERSION == 4  # no rows on disk: v4
     assert all("meta" in block for block in index["sparse"][0]["blocks"])
     kv.save(tmp_path / "old")
     _rewrite_as_format(tmp_path / "old", 3)

@@ -49,6 +49,7 @@ from kvsparse.shard.checkpoint.disk import disk_dir_name, link_disk_rows, remove
 from kvsparse.shard.checkpoint.export import export_shard
 from kvsparse.shard.checkpoint.files import remove_temporary_files
 from kvsparse.shard.checkpoint.format import (
+    BY_VALUE_VERSION,
     FORMAT,
     VERSION,
     CheckpointError,
@@ -75,6 +76,7 @@ from kvsparse.shard.checkpoint.shard_io import (
 )
 
 __all__ = [
+    "BY_VALUE_VERSION",
     "CheckpointAction",
     "CheckpointError",
     "FORMAT",
