@@ -46,6 +46,8 @@ Usage:
     python benchmarks/tiered.py --configs all_ram --no-engines   # without the disk tier
     python benchmarks/tiered.py capacity         # rows per budget, dims 16/32/64 x SGD,
                                                  # Adagrad (benchmarks/tiered_capacity.py)
+    python benchmarks/tiered.py checkpoint       # bytes a full save writes, restore time
+                                                 # against fill (tiered_checkpoint.py)
 
 A budget below ~128 MiB cannot take W1's batch: the core counts a 65,536-row push's rows,
 its scratch (each row's state saved or computed aside) and its records in transit, and the
@@ -752,6 +754,11 @@ def main(argv=None) -> int:
         import tiered_capacity
 
         return tiered_capacity.main(given[1:])
+    if given[:1] == ["checkpoint"]:
+        # Bytes a full save writes, restore time against fill time: tiered_checkpoint.py.
+        import tiered_checkpoint
+
+        return tiered_checkpoint.main(given[1:])
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the servers are stopped and the cgroup removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

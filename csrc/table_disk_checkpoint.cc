@@ -20,15 +20,11 @@ namespace kvsparse {
 
 namespace {
 
-std::string MiB(int64_t bytes) {
-  return std::to_string((bytes + (1 << 19)) >> 20) + " MiB";
-}
+std::string MiB(int64_t bytes) { return std::to_string((bytes + (1 << 19)) >> 20) + " MiB"; }
 
 }  // namespace
 
-bool EmbeddingTable::HasDiskStore() const {
-  return tier_ != nullptr && tier_->store != nullptr;
-}
+bool EmbeddingTable::HasDiskStore() const { return tier_ != nullptr && tier_->store != nullptr; }
 
 Status EmbeddingTable::LinkDiskCheckpoint(const std::string& directory) {
   if (!HasDiskStore()) {
@@ -66,11 +62,11 @@ Status EmbeddingTable::AdoptDiskCheckpoint(const std::string& directory) {
     stats = restored->Stats();
     const int64_t limit = tier_->config.budget->limit();
     if (MemoryBytes() + stats.index_bytes > limit) {
-      s = Status(StatusCode::kLimitExceeded,
-                 "the index of the checkpoint's " + std::to_string(stats.live_records) +
-                     " rows on disk takes " + MiB(stats.index_bytes) +
-                     ", more than the memory budget of " + MiB(limit) +
-                     " holds beside the table; raise --memory-budget");
+      s = Status(StatusCode::kLimitExceeded, "the index of the checkpoint's " +
+                                                 std::to_string(stats.live_records) +
+                                                 " rows on disk takes " + MiB(stats.index_bytes) +
+                                                 ", more than the memory budget of " + MiB(limit) +
+                                                 " holds beside the table; raise --memory-budget");
     }
   }
   std::error_code error;
