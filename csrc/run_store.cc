@@ -10,7 +10,6 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <map>
 #include <new>
 #include <utility>
 
@@ -298,13 +297,9 @@ Status RunStore::Locate(const int64_t* keys, int64_t n, std::vector<Location>* w
     uint64_t hash;
     int64_t position;  // the run to try next (runs_ index), going to older ones
     int64_t fragment = 0;
-    int64_t page = 0;  // within the fragment
+    int64_t page = 0;       // within the fragment
+    int64_t file_page = 0;  // within the run's file
   };
-  std::vector<Probe> waiting;
-  waiting.reserve(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    waiting.push_back({i, KeyHash(keys[i]), static_cast<int64_t>(runs_.size()) - 1});
-  }
   // Moves a probe to the next run whose filter and page index admit its key;
   // false when none is left.
   auto advance = [this](Probe* probe) {
@@ -317,42 +312,48 @@ Status RunStore::Locate(const int64_t* keys, int64_t n, std::vector<Location>* w
       probe->fragment = f;
       probe->page = std::upper_bound(fragment.page_hash.begin(), fragment.page_hash.end(),
                                      probe->hash) - fragment.page_hash.begin() - 1;
+      probe->file_page = fragment.first_page + probe->page;
       return true;
     }
     return false;
   };
+  std::vector<Probe> waiting;
+  waiting.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    Probe probe{i, KeyHash(keys[i]), static_cast<int64_t>(runs_.size()) - 1};
+    if (advance(&probe)) waiting.push_back(probe);  // else held nowhere
+  }
   const int64_t entry_bytes = EntryBytes();
   std::vector<uint8_t> buffer;
-  std::vector<std::pair<const Run*, int64_t>> reads;  // (run, file page)
+  std::vector<std::pair<int64_t, int64_t>> reads;  // (runs_ index, file page)
+  std::vector<std::pair<Probe, int64_t>> round;    // (probe, its page in reads)
   std::vector<Status> errors;
+  // Each pass sorts the probes by the page they want next and reads those
+  // pages in rounds of at most ReadRoundPages() distinct ones, in that order:
+  // a batch of any size costs O(n log n) per pass, and a pass per run a
+  // filter's false positive sends a probe on to.
   while (!waiting.empty()) {
+    std::sort(waiting.begin(), waiting.end(), [](const Probe& a, const Probe& b) {
+      return a.position != b.position ? a.position > b.position : a.file_page < b.file_page;
+    });
     std::vector<Probe> next;
-    // This round's distinct pages, at most ReadRoundPages(); the other
-    // probes wait for a later round.
-    std::map<std::pair<const Run*, int64_t>, int64_t> slot_of;
-    std::vector<std::pair<Probe, int64_t>> round;
-    for (Probe& probe : waiting) {
-      if (!advance(&probe)) continue;  // held nowhere
-      const Run* run = runs_[probe.position].get();
-      const int64_t file_page = run->fragments[probe.fragment].first_page + probe.page;
-      auto found = slot_of.find({run, file_page});
-      if (found == slot_of.end()) {
-        if (static_cast<int64_t>(slot_of.size()) >= ReadRoundPages()) {
-          next.push_back(probe);
-          continue;
+    for (size_t begin = 0; begin < waiting.size();) {
+      reads.clear();
+      round.clear();
+      size_t end = begin;
+      for (; end < waiting.size(); ++end) {
+        const std::pair<int64_t, int64_t> page{waiting[end].position, waiting[end].file_page};
+        if (reads.empty() || reads.back() != page) {
+          if (static_cast<int64_t>(reads.size()) >= ReadRoundPages()) break;
+          reads.push_back(page);
         }
-        found = slot_of.emplace(std::make_pair(run, file_page),
-                                static_cast<int64_t>(slot_of.size())).first;
+        round.push_back({waiting[end], static_cast<int64_t>(reads.size()) - 1});
       }
-      round.push_back({probe, found->second});
-    }
-    if (!round.empty()) {
-      reads.assign(slot_of.size(), {nullptr, 0});
-      for (const auto& entry : slot_of) reads[entry.second] = entry.first;
+      begin = end;
       buffer.resize(reads.size() * static_cast<size_t>(page_bytes_));
       errors.assign(reads.size(), Status::Ok());
       pool_->Run(static_cast<int64_t>(reads.size()), [&](int64_t r) {
-        const Run& run = *reads[r].first;
+        const Run& run = *runs_[reads[r].first];
         uint8_t* page = buffer.data() + r * page_bytes_;
         int64_t got = 0;
         const int error = ReadAll(run.fd, page, page_bytes_, PageOffset(reads[r].second), &got);
@@ -387,7 +388,7 @@ Status RunStore::Locate(const int64_t* keys, int64_t n, std::vector<Location>* w
         }
         if (entry < 0) {  // a filter's false positive: older runs next
           --probe.position;
-          next.push_back(probe);
+          if (advance(&probe)) next.push_back(probe);
           continue;
         }
         Run* run = runs_[probe.position].get();
