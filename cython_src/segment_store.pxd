@@ -62,6 +62,7 @@ cdef extern from "run_store.h" namespace "kvsparse" nogil:
         int64_t merge_fan_in
         bint check_writes
         bint durable
+        int64_t buffer_bytes
 
     Status OpenRunStore(const RunStoreOptions& options, unique_ptr[RowStore]* out)
     Status RestoreRunStore(const string& checkpoint_directory,

@@ -401,6 +401,8 @@ cdef class RunStore(_RowStore):
         bloom_bits_per_key: filter bits per record (10: ~1% false positives).
         merge_fan_in: runs of one size class merged together.
         check_writes: write() refuses a key the store holds (InvalidArgument).
+        buffer_bytes: what one read round holds (pages read at once) and the page-size cap
+            for wide records (csrc/run_store.h).
 
     Raises:
         InvalidArgument: bad options, a non-empty directory without MANIFEST.
@@ -418,11 +420,12 @@ cdef class RunStore(_RowStore):
 
     def __init__(self, directory, int64_t record_bytes, int64_t read_threads=16,
                  int64_t bloom_bits_per_key=10, int64_t merge_fan_in=4, bint check_writes=True,
-                 *, _restore_from=None):
+                 *, int64_t buffer_bytes=4 << 20, _restore_from=None):
         cdef RunStoreOptions c_options
         c_options.directory = os.fsencode(directory)
         c_options.record_bytes = record_bytes
         c_options.read_threads = read_threads
+        c_options.buffer_bytes = buffer_bytes
         c_options.bloom_bits_per_key = bloom_bits_per_key
         c_options.merge_fan_in = merge_fan_in
         c_options.check_writes = check_writes
