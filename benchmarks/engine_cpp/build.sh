@@ -19,7 +19,7 @@ if [[ ! -f /usr/include/rocksdb/db.h ]]; then
   exit 1
 fi
 
-sources=("$here/engine_bench.cc" "$csrc/segment_store.cc" "$csrc/file_io.cc" "$csrc/crc32c.cc")
+sources=("$here/engine_bench.cc" "$csrc"/segment_*.cc "$csrc/file_io.cc" "$csrc/crc32c.cc")
 if [[ -f "$csrc/run_store.h" ]]; then
   # RunStore's translation units: run_store.cc, run_merge.cc, run_manifest.cc.
   sources+=("$csrc"/run_*.cc)
