@@ -89,6 +89,7 @@ bool RunStore::PickMerge() {
     merge->inputs.push_back(input);
   }
   output->fragment_bits = FragmentBitsFor(live);
+  merge->bloom_bits = BloomBitsFor(live, LiveRecords());
   output->fragments.resize(size_t{1} << output->fragment_bits);
   output->building = true;
   merge->output = output.get();
@@ -182,7 +183,7 @@ Status RunStore::MergeFragment(int64_t* moved) {
     built.records = built.live = count;
     built.pages = (count + records_per_page_ - 1) / records_per_page_;
     built.page_hash.resize(static_cast<size_t>(built.pages));
-    built.bloom.assign(static_cast<size_t>(Bloom::Words(count, options_.bloom_bits_per_key)), 0);
+    built.bloom.assign(static_cast<size_t>(Bloom::Words(count, merge_->bloom_bits)), 0);
     built.live_bits.assign(static_cast<size_t>((built.pages * records_per_page_ + 63) / 64), 0);
     int64_t buffered = 0, flushed = 0;
     for (int64_t p = 0; p < built.pages; ++p) {

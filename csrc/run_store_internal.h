@@ -143,6 +143,7 @@ struct Merge {
   std::vector<MergeInput> inputs;
   Run* output = nullptr;
   int64_t next_fragment = 0;
+  int64_t bloom_bits = 10;  // per key, for every fragment of output (BloomBitsFor)
 };
 
 // Thread-safety: every public call takes mutex_; Locate's page reads run on
@@ -206,6 +207,10 @@ class RunStore final : public RowStore {
   Status WriteRun(const std::vector<std::pair<uint64_t, int64_t>>& order, const int64_t* keys,
                   const uint8_t* records, std::unique_ptr<Run>* out);
   int FragmentBitsFor(int64_t records) const;
+  // Filter bits per key for a new run of records among total live records
+  // (the run's own included).
+  int64_t BloomBitsFor(int64_t records, int64_t total) const;
+  int64_t LiveRecords() const;
 
   // Merges (run_merge.cc).
   bool PickMerge();
