@@ -101,18 +101,21 @@ int64_t RunStore::MergeStagingBytes() const {
 
 // Monkey's allocation (Dayan, Athanassoulis, Idreos, SIGMOD 2017): the
 // false positive rates that minimize their sum for a given memory are
-// proportional to the runs' sizes. A lookup of a row on disk passes every
-// run newer than its own, and those are mostly the small ones: a run below a
-// quarter of the store gets 1.44 more bits per halving of its share below
-// it (capped at twice bloom_bits_per_key), a larger one a bit less than
-// bloom_bits_per_key, which keeps the RAM about what bloom_bits_per_key
-// gives (the small runs hold a small share of the records).
+// proportional to the runs' sizes, so a run gets 1.44 more bits per key
+// (half the false positives) each time its share of the store halves. A
+// lookup of a row on disk passes the runs newer than its own, mostly the
+// small ones; only a new id passes the oldest, largest run. Here a run of
+// half the store gets bloom_bits_per_key - 2 (~2% false positives at 8), a
+// fifth of it bloom_bits_per_key, smaller ones more (at most twice
+// bloom_bits_per_key): about 1 bit a key less than bloom_bits_per_key on
+// average, with a tenth of the false positives on a missed row's way.
 int64_t RunStore::BloomBitsFor(int64_t records, int64_t total) const {
   const int64_t bits = options_.bloom_bits_per_key;
-  const int64_t base = std::max<int64_t>(1, bits - 1);
-  if (records <= 0 || 4 * records >= total) return base;
-  const double extra = 1.44 * std::log2(static_cast<double>(total) / (4.0 * records));
-  return std::min<int64_t>(2 * bits, base + static_cast<int64_t>(std::llround(extra)));
+  const int64_t low = std::max<int64_t>(1, bits - 2);
+  if (records <= 0 || 2 * records >= total) return low;
+  const double share = static_cast<double>(total) / static_cast<double>(records);
+  const int64_t want = std::llround(static_cast<double>(bits) - 3.44 + 1.44 * std::log2(share));
+  return std::min<int64_t>(2 * bits, std::max<int64_t>(low, want));
 }
 
 int64_t RunStore::LiveRecords() const {
