@@ -186,6 +186,8 @@ int64_t EmbeddingTable::InsertReservedRow(int64_t key, bool init_slots) {
 Status EmbeddingTable::SetOptimizer(const OptimizerConfig& optimizer) {
   Status s = ValidateOptimizer(optimizer);
   if (!s.ok()) return s;
+  // Every row gets wider: the scope moves rows out to fit when it closes.
+  TierScope scope(this);
   const int old_slots = optimizer_.num_slots();
   const bool old_master = has_master();
   Optimizer next(optimizer);
@@ -213,10 +215,7 @@ Status EmbeddingTable::SetOptimizer(const OptimizerConfig& optimizer) {
   index_.ForEach([&](int64_t, uint32_t row) { InitRowSlots(row); });
   // Ages count from the table step, which restarts at 0.
   policy_.ResetSteps(index_);
-  if (tier_ == nullptr) return Status::Ok();
-  s = MigrateDiskRows(old_slots, old_master);
-  SettleBudget();
-  return s;
+  return MigrateDiskRows(old_slots, old_master);
 }
 
 Status EmbeddingTable::SetLearningRate(double learning_rate) {
@@ -233,6 +232,7 @@ Status EmbeddingTable::Assign(const int64_t* keys, int64_t n, const float* value
   // A tiered table takes a batch larger than its budget could hold at once
   // (a serving replica's load) piece by piece, in order (the last of a
   // duplicated id still wins); a disk error then leaves the pieces before it.
+  // Each piece has its scope: the budget is settled between them.
   const int64_t piece = TierBatchRows();
   if (n > piece) {
     for (int64_t begin = 0; begin < n; begin += piece) {
@@ -241,11 +241,10 @@ Status EmbeddingTable::Assign(const int64_t* keys, int64_t n, const float* value
     }
     return Status::Ok();
   }
-  Status s = PrepareRows(keys, n, /*insert=*/true);
+  TierScope scope(this);
+  Status s = scope.Prepare(keys, n, /*insert=*/true);
   if (!s.ok()) return s;
-  s = AssignInMemory(keys, n, values);
-  SettleBudget();
-  return s;
+  return AssignInMemory(keys, n, values);
 }
 
 Status EmbeddingTable::AssignInMemory(const int64_t* keys, int64_t n, const float* values) {
@@ -266,15 +265,12 @@ Status EmbeddingTable::AssignInMemory(const int64_t* keys, int64_t n, const floa
 }
 
 int64_t EmbeddingTable::Remove(const int64_t* keys, int64_t n) {
+  TierScope scope(this);
   // Room for the free list and the removal log first: std::bad_alloc then
   // leaves the table as it was, never a row both free and stored.
   int64_t present = 0;
   for (int64_t i = 0; i < n; ++i) present += index_.Find(keys[i]) >= 0;
-  if (present == 0) {
-    const int64_t removed = RemoveFromDisk(keys, n);
-    SettleBudget();
-    return removed;
-  }
+  if (present == 0) return RemoveFromDisk(keys, n);
   free_rows_.reserve(free_rows_.size() + static_cast<size_t>(present));
   if (change_epoch_ > 1) removed_.reserve(removed_.size() + static_cast<size_t>(present));
   int64_t removed = 0;
@@ -287,9 +283,7 @@ int64_t EmbeddingTable::Remove(const int64_t* keys, int64_t n) {
     if (change_epoch_ > 1) removed_.emplace_back(keys[i], change_epoch_);
     ++removed;
   }
-  removed += RemoveFromDisk(keys, n);
-  SettleBudget();
-  return removed;
+  return removed + RemoveFromDisk(keys, n);
 }
 
 }  // namespace kvsparse

@@ -362,8 +362,10 @@ class EmbeddingTable {
   Status FinishPlan(const PushPlan& plan, int64_t saved_table_step, int64_t* applied);
   void MaybeEvictAutomatically();
 
-  // The disk tier (table_tier.cc).
+  // The disk tier (table_tier.cc), and the scope every operation on rows
+  // opens: it prepares the rows and settles the budget (table_tier.h).
   struct Tier;
+  class TierScope;
   int64_t RecordBytes() const;
   Status OpenTierStore();
   // MemoryBytes and the disk tier's index: what the table reports to the budget.
@@ -389,22 +391,20 @@ class EmbeddingTable {
   Status MakeRoom(int64_t incoming, const std::vector<int64_t>& keep, int64_t resident_kept,
                   int64_t fresh);
   // Moves rows to disk and gives memory back until the shard is within its
-  // budget (after SetOptimizer made every row wider).
+  // budget (as a TierScope closes: SetOptimizer made every row wider, the
+  // disk index grew).
   void ShrinkToBudget();
   // Frees about bytes (push scratch, then cold rows to disk and the row
   // arrays shrunk); returns what it freed. Another table of the shard asks.
   int64_t ReleaseMemory(int64_t bytes);
-  // After an operation: reports the table's bytes and shrinks back within the
-  // budget where the operation's bookkeeping (the disk index, free lists)
-  // took it past.
-  void SettleBudget();
   // Frees the push scratch (not while a push is begun); whether it held any.
   bool ReleaseScratch();
   // Rows per piece when a tiered table writes a large batch piece by piece
   // (WriteState, Assign: a checkpoint's block can be larger than the budget).
   int64_t TierBatchRows() const;
   // Brings keys' disk rows into memory after making room for them and, with
-  // insert, for the keys stored nowhere. Changes no row's state.
+  // insert, for the keys stored nowhere. Changes no row's state. Through
+  // TierScope::Prepare only, so that the budget is settled after it.
   Status PrepareRows(const int64_t* keys, int64_t n, bool insert);
   // Records of the keys not in memory that are on disk: which[j] is the
   // index in keys of record j.

@@ -76,7 +76,8 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
                     "step counter of id " + KeyText(keys[i]) + " is out of range");
     }
   }
-  // A tiered table takes a large batch (a checkpoint's block) piece by piece.
+  // A tiered table takes a large batch (a checkpoint's block) piece by piece,
+  // each with its scope: the budget is settled between them.
   const int64_t piece = TierBatchRows();
   if (n > piece) {
     const int64_t row_slot_floats = config_.dim * num_slots();
@@ -88,7 +89,8 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
     }
     return Status::Ok();
   }
-  Status s = PrepareRows(keys, n, /*insert=*/true);
+  TierScope scope(this);
+  Status s = scope.Prepare(keys, n, /*insert=*/true);
   if (!s.ok()) return s;
   s = index_.Reserve(index_.size() + n);
   if (!s.ok()) return s;
@@ -110,7 +112,6 @@ Status EmbeddingTable::WriteState(const int64_t* keys, int64_t n, const float* v
     *StepOf(row) = static_cast<uint32_t>(steps[i]);
     *StampOf(row) = change_epoch_;
   }
-  SettleBudget();
   return Status::Ok();
 }
 

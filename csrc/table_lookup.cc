@@ -126,17 +126,17 @@ void EmbeddingTable::LookupRangeFor(const int64_t* keys, int64_t n, float* out,
 }
 
 Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const {
+  // Settles when the lookup returns, after it read its rows: settling before
+  // could move them out again.
+  TierScope scope(this, TierScope::ForLookup{});
   bool promoted = false;
-  if (tier_ != nullptr && !tier_->config.concurrent_lookups && DiskRowCount() > 0) {
+  if (scope.moves_rows() && DiskRowCount() > 0) {
     // A pull of rows on disk brings them back into memory, so that the push
     // that usually follows finds them there (a row is read from disk once,
-    // not once per pull and again per push). Lookup is const to its callers:
-    // moving rows between tiers changes no result (callers serialize on the
-    // shard lock, as for every table call). A pull larger than the budget
+    // not once per pull and again per push). A pull larger than the budget
     // reads its disk rows through instead, as does a pull that cannot move
     // rows out (a full disk).
-    EmbeddingTable* self = const_cast<EmbeddingTable*>(this);
-    Status s = self->PrepareRows(keys, n, /*insert=*/false);
+    Status s = scope.Prepare(keys, n, /*insert=*/false);
     if (s.code() == StatusCode::kCorruption) return s;
     promoted = s.ok();
   }
@@ -166,16 +166,8 @@ Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const 
       }
     }
   }
-  if (promoted) {
-    // Only now: settling may move rows out again, those of this pull too.
-    const_cast<EmbeddingTable*>(this)->SettleBudget();
-    return Status::Ok();
-  }
-  if (tier_ == nullptr) return Status::Ok();
-  Status read = LookupDisk(keys, n, out);
-  // A refused promotion may have moved rows out before it gave up.
-  if (!tier_->config.concurrent_lookups) const_cast<EmbeddingTable*>(this)->ReportMemory();
-  return read;
+  if (promoted || tier_ == nullptr) return Status::Ok();
+  return LookupDisk(keys, n, out);
 }
 
 void EmbeddingTable::FillInitialRowsCached(const int64_t* keys, int64_t n,
@@ -207,11 +199,10 @@ void EmbeddingTable::FillInitialRowsCached(const int64_t* keys, int64_t n,
 }
 
 Status EmbeddingTable::LookupOrInsert(const int64_t* keys, int64_t n, float* out) {
-  Status prepared = PrepareRows(keys, n, /*insert=*/true);
-  if (!prepared.ok()) return prepared;
-  Status s = LookupOrInsertInMemory(keys, n, out);
-  SettleBudget();
-  return s;
+  TierScope scope(this);
+  Status s = scope.Prepare(keys, n, /*insert=*/true);
+  if (!s.ok()) return s;
+  return LookupOrInsertInMemory(keys, n, out);
 }
 
 Status EmbeddingTable::LookupOrInsertInMemory(const int64_t* keys, int64_t n, float* out) {

@@ -19,6 +19,7 @@ void EmbeddingTable::PlanAdmission(PushPlan* plan) const {
 
 int64_t EmbeddingTable::EvictExpired() {
   if (config_.policy.ttl_steps <= 0) return 0;
+  TierScope scope(this);
   std::vector<int64_t> expired;
   policy_.ExpiredKeys(index_, table_step_, &expired);
   // Rows first (Remove may throw std::bad_alloc, then changing nothing);
@@ -86,7 +87,8 @@ Status EmbeddingTable::ReadRowMeta(const int64_t* keys, int64_t n, int64_t* touc
 
 Status EmbeddingTable::WriteRowMeta(const int64_t* keys, int64_t n, const int64_t* touches,
                                     const int64_t* last_steps) {
-  Status prepared = PrepareRows(keys, n, /*insert=*/false);
+  TierScope scope(this);
+  Status prepared = scope.Prepare(keys, n, /*insert=*/false);
   if (!prepared.ok()) return prepared;
   std::vector<int64_t> rows(static_cast<size_t>(n));
   index_.FindRows(keys, n, rows.data());

@@ -40,14 +40,15 @@ Status EmbeddingTable::ApplyGradients(const int64_t* keys, int64_t n, const floa
   // compute what can be computed aside, and allocate everything the commit
   // needs; (2) update the stored rows in place, each saved first, checking
   // every result; (3) commit, which cannot fail but for the candidates' map,
-  // which it puts back on failure.
-  Status s = PrepareRows(keys, n, /*insert=*/true);
+  // which it puts back on failure. The scope settles after any of them (a
+  // refused push grew its scratch too).
+  TierScope scope(this);
+  Status s = scope.Prepare(keys, n, /*insert=*/true);
   if (!s.ok()) return s;
   PushPlan plan;
   const int64_t saved_table_step = table_step_;
   s = BeginPlan(keys, n, grads, policy, &plan);
   if (s.ok()) s = FinishPlan(plan, saved_table_step, applied);
-  SettleBudget();  // a refused push grew its scratch too
   return s;
 }
 
@@ -56,7 +57,9 @@ Status EmbeddingTable::BeginPush(const int64_t* keys, int64_t n, const float* gr
   if (pending_push_ != nullptr) {
     return Status(StatusCode::kInvalidArgument, "a push of this table is begun and not finished");
   }
-  Status prepared = PrepareRows(keys, n, /*insert=*/true);
+  // Settles if the push fails; once it is begun, FinishPush or CancelPush does.
+  TierScope scope(this);
+  Status prepared = scope.Prepare(keys, n, /*insert=*/true);
   if (!prepared.ok()) return prepared;
   std::unique_ptr<PushPlan> plan;
   try {
@@ -66,10 +69,7 @@ Status EmbeddingTable::BeginPush(const int64_t* keys, int64_t n, const float* gr
   }
   const int64_t saved_table_step = table_step_;
   Status s = BeginPlan(keys, n, grads, policy, plan.get());
-  if (!s.ok()) {
-    SettleBudget();
-    return s;
-  }
+  if (!s.ok()) return s;
   // Commit reads no gradient: the caller's array may go.
   plan->grads = nullptr;
   plan->summed.clear();
@@ -83,18 +83,17 @@ Status EmbeddingTable::FinishPush(int64_t* applied) {
   if (pending_push_ == nullptr) {
     return Status(StatusCode::kInvalidArgument, "no push of this table is begun");
   }
+  TierScope scope(this);
   std::unique_ptr<PushPlan> plan = std::move(pending_push_);
-  Status s = FinishPlan(*plan, pending_table_step_, applied);
-  SettleBudget();
-  return s;
+  return FinishPlan(*plan, pending_table_step_, applied);
 }
 
 void EmbeddingTable::CancelPush() {
   if (pending_push_ == nullptr) return;
+  TierScope scope(this);
   std::unique_ptr<PushPlan> plan = std::move(pending_push_);
   RestoreExistingRows(*plan);
   table_step_ = pending_table_step_;
-  SettleBudget();
 }
 
 Status EmbeddingTable::BeginPlan(const int64_t* keys, int64_t n, const float* grads,

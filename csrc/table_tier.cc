@@ -7,16 +7,17 @@
 //   values (dim float32) | slots (num_slots() * dim float32, the master last)
 //   | step | change stamp | touches | last step (uint32 each)
 //
-// Every operation that names ids first calls PrepareRows: it finds which of
-// them are on disk (the store's in-memory index: no I/O), makes room for them
-// and for the ids it will insert (MakeRoom: the coldest rows not in the
-// request move to disk, in one batch write), then reads the request's disk
-// rows back in one batch of reads and puts them in memory with their exact
-// state (stamp included: moving a row is not a change for checkpoints). The
-// operation then runs on memory rows as it always did. Lookups (pulls) bring
-// disk rows back too (the push that follows finds them in memory), or read
-// them through when the pull is larger than the budget; ids stored nowhere
-// cost no I/O.
+// Every operation that names ids first opens a TierScope (table_tier.h) and
+// prepares its ids (PrepareRows): it finds which of them are on disk (the
+// store's in-memory index: no I/O), makes room for them and for the ids it
+// will insert (MakeRoom: the coldest rows not in the request move to disk,
+// in one batch write), then reads the request's disk rows back in one batch
+// of reads and puts them in memory with their exact state (stamp included:
+// moving a row is not a change for checkpoints). The operation then runs on
+// memory rows as it always did, and its scope settles the budget when it
+// returns. Lookups (pulls) bring disk rows back too (the push that follows
+// finds them in memory), or read them through when the pull is larger than
+// the budget; ids stored nowhere cost no I/O.
 //
 // Cold: the lowest last step when the policy keeps one (LRU), else the fewest
 // touches when it keeps them (LFU), else the fewest updates (the row's own
@@ -560,10 +561,42 @@ bool EmbeddingTable::ReleaseScratch() {
   return held;
 }
 
-void EmbeddingTable::SettleBudget() {
-  ReportMemory();
-  ShrinkToBudget();
-  RunMaintenance();
+EmbeddingTable::TierScope::TierScope(EmbeddingTable* table)
+    : table_(table), moves_rows_(table->tier_ != nullptr), lookup_(false) {
+  if (moves_rows_) outermost_ = table_->tier_->open_scopes++ == 0;
+}
+
+EmbeddingTable::TierScope::TierScope(const EmbeddingTable* table, ForLookup)
+    : table_(const_cast<EmbeddingTable*>(table)),
+      moves_rows_(table->tier_ != nullptr && !table->tier_->config.concurrent_lookups),
+      lookup_(true) {
+  if (moves_rows_) outermost_ = table_->tier_->open_scopes++ == 0;
+}
+
+Status EmbeddingTable::TierScope::Prepare(const int64_t* keys, int64_t n, bool insert) {
+  if (!moves_rows_) return Status::Ok();
+  Status s = table_->PrepareRows(keys, n, insert);
+  prepared_ = prepared_ || s.ok();
+  return s;
+}
+
+EmbeddingTable::TierScope::~TierScope() {
+  if (!moves_rows_) return;
+  --table_->tier_->open_scopes;
+  if (!outermost_ || table_->pending_push_ != nullptr) return;
+  try {
+    table_->ReportMemory();
+    // A lookup that brought no rows in (none on disk, or it read them
+    // through) grew nothing: the count is all it changes. Merges wait for an
+    // operation that moves rows.
+    if (lookup_ && !prepared_) return;
+    table_->ShrinkToBudget();
+    table_->RunMaintenance();
+  } catch (const std::bad_alloc&) {
+    // Out of memory while giving memory back (CompactRows): the count stays
+    // exact, and the next operation settles again.
+    table_->ReportMemory();
+  }
 }
 
 void EmbeddingTable::RunMaintenance() {

@@ -707,6 +707,138 @@ def test_a_single_batch_larger_than_the_budget_is_refused_even_with_a_disk_tier(
 
 
 # ---------------------------------------------------------------------------
+# The budget's count after every operation, refused and failed ones included
+# ---------------------------------------------------------------------------
+
+
+def assert_count_exact(budget, *tables, context=""):
+    """The budget counts what the tables hold now, to the byte: no operation left it stale."""
+    held = sum(table.tier_stats()["memory_bytes"] for table in tables)
+    assert budget.used() == held, (context, budget.used(), held)
+
+
+def _write_state(table, keys, values):
+    slots = np.zeros((len(keys), table.num_slots, table.dim), np.float32)
+    table.write_state(keys, values, slots, np.ones(len(keys), np.int64))
+
+
+INSERTS = {
+    "apply_gradients": lambda table, keys, values: table.apply_gradients(keys, values),
+    "begin_push": lambda table, keys, values: table.begin_push(keys, values),
+    "lookup_or_insert": lambda table, keys, values: table.lookup_or_insert(keys),
+    "assign": lambda table, keys, values: table.assign(keys, values),
+    "write_state": _write_state,
+}
+
+
+@pytest.mark.parametrize("operation", list(INSERTS))
+def test_a_refused_insert_leaves_the_budgets_count_exact(operation):
+    """Before refusing, the insert gives the push scratch back (its first try at making
+    room): the budget must then count what the table holds, not what it held before (a
+    refusal while bringing rows in used to return without reporting)."""
+    dim = 256
+    budget = _core.MemoryBudget(1 * MiB)
+    table = _core.Table(dim, NORMAL, OPTIMIZERS["adam"], 3, budget=budget, name="user")
+    in_ram = _core.Table(dim, NORMAL, OPTIMIZERS["adam"], 3)
+    rng = np.random.default_rng(2)
+    for batch in range(200):
+        keys = np.arange(batch * 20, batch * 20 + 20, dtype=np.int64)
+        grads = rng.standard_normal((20, dim)).astype(np.float32)
+        try:
+            table.apply_gradients(keys, grads)
+        except errors.LimitExceeded:
+            break
+        in_ram.apply_gradients(keys, grads)
+    else:
+        raise AssertionError("1 MiB held 200 batches of 20 Adam rows of dim 256")
+    held = np.arange(4, dtype=np.int64)  # rows it holds: the push keeps its scratch
+    grads = rng.standard_normal((4, dim)).astype(np.float32)
+    table.apply_gradients(held, grads)
+    in_ram.apply_gradients(held, grads)
+    assert table.scratch_bytes() > 0
+    assert_count_exact(budget, table)
+    many = np.arange(-200, 0, dtype=np.int64)
+    with pytest.raises(errors.LimitExceeded):
+        INSERTS[operation](table, many, rng.uniform(-1, 1, (200, dim)).astype(np.float32))
+    assert_count_exact(budget, table, context=operation)
+    assert_same_tables(table, in_ram)
+
+
+def test_moving_rows_in_and_failing_after_moving_rows_out_leave_the_count_exact(tmp_path):
+    """write_row_meta brings rows back from disk (it never settled the budget); a pull and
+    a push that meet a corrupted record after making room (rows moved out) fail with it:
+    the budget counts what the table holds after each."""
+    dim = 256
+    tiered, budget, in_ram = make_pair(tmp_path, dim, OPTIMIZERS["adagrad"], 256 * KiB)
+    rng = np.random.default_rng(6)
+    for start in range(0, 1000, 20):
+        keys = np.arange(start, start + 20, dtype=np.int64)
+        grads = rng.standard_normal((20, dim)).astype(np.float32)
+        tiered.apply_gradients(keys, grads)
+        in_ram.apply_gradients(keys, grads)
+    assert_count_exact(budget, tiered)
+    before = tiered.tier_stats()
+    cold = np.arange(20, dtype=np.int64)  # pushed first, touched since never: on disk
+    tiered.write_row_meta(cold, np.zeros(20, np.int64), np.zeros(20, np.int64))
+    assert tiered.tier_stats()["rows_read"] > before["rows_read"]
+    assert_count_exact(budget, tiered, context="write_row_meta")
+    for path, _, at in records_of(25, tmp_path / "spill-emb"):
+        flip_byte(path, at + 8 + 17)
+    pushed = np.array([24, 25, *range(2000, 2008)], dtype=np.int64)  # and 8 new ids
+    for name, fail in (
+        ("lookup", lambda: tiered.lookup(np.array([24, 25, 900, 901, 902]))),
+        ("push", lambda: tiered.apply_gradients(pushed, np.ones((len(pushed), dim), np.float32))),
+    ):
+        before = tiered.tier_stats()
+        with pytest.raises(errors.CorruptRecord, match="key 25"):
+            fail()
+        assert tiered.tier_stats()["evictions"] > before["evictions"], name
+        assert_count_exact(budget, tiered, context=name)
+        assert budget.used() <= budget.limit + BUDGET_SLACK
+    others = np.array([k for k in range(1000) if k != 25], dtype=np.int64)
+    for start in range(0, len(others), 20):
+        part = others[start : start + 20]
+        np.testing.assert_array_equal(tiered.lookup(part), in_ram.lookup(part))
+
+
+def test_a_push_begun_on_two_tables_of_a_budget_settles_when_finished_or_cancelled(tmp_path):
+    """A request's push to two tiered tables of one shard (begin both, then finish or cancel
+    both, as a server does): the budget holds and counts both tables exactly after each."""
+    dim = 64
+    budget = _core.MemoryBudget(512 * KiB)
+    tables, twins = [], []
+    for name in ("user", "item"):
+        tables.append(
+            _core.Table(
+                dim,
+                NORMAL,
+                OPTIMIZERS["adagrad"],
+                1,
+                budget=budget,
+                spill_dir=str(tmp_path / name),
+                name=name,
+            )
+        )
+        twins.append(_core.Table(dim, NORMAL, OPTIMIZERS["adagrad"], 1))
+    rng = np.random.default_rng(11)
+    for step in range(60):
+        keys = rng.integers(0, 3000, 32)
+        grads = rng.standard_normal((32, dim)).astype(np.float32)
+        for table in tables:
+            table.begin_push(keys, grads)
+        for table, twin in zip(tables, twins):
+            if step % 4 == 3:
+                table.cancel_push()
+            else:
+                assert table.finish_push() == twin.apply_gradients(keys, grads)
+        assert_count_exact(budget, *tables, context=f"step {step}")
+        assert budget.used() <= budget.limit + BUDGET_SLACK, step
+    for table, twin in zip(tables, twins):
+        assert table.tier_stats()["rows_on_disk"] > 0
+        assert_same_tables(table, twin)
+
+
+# ---------------------------------------------------------------------------
 # A full disk during write-back
 # ---------------------------------------------------------------------------
 
