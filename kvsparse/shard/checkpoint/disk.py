@@ -76,7 +76,10 @@ def link_disk_rows(state: ShardState, path: str, seq: int, shard_index: int, num
         return {}
     root = disk_dir_name(seq, shard_index, num_shards)
     shutil.rmtree(os.path.join(path, root), ignore_errors=True)  # a failed save's, if any
-    os.makedirs(os.path.join(path, root))
+    try:
+        os.makedirs(os.path.join(path, root))
+    except OSError as exc:
+        raise errors.CheckpointError(f"cannot create {os.path.join(path, root)}: {exc}") from None
     linked = {}
     for table_id, table in tables:
         relative = os.path.join(root, f"table-{table_id}")
