@@ -138,6 +138,17 @@ class EmbeddingTable {
   // out[i] = row of keys[i]; a missing key gets its initial value and is not
   // inserted. Duplicates allowed.
   Status Lookup(const int64_t* keys, int64_t n, float* out) const;
+  // Brings the rows of keys that are on disk into memory now (making room as
+  // a pull does: the coldest other rows move to disk), so that a pull or push
+  // naming them later finds them there: a worker sends the next batch's ids
+  // ahead and the disk reads overlap its compute. Changes no row's value,
+  // slots, step or stamp; ids stored nowhere are not inserted. Ok and does
+  // nothing on a table without rows on disk, or with concurrent lookups (a
+  // serving replica). *read: the rows brought in (nullable). LimitExceeded
+  // (nothing moved) when they do not fit the budget; other statuses as a
+  // lookup's (Corruption, IoError).
+  //   s = table->PrefetchRows(next_keys, n, &read);   // later: Lookup finds them in memory
+  Status PrefetchRows(const int64_t* keys, int64_t n, int64_t* read);
   // Like Lookup, but missing keys are inserted with their initial value.
   Status LookupOrInsert(const int64_t* keys, int64_t n, float* out);
   // Fills only the initial values (never touches the map).

@@ -170,6 +170,20 @@ Status EmbeddingTable::Lookup(const int64_t* keys, int64_t n, float* out) const 
   return LookupDisk(keys, n, out);
 }
 
+Status EmbeddingTable::PrefetchRows(const int64_t* keys, int64_t n, int64_t* read) {
+  if (read != nullptr) *read = 0;
+  if (tier_ == nullptr || tier_->config.concurrent_lookups || DiskRowCount() == 0 || n <= 0) {
+    return Status::Ok();
+  }
+  // Settles when it returns, as a lookup that brought its rows in does: the
+  // bookkeeping may have taken the shard past its budget (the disk index).
+  TierScope scope(this);
+  const int64_t before = tier_->stats.rows_read;
+  Status s = scope.Prepare(keys, n, /*insert=*/false);
+  if (read != nullptr) *read = tier_->stats.rows_read - before;
+  return s;
+}
+
 void EmbeddingTable::FillInitialRowsCached(const int64_t* keys, int64_t n,
                                            float* const* targets) const {
   const int64_t dim = config_.dim;

@@ -64,6 +64,7 @@ constexpr uint16_t kOpLoadOptimizerStates = 12;
 constexpr uint16_t kOpStats = 13;
 constexpr uint16_t kOpAssignSparse = 14;
 constexpr uint16_t kOpGoodbye = 15;
+constexpr uint16_t kOpPrefetchSparse = 16;
 constexpr uint16_t kOpEvict = 20;
 constexpr uint16_t kOpCheckpoint = 30;
 constexpr uint16_t kOpLookup = 40;
@@ -158,6 +159,7 @@ constexpr WireConstant kWireConstants[] = {
     {"Op.STATS", static_cast<int64_t>(kOpStats)},
     {"Op.ASSIGN_SPARSE", static_cast<int64_t>(kOpAssignSparse)},
     {"Op.GOODBYE", static_cast<int64_t>(kOpGoodbye)},
+    {"Op.PREFETCH_SPARSE", static_cast<int64_t>(kOpPrefetchSparse)},
     {"Op.EVICT", static_cast<int64_t>(kOpEvict)},
     {"Op.CHECKPOINT", static_cast<int64_t>(kOpCheckpoint)},
     {"Op.LOOKUP", static_cast<int64_t>(kOpLookup)},

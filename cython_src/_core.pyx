@@ -448,6 +448,32 @@ cdef class Table:
         _check(c_status)
         return out
 
+    def prefetch_rows(self, keys_arg):
+        """Brings the rows of keys that are on disk into memory now; returns how many.
+
+        For a pull or push that will name them soon (the next batch's ids sent
+        ahead): it then finds them in memory. Changes no row (values, slots,
+        steps and stamps stay); ids stored nowhere are not inserted. 0 on a
+        table with no rows on disk.
+
+        Raises:
+            kvsparse.errors.LimitExceeded: the rows do not fit the memory budget
+                (nothing moved); CorruptRecord, StorageError: as a lookup.
+
+        Example:
+            >>> table.prefetch_rows(np.array([3, 7], np.int64))  # doctest: +SKIP
+            2
+        """
+        cdef EmbeddingTable* c_table = self._table()
+        cdef const int64_t[::1] keys = _arg(keys_arg, np.int64, 1, "keys")
+        cdef int64_t c_n = keys.shape[0]
+        cdef int64_t c_read = 0
+        cdef Status c_status
+        with nogil:
+            c_status = c_table.PrefetchRows(&keys[0] if c_n else NULL, c_n, &c_read)
+        _check(c_status)
+        return c_read
+
     def lookup_or_insert(self, keys_arg, out=None):
         """Like lookup, but missing ids are inserted with their initial value."""
         cdef EmbeddingTable* c_table = self._table()

@@ -100,6 +100,7 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         Status SetOptimizer(const OptimizerConfig& optimizer) except +
         Status SetLearningRate(double learning_rate)
         Status Lookup(const int64_t* keys, int64_t n, float* out) except +
+        Status PrefetchRows(const int64_t* keys, int64_t n, int64_t* read) except +
         Status LookupOrInsert(const int64_t* keys, int64_t n, float* out) except +
         void InitialValues(const int64_t* keys, int64_t n, float* out) except +
         Status ApplyGradients(const int64_t* keys, int64_t n, const float* grads,

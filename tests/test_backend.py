@@ -39,6 +39,7 @@ def test_the_protocol_holds_every_operation_of_the_store():
             "init_sparse",
             "load_optimizer_states",
             "optimizer_states",
+            "prefetch_sparse",
             "pull_dense",
             "pull_sparse",
             "push_dense",

@@ -424,6 +424,46 @@ class RemoteBackend:
         result = rows(answers)
         return result if wait else lambda: result
 
+    def prefetch_sparse(self, items):
+        """items: [(table_id, keys, offsets)]: ids a pull will name soon, sent now.
+
+        Each server brings those of its keys' rows that are on disk into memory
+        at once (PREFETCH_SPARSE), so that the pull finds them there. Sent
+        without waiting, where `defers_pulls` (it may go out behind a pending
+        push: it changes no row, so its place in the order changes no result);
+        returns a callable giving the rows each item brought in from disk (a
+        list, summed over the servers), which reads the replies (a later call
+        of the backend may read them first and keep them). Elsewhere it sends
+        nothing and returns None: the pull itself runs at once there.
+        """
+        if not self._pipelined_pulls:
+            return None
+        per_server: dict[int, list] = {}
+        for index, (table_id, keys, offsets) in enumerate(items):
+            bounds = offsets.tolist()
+            for server in range(self.num_shards):
+                a, b = bounds[server], bounds[server + 1]
+                if b > a:
+                    per_server.setdefault(server, []).append((index, table_id, keys[a:b]))
+        if not per_server:
+            return lambda: [0] * len(items)
+        requests = {
+            server: ops.PrefetchSparse.encode_request([(t, k) for _, t, k in entries])
+            for server, entries in per_server.items()
+        }
+        pending = self.session.exchange(requests, pipelined=True, wait=False)
+
+        def read() -> list:
+            answers = pending.result()
+            counts = [0] * len(items)
+            for server, entries in per_server.items():
+                replies = self._decode(server, ops.PrefetchSparse, answers[server], len(entries))
+                for (index, _, _), count in zip(entries, replies.tolist()):
+                    counts[index] += count
+            return counts
+
+        return read
+
     def _shared_blocks(self, items, wires: list, per_server: dict) -> dict:
         """{item index: a (keys, dim) float32 array in the shared segment} for the float32
         items of known dim that some sharing server holds keys of (all shards' rows of an

@@ -18,6 +18,9 @@ Ops (`kvsparse.wire.protocol.Op`) and their coordination
 - ASSIGN_SPARSE: rows written verbatim, at once (no optimizer, no BSP round).
 - PULL_SPARSE, PULL_DENSE: rows / the dense slice (held by the SSP gate when too far ahead).
 - PUSH_SPARSE, PUSH_DENSE: applied now (ASP, SSP) or once the BSP round is full.
+- PREFETCH_SPARSE: ids a pull will name soon; their rows on disk come into memory now,
+  never held (not by the SSP gate either: it changes no row, and its point is to start
+  the disk reads before the pull arrives).
 - BARRIER: answered when every worker sent one; meanwhile the BSP rounds and SSP pulls
   do not wait for the ranks at the barrier (`Coordination.arrive_at_barrier`).
 - GET/LOAD_OPTIMIZER_STATES, STATS, EVICT, CHECKPOINT (`kvsparse.shard.checkpoint`).
@@ -95,6 +98,7 @@ class Handlers:
             Op.SET_OPTIMIZER: self._set_optimizer,
             Op.PULL_SPARSE: self._pull_sparse,
             Op.PUSH_SPARSE: self._push_sparse,
+            Op.PREFETCH_SPARSE: self._prefetch_sparse,
             Op.PULL_DENSE: self._pull_dense,
             Op.PUSH_DENSE: self._push_dense,
             Op.ASSIGN_SPARSE: self._assign_sparse,
@@ -291,6 +295,18 @@ class Handlers:
         # Fresh arrays: safe to hand to ZeroMQ uncopied.
         rows = [self._state.pull_sparse(t, k) for (t, _, _, _), k in zip(described, keys)]
         return ops.PullSparse.encode_reply(items, rows, targets)
+
+    def _prefetch_sparse(self, header, payload, pending):
+        items, keys = ops.PrefetchSparse.decode_request(header, payload)
+        described = items.tolist()
+        self._limits.check_rows(sum(k.size for k in keys), "a prefetch")
+        for table_id, _, _, _ in described:
+            self._state.sparse_entry(table_id)  # every table exists before any row moves
+        read = [
+            self._state.prefetch_sparse(table_id, k)
+            for (table_id, _, _, _), k in zip(described, keys)
+        ]
+        return ops.PrefetchSparse.encode_reply(read)
 
     def _push_sparse(self, header, payload, pending):
         segment = self._segment(header) if header.flags & protocol.FLAG_SHARED else None

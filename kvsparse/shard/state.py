@@ -519,6 +519,23 @@ class ShardState:
         self.counters.keys += keys.size
         return entry.table.lookup(keys, out)
 
+    def prefetch_sparse(self, table_id: int, keys: np.ndarray) -> int:
+        """Brings the rows of keys that are on disk into memory now; returns how many.
+
+        The next batch's ids sent ahead (PREFETCH_SPARSE): the pull that names
+        them later finds them in memory. Changes no row; 0 without a disk tier,
+        and 0 when the rows do not fit the budget (nothing moved: the pull then
+        reads them through, as it would have).
+
+        Raises:
+            UnknownKey: no such table. CorruptRecord, StorageError: as a pull.
+        """
+        table = self.sparse_entry(table_id).table
+        try:
+            return table.prefetch_rows(keys)
+        except errors.LimitExceeded:
+            return 0
+
     def push_sparse(self, table_id: int, keys: np.ndarray, grads: np.ndarray) -> int:
         """Applies the table's optimizer (or replaces rows) for keys; returns rows changed."""
         entry = self.sparse_entry(table_id)

@@ -75,6 +75,11 @@ class Backend(Protocol):
         call of the backend may read the replies first, and keeps them for it.
         """
 
+    def prefetch_sparse(self, items: list):
+        """items: [(table_id, keys, offsets)]: ids a pull will name soon. Where `defers_pulls`,
+        sent now (each shard brings their rows on disk into memory) and a callable returned
+        that gives the rows each item brought in; elsewhere None (nothing sent)."""
+
     def rows_buffer(self, count: int, dim: int) -> np.ndarray | None:
         """A fresh (count, dim) float32 array for a push's summed rows that push_sparse
         sends without a copy (the remote backend's shared memory), or None: any array."""

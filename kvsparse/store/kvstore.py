@@ -403,6 +403,62 @@ class KVStore(StoreFront):
             return fill(pulled)
         return PendingPull(lambda: fill(pulled()))
 
+    def row_sparse_prefetch(self, key, row_ids):
+        """Tells the servers which rows a pull will ask for soon, so they read them now.
+
+        A server with a disk tier (``--memory-budget`` with ``--spill-dir``)
+        brings those of the rows that are on disk into memory at once, while
+        the worker computes; the `row_sparse_pull` of these ids that follows
+        then finds them in memory instead of reading the disk. It changes no
+        row and no result: the pull still reads the table as of when the pull
+        is sent (after this step's push, say). Only where `defers_pulls` (the
+        request goes out at once, behind any pending push); elsewhere nothing
+        is sent.
+
+        Args:
+            key: a sparse key, or a list of them (one request per server for all).
+            row_ids: int ids of any shape (duplicates allowed), or a list.
+
+        Returns:
+            A `PendingPull` whose ``wait()`` gives the rows brought in from disk
+            (summed over the servers; one int, or a list for a list of keys), or
+            None where nothing was sent. Reading it is optional: an unread
+            prefetch's reply is read by the store's next call and dropped.
+
+        Raises:
+            UnknownKey, DTypeError (non-integer ids); its ``wait()``: what the
+            servers answer (UnknownKey, StorageError...).
+
+        Example:
+            >>> kv.row_sparse_prefetch('user', next_ids)   # while computing this step
+            >>> kv.push('user', (ids, grads))
+            >>> kv.row_sparse_pull('user', row_ids=next_ids)  # its disk rows: in memory
+        """
+        if not self.defers_pulls:
+            return None
+        single = not isinstance(key, (list, tuple))
+        keys = as_list(key)
+        ids_list = per_key(row_ids, single)
+        if len(ids_list) != len(keys):
+            raise errors.InvalidArgument("row_sparse_prefetch: keys and row_ids differ in length")
+        items = []
+        for k, ids in zip(keys, ids_list):
+            info = self._keys.info(k)
+            if not info.sparse:
+                raise errors.InvalidArgument(f"key {k!r} is dense; there are no rows to prefetch")
+            # The pull's own plan: kept, so the pull of these ids does not make it again.
+            plan = self._plans.for_pull(
+                info.table_id,
+                flat_ids(as_ids(ids, key=k)),
+                self._backend.num_shards,
+                info.boundaries,
+            )
+            items.append((info.table_id, plan.keys, plan.offsets))
+        read = self._backend.prefetch_sparse(items)
+        if read is None:
+            return None
+        return PendingPull(lambda: read()[0] if single else read())
+
     # -- push / pull ------------------------------------------------------------------------
 
     def push(self, key, value, priority=0, wait=True) -> None:

@@ -781,6 +781,43 @@ class PullSparse(_Codec):
         return out
 
 
+class PrefetchSparse(_Codec):
+    """PREFETCH_SPARSE: ids of one or more sparse tables whose rows a pull will ask for soon.
+
+    A shard with a disk tier brings those of their rows that are on disk into
+    memory at once; the reply counts them per item. Nothing else changes: the
+    pull that follows returns what it would have returned without it.
+    """
+
+    op = Op.PREFETCH_SPARSE
+
+    @classmethod
+    def encode_request(cls, entries: Sequence) -> Request:
+        """entries: [(table_id, int64 keys)]; one item each."""
+        return _array_per_item_request(cls.op, entries)
+
+    @classmethod
+    def decode_request(cls, header: Header, payload) -> tuple:
+        """(items, [each item's int64 keys]) (views of the frames)."""
+        return _array_per_item(header, payload, np.int64, cls.op.name, "PREFETCH_SPARSE keys")
+
+    @classmethod
+    def encode_reply(cls, read: Sequence) -> Reply:
+        """read: the rows each item brought in from disk."""
+        return Reply([np.asarray(read, np.int64)])
+
+    @classmethod
+    def decode_reply(cls, header: Header, payload, count: int) -> np.ndarray:
+        """The rows brought in from disk, one count per item of the `count` requested.
+
+        Raises:
+            ProtocolError: the reply does not hold `count` counts.
+        """
+        if len(payload) != 1:
+            raise errors.ProtocolError(f"PREFETCH_SPARSE reply has {len(payload)} frames, not 1")
+        return protocol.frame_array(payload[0], np.int64, count, what="PREFETCH_SPARSE reply")
+
+
 class SparsePush(NamedTuple):
     """One table's part of a PUSH_SPARSE (immutable).
 
@@ -1243,6 +1280,7 @@ CODECS = {
         InitDense,
         SetOptimizer,
         PullSparse,
+        PrefetchSparse,
         PushSparse,
         PullDense,
         PushDense,
@@ -1285,6 +1323,7 @@ __all__ = [
     "Mode",
     "Ping",
     "PullDense",
+    "PrefetchSparse",
     "PullSparse",
     "PullSparseRequest",
     "PushDense",

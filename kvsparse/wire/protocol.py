@@ -88,6 +88,9 @@ both ends call:
                            f32) per item: written verbatim (no
                            optimizer, no admission counting)
     GOODBYE (15)           none: the worker closed its store       none
+    PREFETCH_SPARSE (16)   items, keys (i64) per item: the rows    i64: rows brought in
+                           on disk come into memory now (a later   from disk per item
+                           pull finds them there); changes no row
     EVICT (20)             none                                    JSON {table name: rows
                                                                    evicted} (TTL, now)
     CHECKPOINT (30)        JSON {action, path, ...} (the actions   JSON: the action's
@@ -215,6 +218,8 @@ class Op(enum.IntEnum):
     ASSIGN_SPARSE = 14
     # A worker closed its store: a normal end, not a departure to warn about.
     GOODBYE = 15
+    # The next batch's ids sent ahead: a tiered shard reads their disk rows now.
+    PREFETCH_SPARSE = 16
     # Admission and eviction; 20 leaves room for other new ops.
     EVICT = 20
     # Checkpoints, loads and inference export: a JSON body with an "action".
