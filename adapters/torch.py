@@ -31,6 +31,12 @@ Rules worth knowing:
   applied) the requests are sent at once and the next forward reads the
   replies; otherwise one background thread per store runs its prefetches, in
   order. An error of the pull is raised by the next forward.
+- ``warm_together(modules, next_ids)`` (or ``module.warm(next_ids)``), called
+  before this step's backward, tells the servers the next batch's ids at once:
+  a server with a disk tier reads their rows on disk into memory while the
+  worker runs backward, so the prefetch after backward finds them in memory.
+  It changes no row and no result (the prefetch still reads the table after
+  this step's push); only where ``kv.defers_pulls`` (elsewhere it does nothing).
 - ``push_together(kv, wait=False)`` sends a step's push without waiting for
   the servers' acknowledgements; the next prefetch (or any store call)
   collects them, and raises a failure then.
@@ -308,6 +314,9 @@ class _Lookup:
         self.prefetched: _Prefetch | None = None
         self.prefetch_hits = 0
         self.prefetch_misses = 0
+        # A warm_together not read yet: (its PendingPull, this table's index in it).
+        self.warming: tuple | None = None
+        self.warmed_rows = 0  # rows the servers brought in from disk for warm_together
 
     def __deepcopy__(self, memo):
         # A copied module (an EMA copy, say) uses the same table on the same store.
@@ -343,6 +352,15 @@ class _Lookup:
 
     def prefetch(self, ids: torch.Tensor) -> None:
         _prefetch_together([self], [ids])
+
+    def finish_warming(self) -> None:
+        """Reads the servers' answer to the last warm (long there: they answered it before
+        this step's push); counts its rows, raises its failure."""
+        warming, self.warming = self.warming, None
+        if warming is not None:
+            pending, index = warming
+            with store_lock(self.kv):
+                self.warmed_rows += pending.wait()[index]
 
     def push(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
         grad = grad_rows.detach()
@@ -487,6 +505,7 @@ def _prefetch_together(lookups: list, ids: list) -> None:
     prefetch thread."""
     for lookup in lookups:
         lookup.drop_prefetch()
+        lookup.finish_warming()
     ids = [i.detach().clone() for i in ids]
     if getattr(lookups[0].kv, "defers_pulls", False):
         pull = _DeferredPull(lookups, ids)
@@ -494,6 +513,61 @@ def _prefetch_together(lookups: list, ids: list) -> None:
         pull = _BackgroundPull(_pull_tables, lookups, ids)
     for index, (lookup, i) in enumerate(zip(lookups, ids)):
         lookup.prefetched = _Prefetch(pull, index, i)
+
+
+def _warm_together(lookups: list, ids: list) -> None:
+    """Sends the ids of every lookup to the servers ahead of their pull (`warm_together`)."""
+    kv = lookups[0].kv
+    host_ids = [i if i.device.type == "cpu" else i.cpu() for i in ids]
+    # Planned from copies: the caller may refill its ids before the pull.
+    host_ids = [i.detach().clone() for i in host_ids]
+    with store_lock(kv):
+        pending = kv.row_sparse_prefetch(
+            [lookup.key for lookup in lookups], [i.numpy() for i in host_ids]
+        )
+    for index, lookup in enumerate(lookups):
+        lookup.warming = None if pending is None else (pending, index)
+
+
+def warm_together(modules, ids) -> None:
+    """Tells the servers now which rows the next batch will pull, so they read them from disk.
+
+    Call it before this step's backward with the ids that the next `prefetch`
+    (or forward) will pull: a server with a disk tier (``--memory-budget``
+    with ``--spill-dir``) brings those of their rows that are on disk into
+    memory while this worker runs backward, and the pull after the push finds
+    them there. Nothing else changes: the rows that pull returns include this
+    step's update, as without it. Where the store does not defer pulls
+    (``kv.defers_pulls`` False: a local store, BSP with several workers) it
+    sends nothing. `ids` is one tensor for every module, or one per module;
+    the modules must share one store.
+
+    Raises:
+        kvsparse.errors.InvalidArgument: no modules, modules of different
+            stores, or a different number of ids tensors than modules.
+        kvsparse.errors.DTypeError: non-integer ids.
+        A failure of the servers is raised by the next `prefetch` of these modules.
+
+    Example:
+        >>> logits = model(batch)
+        >>> warm_together(model.embeddings, next_ids)   # disk reads start now
+        >>> with push_together(kv, wait=False):
+        ...     loss_function(logits, labels).backward()
+        >>> prefetch_together(model.embeddings, next_ids)
+    """
+    modules = list(modules)
+    if not modules:
+        raise errors.InvalidArgument("warm_together needs at least one module")
+    ids_list = list(ids) if isinstance(ids, (list, tuple)) else [ids] * len(modules)
+    if len(ids_list) != len(modules):
+        raise errors.InvalidArgument(
+            f"warm_together: {len(modules)} modules but {len(ids_list)} ids tensors"
+        )
+    kv = modules[0].kv
+    if any(m.kv is not kv for m in modules):
+        raise errors.InvalidArgument("warm_together: the modules use different stores")
+    lookups = [m._bound() for m in modules]
+    _warm_together(lookups, [m._flat_ids(_check_ids(i)) for m, i in zip(modules, ids_list)])
 
 
 class _PushBatch:
@@ -735,6 +809,17 @@ class _TableModule(nn.Module):
         is raised by the next forward (or prefetch), never in the thread.
         """
         self._bound().prefetch(self._flat_ids(_check_ids(ids)))
+
+    @torch.compiler.disable
+    def warm(self, ids: torch.Tensor) -> None:
+        """Tells the servers now that the next batch pulls the rows of ids (`warm_together`)."""
+        _warm_together([self._bound()], [self._flat_ids(_check_ids(ids))])
+
+    @property
+    def warmed_rows(self) -> int:
+        """Rows the servers read from disk for this module's `warm` calls (counted by the
+        prefetch that follows each)."""
+        return self._lookup.warmed_rows
 
     def _flat_ids(self, ids):
         return ids
@@ -1035,4 +1120,5 @@ __all__ = [
     "prefetch_together",
     "push_together",
     "store_lock",
+    "warm_together",
 ]
