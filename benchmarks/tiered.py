@@ -48,6 +48,7 @@ Usage:
                                                  # Adagrad (benchmarks/tiered_capacity.py)
     python benchmarks/tiered.py checkpoint       # bytes a full save writes, restore time
                                                  # against fill (tiered_checkpoint.py)
+    python benchmarks/tiered.py dlrm --scale 16  # the torch DLRM (benchmarks/tiered_dlrm.py)
 
 A budget below ~128 MiB cannot take W1's batch: the core counts a 65,536-row push's rows,
 its scratch (each row's state saved or computed aside) and its records in transit, and the
@@ -759,6 +760,11 @@ def main(argv=None) -> int:
         import tiered_checkpoint
 
         return tiered_checkpoint.main(given[1:])
+    if given[:1] == ["dlrm"]:
+        # The torch DLRM at Criteo-Kaggle cardinalities: benchmarks/tiered_dlrm.py.
+        import tiered_dlrm
+
+        return tiered_dlrm.main(given[1:])
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the servers are stopped and the cgroup removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
