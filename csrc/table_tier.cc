@@ -191,7 +191,12 @@ Status EmbeddingTable::EnableTier(const TierConfig& config) {
 
 int64_t EmbeddingTable::TierBytes() const {
   int64_t bytes = MemoryBytes();
-  if (tier_ != nullptr && tier_->store != nullptr) bytes += tier_->store->Stats().index_bytes;
+  if (tier_ != nullptr && tier_->store != nullptr) {
+    bytes += tier_->store->Stats().index_bytes;
+    for (const auto& reads : tier_->recent_reads) {
+      bytes += static_cast<int64_t>(reads.capacity() * sizeof(int64_t));
+    }
+  }
   return bytes;
 }
 
@@ -316,9 +321,14 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
     return static_cast<uint64_t>(ColdScore(index_.SlotRow(s))) << 32 |
            (Mix64(static_cast<uint64_t>(index_.SlotKey(s)) ^ salt) & 0xFFFFFFFFu);
   };
+  const auto& recent = tier_->recent_reads;
+  bool spare_recent = true;
   auto eligible = [&](int64_t s) {
-    return index_.SlotRow(s) != KeyIndex::kEmpty &&
-           !std::binary_search(keep.begin(), keep.end(), index_.SlotKey(s));
+    if (index_.SlotRow(s) == KeyIndex::kEmpty) return false;
+    const int64_t key = index_.SlotKey(s);
+    if (std::binary_search(keep.begin(), keep.end(), key)) return false;
+    return !spare_recent || !(std::binary_search(recent[0].begin(), recent[0].end(), key) ||
+                              std::binary_search(recent[1].begin(), recent[1].end(), key));
   };
   try {
     if (count * kSamplesPerVictim * 2 >= index_.size()) {
@@ -346,6 +356,14 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
         for (int64_t s = 0; s < slots; ++s) {
           if (eligible(s)) candidates.push_back({score(s), index_.SlotKey(s)});
         }
+      }
+    }
+    if (static_cast<int64_t>(candidates.size()) < count) {
+      // The recent reads too, the coldest first, rather than fail.
+      candidates.clear();
+      spare_recent = false;
+      for (int64_t s = 0; s < slots; ++s) {
+        if (eligible(s)) candidates.push_back({score(s), index_.SlotKey(s)});
       }
     }
     if (static_cast<int64_t>(candidates.size()) < count) {
@@ -686,6 +704,16 @@ Status EmbeddingTable::PrepareRows(const int64_t* keys, int64_t n, bool insert) 
     }
     tier_->stats.row_lookups += resident + d;
     tier_->stats.disk_hits += d;
+    if (!insert && tier_->store != nullptr) {
+      // Spared while a read's rows take at most a quarter of the budget (a
+      // larger one would leave eviction too little to choose from).
+      tier_->recent_reads[1].swap(tier_->recent_reads[0]);
+      if (u * BytesPerRow() <= tier_->config.budget->limit() / 4) {
+        tier_->recent_reads[0].swap(unique);
+      } else {
+        tier_->recent_reads[0].clear();
+      }
+    }
   } catch (const std::bad_alloc&) {
     return Status(StatusCode::kOutOfMemory, "out of memory bringing rows back from disk");
   }

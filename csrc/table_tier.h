@@ -31,6 +31,12 @@ struct EmbeddingTable::Tier {
   TierStats stats;
   // Bytes of merging the writes so far have earned (RunMaintenance).
   int64_t maintenance_credit = 0;
+  // The ids (sorted, distinct) of the table's last two reads (pulls, prefetches):
+  // rows moved out only when nothing else can go (EvictRows), so that another
+  // table's room or this table's push does not send back to disk the rows a
+  // prefetch just brought in, or a pull just returned, before the request that
+  // follows names them (the push of a pulled batch, the pull of a prefetched one).
+  std::vector<int64_t> recent_reads[2];
   // Counted by Lookup, which is const and may run on several threads at once.
   mutable std::atomic<int64_t> lookup_rows{0};
   mutable std::atomic<int64_t> lookup_hits{0};

@@ -17,7 +17,7 @@ import pytest
 from conftest import ServerProcess
 
 import kvsparse
-from kvsparse import initializers, optimizers
+from kvsparse import _core, initializers, optimizers
 
 DIM = 8
 ROWS = 80_000  # about 5 MB of rows and key index against a 2 MiB budget
@@ -167,3 +167,47 @@ def test_torch_warm_together_reads_ahead_and_trains_as_without_it(tiered_store):
             prefetch_together([embedding], batches[step + 1])
     assert embedding.prefetch_hits == len(batches) - 1
     assert embedding.warmed_rows > 0
+
+
+@pytest.mark.parametrize("first_read", ["lookup", "prefetch_rows"])
+def test_rows_a_read_brought_in_stay_in_while_another_table_makes_room(tmp_path, first_read):
+    """The rows of a table's last two reads (pulls, prefetches) are not moved out for
+    another table's room.
+
+    Two tables share a budget, their rows all equally cold (assigned once). The first
+    reads ids from disk; the second then reads a large batch of its own disk rows, and
+    the budget asks the first table for room: the first's other rows go. The push of
+    the ids the first table read finds them in memory. (Before: the victims were drawn
+    among rows of equal score at random, the rows just read included, and that push
+    read the disk again.)
+    """
+    budget = _core.MemoryBudget(2 << 20)
+    first, second = (
+        _core.Table(
+            DIM,
+            {"kind": "zeros"},
+            optimizers.SGD(LEARNING_RATE).to_dict(),
+            budget=budget,
+            spill_dir=str(tmp_path / name),
+            name=name,
+        )
+        for name in ("first", "second")
+    )
+    rng = np.random.default_rng(3)
+    for table in (second, first):  # the first populated last: it holds most of the memory
+        for begin in range(0, ROWS, 4_000):
+            ids = np.arange(begin, begin + 4_000, dtype=np.int64)
+            table.assign(ids, _grads(rng, ids.size))
+    assert first.tier_stats()["rows_in_memory"] > 4 * second.tier_stats()["rows_in_memory"]
+    ids = rng.choice(ROWS, size=256, replace=False).astype(np.int64)
+    before = first.tier_stats()
+    if first_read == "lookup":
+        first.lookup(ids)
+    else:
+        first.prefetch_rows(ids)
+    read = first.tier_stats()
+    assert read["rows_read"] - before["rows_read"] > 200
+    second.lookup(rng.choice(ROWS, size=8_000, replace=False).astype(np.int64))
+    assert first.tier_stats()["evictions"] - read["evictions"] > 1_000  # the first gave room
+    first.apply_gradients(ids, _grads(rng, ids.size))
+    assert first.tier_stats()["rows_read"] == read["rows_read"]
