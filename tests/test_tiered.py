@@ -1494,3 +1494,37 @@ def test_a_large_move_to_disk_goes_in_pieces_and_stays_exact(tmp_path):
         for got, want in zip(tiered.read_state(part), in_ram.read_state(part)):
             np.testing.assert_array_equal(got, want)
     assert budget.used() <= budget.limit
+
+
+def test_room_for_one_table_is_taken_from_the_largest_other_table_first(tmp_path):
+    """A table that needs room asks the shard's other tables, the largest holder first:
+    small tables (all of whose rows a DLRM reads every step) keep their rows in memory
+    while a large one spills. (In the hash order of the tables' addresses, a small table
+    was asked before the large one in most processes, and gave up its rows.)"""
+    budget = _core.MemoryBudget(4 << 20)
+
+    def table(name):
+        return _core.Table(
+            8,
+            {"kind": "zeros"},
+            OPTIMIZERS["sgd"],
+            budget=budget,
+            spill_dir=str(tmp_path / name),
+            name=name,
+        )
+
+    def fill(grown, rows):
+        for begin in range(0, rows, 4_000):
+            ids = np.arange(begin, min(rows, begin + 4_000), dtype=np.int64)
+            grown.assign(ids, np.ones((ids.size, 8), np.float32))
+
+    smalls = [table(f"small-{i}") for i in range(8)]
+    large, other = table("large"), table("other")
+    fill(large, 80_000)
+    for small in smalls:
+        fill(small, 200)
+    spilled = large.tier_stats()["evictions"]
+    fill(other, 20_000)  # its room: from the large table, every time
+    assert large.tier_stats()["evictions"] > spilled
+    assert [s.tier_stats()["evictions"] for s in smalls] == [0] * 8
+    assert [s.tier_stats()["rows_in_memory"] for s in smalls] == [200] * 8
