@@ -10,25 +10,31 @@ scattered by a fixed permutation. One worker; the step is DLRM's usual one with 
 adapter's prefetch: forward on the prefetched rows, backward pushes (push_together,
 wait=False), prefetch of the next batch after it, dense update.
 
-In one run, each against its own --servers real `kvsparse server` processes:
+In one run, each configuration against its own --servers real `kvsparse server` processes,
+all of them up at once:
 - all_ram:       no budget. Its table memory per server (kv.stats(), every row populated)
                  sets the tiered servers' budget: --budget-fraction (a quarter) of it.
 - tiered:        --memory-budget B --spill-dir D on each server, same steps.
-- tiered_ahead:  the same servers, the next batch's ids also sent before backward
-                 (`warm_together`: PREFETCH_SPARSE), so the servers read the rows on
-                 disk while the worker runs backward.
+- tiered_ahead:  the same budget on servers of its own, the next batch's ids also sent
+                 before backward (`warm_together`: PREFETCH_SPARSE), so the servers read
+                 the rows on disk while the worker runs backward.
 
 Every id of every table is pushed once with a zero gradient first (untimed, populate_s):
 the tables hold their full cardinality and, tiered, most rows are on disk. Then --warmup
-untimed steps (the tier's LFU settles on the hot rows), then --steps timed steps per
-configuration. Reported: examples/s, the ratio to all_ram (target >= 0.7: TorchRec's
-SSD/KV offload runs at ~0.5x of all-HBM), tier counters per step (row lookups, disk hits,
-rows read, evictions, bytes read; summed over tables and servers), rows in memory and on
-disk, server RSS. The page cache is not bounded: the spill files may sit in it (this
-measures the tier's own costs, not the disk; benchmarks/tiered.py bounds it).
+untimed steps (the tier's LFU settles on the hot rows). The --steps timed steps of each
+configuration run interleaved, --round-steps of each in turn: what else runs on the
+machine weighs on all of them alike (run one after the other on a shared 2-core machine,
+all_ram alone varied 2-10x within the hour and the ratios with it). Reported:
+examples/s, the ratio to all_ram (target >= 0.7: TorchRec's SSD/KV offload runs at ~0.5x
+of all-HBM) and the quartiles of the per-round ratios, the worker's and each server's CPU
+time per step, tier counters per step (row lookups, disk hits, rows read and of those the
+rows warm_together read, evictions, bytes read; summed over tables and servers), rows in
+memory and on disk, server RSS. The page cache is not bounded: the spill files may sit in
+it (this measures the tier's own costs, not the disk; benchmarks/tiered.py bounds it).
 
 Usage:
-    python benchmarks/tiered_dlrm.py --scale 16       # 2.1M rows, ~2 min here
+    python benchmarks/tiered_dlrm.py --scale 4 --torch-threads 1   # 8.4M rows, ~2.5 min here
+    python benchmarks/tiered_dlrm.py --scale 16       # 2.1M rows
     python benchmarks/tiered_dlrm.py                  # 33.8M rows
     python benchmarks/tiered.py dlrm --scale 16       # the same, through tiered.py
 
@@ -38,6 +44,7 @@ Writes benchmarks/results/tiered_dlrm.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -73,9 +80,8 @@ RATIO_TARGET = 0.7
 
 def build_model(torch, kv, cardinalities, sparse_lr: float):
     """The DLRM: 26 kvsparse Embedding modules and the dense layers (torch.nn)."""
-    from torch import nn
-
     from kvsparse.adapters.torch import Embedding
+    from torch import nn
 
     def mlp(sizes, last_relu=False):
         layers = []
@@ -188,75 +194,125 @@ def run_steps(torch, kv, model, optimizer, batches, count: int, start: int, ahea
     return seconds
 
 
-def run_config(torch, args, cardinalities, batches, budget, log_dir, report) -> None:
-    """One set of servers: populate, warm up, time; all_ram, or tiered and tiered_ahead."""
-    names = [f"C{i + 1}" for i in range(len(cardinalities))]
-    spill_root = tempfile.mkdtemp(prefix="kvsparse_dlrm_spill_", dir=args.spill_root)
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) pid has used; 0.0 once it is gone."""
     try:
-        with procs.Processes(log_dir) as processes:
-            addresses, pids = [], []
-            for s in range(args.servers):
-                extra = []
-                if budget is not None:
-                    spill = os.path.join(spill_root, f"server-{s}")
-                    extra = ["--memory-budget", str(budget[s]), "--spill-dir", spill]
-                address, pid = tiered.start_server(processes, f"server_{s}", extra, None)
-                addresses.append(address)
-                pids.append(pid)
-            with kvsparse.create("dist_sparse", servers=addresses, rank=0, num_workers=1) as kv:
-                torch.manual_seed(args.seed)
-                model = build_model(torch, kv, cardinalities, args.sparse_lr)
-                optimizer = torch.optim.Adam(
-                    [p for n, p in model.named_parameters() if not n.startswith("embeddings")],
-                    lr=1e-3,
-                )
-                name = "all_ram" if budget is None else "tiered"
-                print(f"  {name}: populating {sum(cardinalities):,} rows ...", flush=True)
-                populate_s = populate(kv, cardinalities, args.populate_block)
-                run_steps(torch, kv, model, optimizer, batches, args.warmup, 0, ahead=False)
-                settled = table_totals(kv, names)
-                print(
-                    f"  {name}: populated in {populate_s:.0f} s; {settled['rows_in_memory']:,} "
-                    f"rows in memory, {settled['rows_on_disk']:,} on disk",
-                    flush=True,
-                )
-                configs = [("all_ram", False)] if budget is None else [("tiered", False)]
-                if budget is not None and not args.no_ahead:
-                    configs.append(("tiered_ahead", True))
-                start = args.warmup
-                for config, ahead in configs:
-                    before = table_totals(kv, names)
-                    seconds = run_steps(
-                        torch, kv, model, optimizer, batches, args.steps, start, ahead
-                    )
-                    after = table_totals(kv, names)
-                    start += args.steps
-                    warmed = sum(e.warmed_rows for e in model.embeddings)
-                    total = float(np.sum(seconds))
-                    result = {
-                        "config": config,
-                        "populate_s": populate_s,
-                        "steps": args.steps,
-                        "examples_per_s": args.steps * args.batch_size / total,
-                        "ms_per_step_p50": float(np.median(seconds) * 1e3),
-                        "step_ms": [round(s * 1e3, 1) for s in seconds],
-                        "rows": after["rows"],
-                        "table_bytes": after["bytes"],
-                        "shard_table_bytes": after["shard_bytes"],
-                        "rows_in_memory": after["rows_in_memory"],
-                        "rows_on_disk": after["rows_on_disk"],
-                        "per_step": {
-                            f: (after[f] - before[f]) / args.steps for f in TABLE_COUNTERS
-                        },
-                        "warmed_rows_total": warmed,
-                        "server_rss": [tiered.vm_rss(pid) for pid in pids],
-                        "memory_budget": None if budget is None else list(budget),
-                        "load_average": os.getloadavg()[0],
-                    }
-                    report["configs"].append(result)
-                    print_row(result, report["configs"][0])
-    finally:
-        shutil.rmtree(spill_root, ignore_errors=True)
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def open_config(stack, torch, args, name, cardinalities, batches, budget, log_dir) -> dict:
+    """Servers (each with its budget, or none), a store and a DLRM for one configuration,
+    populated and warmed up; they stay up until stack closes."""
+    names = [f"C{i + 1}" for i in range(len(cardinalities))]
+    processes = stack.enter_context(procs.Processes(log_dir))
+    spill_root = tempfile.mkdtemp(prefix=f"kvsparse_dlrm_{name}_", dir=args.spill_root)
+    stack.callback(shutil.rmtree, spill_root, True)
+    addresses, pids = [], []
+    for s in range(args.servers):
+        extra = []
+        if budget is not None:
+            spill = os.path.join(spill_root, f"server-{s}")
+            extra = ["--memory-budget", str(budget[s]), "--spill-dir", spill]
+        address, pid = tiered.start_server(processes, f"{name}_server_{s}", extra, None)
+        addresses.append(address)
+        pids.append(pid)
+    kv = stack.enter_context(
+        kvsparse.create("dist_sparse", servers=addresses, rank=0, num_workers=1)
+    )
+    torch.manual_seed(args.seed)
+    model = build_model(torch, kv, cardinalities, args.sparse_lr)
+    optimizer = torch.optim.Adam(
+        [p for n, p in model.named_parameters() if not n.startswith("embeddings")], lr=1e-3
+    )
+    ahead = name == "tiered_ahead"
+    print(f"  {name}: populating {sum(cardinalities):,} rows ...", flush=True)
+    populate_s = populate(kv, cardinalities, args.populate_block)
+    run_steps(torch, kv, model, optimizer, batches, args.warmup, 0, ahead)
+    settled = table_totals(kv, names)
+    print(
+        f"  {name}: populated in {populate_s:.0f} s; {settled['rows_in_memory']:,} rows in "
+        f"memory, {settled['rows_on_disk']:,} on disk",
+        flush=True,
+    )
+    return {
+        "name": name,
+        "kv": kv,
+        "model": model,
+        "optimizer": optimizer,
+        "pids": pids,
+        "names": names,
+        "ahead": ahead,
+        "budget": budget,
+        "populate_s": populate_s,
+        "next_step": args.warmup,
+        "seconds": [],
+        "round_s": [],
+        "worker_cpu_s": 0.0,
+        "server_cpu_s": [0.0] * len(pids),
+        "before": settled,
+        "warmed_before": sum(e.warmed_rows for e in model.embeddings),
+    }
+
+
+def run_round(torch, batches, config: dict, steps: int) -> None:
+    """steps timed steps of one configuration, from where it stopped; its counters grow."""
+    worker = time.process_time()
+    servers = [process_cpu_s(pid) for pid in config["pids"]]
+    seconds = run_steps(
+        torch,
+        config["kv"],
+        config["model"],
+        config["optimizer"],
+        batches,
+        steps,
+        config["next_step"],
+        config["ahead"],
+    )
+    config["worker_cpu_s"] += time.process_time() - worker
+    config["server_cpu_s"] = [
+        total + process_cpu_s(pid) - before
+        for total, pid, before in zip(config["server_cpu_s"], config["pids"], servers)
+    ]
+    config["next_step"] += steps
+    config["seconds"] += seconds
+    config["round_s"].append(float(np.sum(seconds)))
+
+
+def config_result(args, config: dict) -> dict:
+    """The JSON record of one configuration after its timed steps."""
+    after = table_totals(config["kv"], config["names"])
+    before = config["before"]
+    seconds = config["seconds"]
+    steps = len(seconds)
+    return {
+        "config": config["name"],
+        "populate_s": config["populate_s"],
+        "steps": steps,
+        "examples_per_s": steps * args.batch_size / float(np.sum(seconds)),
+        "ms_per_step_p50": float(np.median(seconds) * 1e3),
+        "step_ms": [round(s * 1e3, 1) for s in seconds],
+        "round_s": config["round_s"],
+        "worker_cpu_ms_per_step": config["worker_cpu_s"] * 1e3 / steps,
+        "server_cpu_ms_per_step": [c * 1e3 / steps for c in config["server_cpu_s"]],
+        "rows": after["rows"],
+        "table_bytes": after["bytes"],
+        "shard_table_bytes": after["shard_bytes"],
+        "rows_in_memory": after["rows_in_memory"],
+        "rows_on_disk": after["rows_on_disk"],
+        "per_step": {f: (after[f] - before[f]) / steps for f in TABLE_COUNTERS},
+        # Rows the servers read for warm_together, and the rest of the reads (those of the
+        # pulls and pushes themselves: rows a warm did not bring, or that went out again).
+        "per_step_warmed_rows": (
+            sum(e.warmed_rows for e in config["model"].embeddings) - config["warmed_before"]
+        )
+        / steps,
+        "server_rss": [tiered.vm_rss(pid) for pid in config["pids"]],
+        "memory_budget": None if config["budget"] is None else list(config["budget"]),
+    }
 
 
 def print_row(result: dict, base: dict) -> None:
@@ -266,7 +322,11 @@ def print_row(result: dict, base: dict) -> None:
         f"  {result['config']:<13} {result['examples_per_s']:>9,.0f} ex/s  {ratio:5.2f}x  "
         f"p50 {result['ms_per_step_p50']:6.1f} ms  mem {result['rows_in_memory']:>11,}  "
         f"disk {result['rows_on_disk']:>11,}  per step: hits {per['disk_hits']:>8,.0f} "
-        f"read {per['rows_read']:>8,.0f} evict {per['evictions']:>8,.0f}  RSS "
+        f"read {per['rows_read']:>8,.0f} (warm {result['per_step_warmed_rows']:>7,.0f}) "
+        f"evict {per['evictions']:>8,.0f}  CPU ms/step worker "
+        f"{result['worker_cpu_ms_per_step']:.0f} servers "
+        + "/".join(f"{c:.0f}" for c in result["server_cpu_ms_per_step"])
+        + "  RSS "
         + "/".join(f"{(r or 0) / 2**20:,.0f}" for r in result["server_rss"])
         + " MiB",
         flush=True,
@@ -281,6 +341,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=40, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=40, help="untimed steps after populate")
     parser.add_argument("--batches", type=int, default=64, help="distinct batches (cycled)")
+    parser.add_argument("--round-steps", type=int, default=5, help="steps per turn, interleaved")
     parser.add_argument("--budget-fraction", type=float, default=0.25)
     parser.add_argument("--populate-block", type=int, default=16384)
     parser.add_argument("--sparse-lr", type=float, default=0.01)
@@ -315,6 +376,7 @@ def main(argv=None) -> int:
             "workers": 1,
             "steps": args.steps,
             "warmup": args.warmup,
+            "round_steps": args.round_steps,
             "budget_fraction": args.budget_fraction,
             "ids": "zipf1.1 per table, ranks permuted",
             "sparse_optimizer": f"Adagrad({args.sparse_lr})",
@@ -324,12 +386,38 @@ def main(argv=None) -> int:
     }
     print(f"DLRM, {sum(cardinalities):,} rows (scale 1/{args.scale}), batch {args.batch_size}")
     batches = make_batches(args, cardinalities)
+    names = ["all_ram", "tiered"] + ([] if args.no_ahead else ["tiered_ahead"])
     with tempfile.TemporaryDirectory(prefix="kvsparse_dlrm_logs_") as log_dir:
-        run_config(torch, args, cardinalities, batches, None, log_dir, report)
-        shard_bytes = report["configs"][0]["shard_table_bytes"]
-        budget = [max(1 << 20, int(b * args.budget_fraction)) for b in shard_bytes]
-        print(f"  budget per server: {[f'{b / 2**20:,.0f} MiB' for b in budget]}", flush=True)
-        run_config(torch, args, cardinalities, batches, budget, log_dir, report)
+        with contextlib.ExitStack() as stack:
+            configs = [
+                open_config(stack, torch, args, "all_ram", cardinalities, batches, None, log_dir)
+            ]
+            shard_bytes = table_totals(configs[0]["kv"], configs[0]["names"])["shard_bytes"]
+            budget = [max(1 << 20, int(b * args.budget_fraction)) for b in shard_bytes]
+            report["workload"]["memory_budget"] = budget
+            print(f"  budget per server: {[f'{b / 2**20:,.0f} MiB' for b in budget]}", flush=True)
+            for name in names[1:]:
+                configs.append(
+                    open_config(stack, torch, args, name, cardinalities, batches, budget, log_dir)
+                )
+            # Interleaved: --round-steps of each in turn (the order rotating), so that what
+            # else runs on the machine meanwhile weighs on every configuration alike.
+            rounds = -(-args.steps // args.round_steps)
+            for r in range(rounds):
+                steps = min(args.round_steps, args.steps - r * args.round_steps)
+                for config in configs[r % len(configs) :] + configs[: r % len(configs)]:
+                    run_round(torch, batches, config, steps)
+            report["load_average"] = os.getloadavg()
+            for config in configs:
+                report["configs"].append(config_result(args, config))
+                print_row(report["configs"][-1], report["configs"][0])
+            base_rounds = np.array(configs[0]["round_s"])
+            report["round_ratio_quartiles"] = {
+                c["name"]: np.percentile(
+                    base_rounds / np.array(c["round_s"]), [25, 50, 75]
+                ).tolist()
+                for c in configs
+            }
     base = report["configs"][0]["examples_per_s"]
     report["ratios"] = {c["config"]: c["examples_per_s"] / base for c in report["configs"]}
     report["target"] = {"tiered_over_all_ram": RATIO_TARGET}
