@@ -529,6 +529,24 @@ def _warm_together(lookups: list, ids: list) -> None:
         lookup.warming = None if pending is None else (pending, index)
 
 
+def _lookups_and_ids(what: str, modules, ids) -> tuple[list, list]:
+    """(the modules' bound lookups, their flat ids) for warm_together / prefetch_together:
+    one ids tensor for every module, or one per module; the modules on one store."""
+    modules = list(modules)
+    if not modules:
+        raise errors.InvalidArgument(f"{what} needs at least one module")
+    ids_list = list(ids) if isinstance(ids, (list, tuple)) else [ids] * len(modules)
+    if len(ids_list) != len(modules):
+        raise errors.InvalidArgument(
+            f"{what}: {len(modules)} modules but {len(ids_list)} ids tensors"
+        )
+    kv = modules[0].kv
+    if any(m.kv is not kv for m in modules):
+        raise errors.InvalidArgument(f"{what}: the modules use different stores")
+    lookups = [m._bound() for m in modules]
+    return lookups, [m._flat_ids(_check_ids(i)) for m, i in zip(modules, ids_list)]
+
+
 def warm_together(modules, ids) -> None:
     """Tells the servers now which rows the next batch will pull, so they read them from disk.
 
@@ -555,19 +573,7 @@ def warm_together(modules, ids) -> None:
         ...     loss_function(logits, labels).backward()
         >>> prefetch_together(model.embeddings, next_ids)
     """
-    modules = list(modules)
-    if not modules:
-        raise errors.InvalidArgument("warm_together needs at least one module")
-    ids_list = list(ids) if isinstance(ids, (list, tuple)) else [ids] * len(modules)
-    if len(ids_list) != len(modules):
-        raise errors.InvalidArgument(
-            f"warm_together: {len(modules)} modules but {len(ids_list)} ids tensors"
-        )
-    kv = modules[0].kv
-    if any(m.kv is not kv for m in modules):
-        raise errors.InvalidArgument("warm_together: the modules use different stores")
-    lookups = [m._bound() for m in modules]
-    _warm_together(lookups, [m._flat_ids(_check_ids(i)) for m, i in zip(modules, ids_list)])
+    _warm_together(*_lookups_and_ids("warm_together", modules, ids))
 
 
 class _PushBatch:
@@ -671,20 +677,7 @@ def prefetch_together(modules, ids) -> None:
         >>> loss.backward()
         >>> prefetch_together([model.first_order, model.embedding], next_ids)
     """
-    modules = list(modules)
-    if not modules:
-        raise errors.InvalidArgument("prefetch_together needs at least one module")
-    ids_list = list(ids) if isinstance(ids, (list, tuple)) else [ids] * len(modules)
-    if len(ids_list) != len(modules):
-        raise errors.InvalidArgument(
-            f"prefetch_together: {len(modules)} modules but {len(ids_list)} ids tensors"
-        )
-    kv = modules[0].kv
-    if any(m.kv is not kv for m in modules):
-        raise errors.InvalidArgument("prefetch_together: the modules use different stores")
-    lookups = [m._bound() for m in modules]
-    flat = [m._flat_ids(_check_ids(i)) for m, i in zip(modules, ids_list)]
-    _prefetch_together(lookups, flat)
+    _prefetch_together(*_lookups_and_ids("prefetch_together", modules, ids))
 
 
 class _TableModule(nn.Module):

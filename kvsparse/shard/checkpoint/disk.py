@@ -97,8 +97,7 @@ def finish_disk_rows(table, path: str, relative: str) -> dict:
     """Second half, in the snapshot: syncs the table's linked files and writes their
     MANIFEST; returns the section's ``"disk"`` entry."""
     directory = os.path.join(path, relative)
-    rows = table.finish_disk_checkpoint(directory)
-    fsync_dir(directory)
+    rows = table.finish_disk_checkpoint(directory)  # syncs directory itself
     fsync_dir(os.path.dirname(directory))
     return {
         "dir": relative,
