@@ -62,6 +62,41 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+# A test that failed because a server did not answer (or could not be reached) gets a
+# report section with the machine's state at that moment: the load, and every process that
+# is stopped (state T) or in uninterruptible sleep (D), with its command line. A CI run once
+# failed that way in one xdist process only, and the log could not say why.
+_SILENCE = ("did not answer", "cannot be reached", "was held")
+
+
+def _machine_state() -> str:
+    lines = [f"load average {os.getloadavg()}; this process {os.getpid()}"]
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+            if state not in ("T", "t", "D"):
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+        except OSError:
+            continue
+        lines.append(f"pid {entry} state {state}: {argv}")
+    return "\n".join(lines)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.excinfo is not None:
+        text = str(call.excinfo.value)
+        if any(phrase in text for phrase in _SILENCE):
+            report.sections.append(("machine state at the failure", _machine_state()))
+
+
 # No per-example deadline: two test processes share 2 cores with their servers, so the time
 # one example takes measures the machine's load, not the code. The example counts stay
 # whatever each test sets.

@@ -441,6 +441,7 @@ _BUSY_HOST = textwrap.dedent(
     while time.perf_counter() < end:
         n += 1  # pure Python: never lets the GIL go
     print("done", n, flush=True)
+    sys.stdin.readline()  # the peer's last request was answered: only now may the shard go
     shard.close()
     """
 )
@@ -469,8 +470,12 @@ def _busy_host_latencies(env: dict, busy_seconds: float) -> list:
             kv.row_sparse_pull("t", row_ids=ids)
             kv.push("t", (ids, np.ones((512, 16), np.float32)))
             latencies.append(time.monotonic() - started)
+        # The shard closes only when told: a loaded machine may start the last request after
+        # the busy loop ended, and a shard closed under it answered "connection refused".
         assert host.stdout.readline().startswith("done")
         kv.close()
+        host.stdin.write("close\n")
+        host.stdin.flush()
         assert host.wait(30) == 0
         return latencies
     finally:

@@ -29,7 +29,10 @@ SMOKE = [
 def run_capacity(tmp_path, *extra) -> dict:
     output = tmp_path / "capacity.json"
     assert tiered.main(["capacity", *SMOKE, *extra, "--output", str(output)]) == 0
-    return json.loads(output.read_text())
+    report = json.loads(output.read_text())
+    for config in report["configs"]:  # a configuration that failed says why, with its log
+        assert config.get("status") != "failed", (config.get("reason"), config.get("log"))
+    return report
 
 
 def test_the_capacity_phase_reports_every_figure_of_each_configuration(tmp_path):
