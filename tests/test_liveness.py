@@ -540,3 +540,59 @@ def test_a_store_dropped_without_close_says_goodbye_and_leaks_nothing(
     for server in metrics_servers:
         log = server.error_output()
         assert "left" not in log and "killed" not in log and "failed" not in log, log
+
+
+# -- a timeout says how far the connection got ---------------------------------------------------
+
+
+def test_a_stopped_server_times_out_naming_a_connection_that_was_up():
+    server = ServerProcess()
+    try:
+        kv = kvsparse.create(
+            "dist_async", servers=[server.address], rank=0, num_workers=1, timeout=1
+        )
+        kv.init("t", kvsparse.SparseTable(dim=2))
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(errors.ServerUnavailable) as info:
+                kv.row_sparse_pull("t", row_ids=np.array([1, 2]))
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        assert "did not answer within 1 s (connected and handshake done" in str(info.value)
+        kv.close()
+    finally:
+        server.stop()
+        server.stderr.close()
+
+
+def test_a_peer_that_never_speaks_times_out_naming_the_unfinished_handshake():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    accepted = []
+    done = threading.Event()
+
+    def accept_and_stay_silent():
+        listener.settimeout(0.2)
+        while not done.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept_and_stay_silent, daemon=True)
+    thread.start()
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(errors.ServerUnavailable) as info:
+            kvsparse.create("dist_sparse", servers=[address], rank=0, num_workers=1, timeout=1)
+        assert "did not answer within 1 s (connected, but the handshake never finished)" in str(
+            info.value
+        )
+        assert accepted
+    finally:
+        done.set()
+        thread.join(5)
+        for connection in accepted:
+            connection.close()
+        listener.close()

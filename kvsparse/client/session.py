@@ -994,9 +994,14 @@ class Session:
             call.pings[server] = self._send(server, ops.Ping.encode_request())
             return
         if self.retry_window <= 0:
+            # A refused handshake reported but not read yet is the better answer.
+            refused = self._links.handshake_error(server)
+            state = self._links.connection_state(server)
             self._links.reset(server)
+            if refused is not None:
+                raise refused
             raise NoAnswer(
-                f"server {self.servers[server]} did not answer within {self.timeout:g} s",
+                f"server {self.servers[server]} did not answer within {self.timeout:g} s ({state})",
                 address=self.servers[server],
             )
         self._resume(call, server, None)

@@ -175,6 +175,19 @@ class ServerSockets:
                 )
         return None
 
+    def connection_state(self, server: int) -> str:
+        """How far the connection to server got, as of the events read (for a timeout's
+        message: a server that never answered, or a connection that never came up)."""
+        if server in self.local:
+            return "a shard in this process"
+        if self._handshaken[server]:
+            return "connected and handshake done: the server did not reply"
+        if self._reached[server]:
+            return "connected, but the handshake never finished"
+        if self._attempted[server]:
+            return "a connection was tried and not made"
+        return "no connection was made"
+
     def closed_in_handshake(self, server: int) -> Optional[errors.ServerUnavailable]:
         """The error for server closing a connection during its handshake, else None.
 
