@@ -1537,9 +1537,7 @@ def test_room_for_one_table_is_taken_from_the_largest_other_table_first(tmp_path
 
 def _run_files(tmp_path, name="emb") -> int:
     """Run files of the table's disk tier (one per WriteBatch or merge output)."""
-    return sum(
-        1 for path in (tmp_path / f"spill-{name}").rglob("*") if path.is_file() and "run" in path.name
-    )
+    return sum(1 for path in (tmp_path / f"spill-{name}").rglob("*.kvr") if path.is_file())
 
 
 def _fill(tiered, in_ram, budget, batches, idle_calls, rng):

@@ -92,7 +92,7 @@ _TIER_COUNTER_FIELDS = frozenset(
         "bytes_updated",
         "gc_segments_freed",
         "gc_bytes_moved",
-    "idle_bytes_moved",
+        "idle_bytes_moved",
         "compactions",
     }
 )
