@@ -28,7 +28,8 @@ all_ram alone varied 2-10x within the hour and the ratios with it). Reported:
 examples/s, the ratio to all_ram (target >= 0.7: TorchRec's SSD/KV offload runs at ~0.5x
 of all-HBM) and the quartiles of the per-round ratios, the worker's and each server's CPU
 time per step, tier counters per step (row lookups, disk hits, rows read and of those the
-rows warm_together read, evictions, bytes read; summed over tables and servers), rows in
+rows warm_together read, evictions, bytes read and written, bytes merges moved and of those
+the ones moved in the servers' idle time; summed over tables and servers), rows in
 memory and on disk, server RSS. The page cache is not bounded: the spill files may sit in
 it (this measures the tier's own costs, not the disk; benchmarks/tiered.py bounds it).
 
@@ -74,7 +75,16 @@ KAGGLE_CARDINALITIES = [
 ]  # fmt: skip
 DIM = 16
 DENSE_FEATURES = 13
-TABLE_COUNTERS = ("row_lookups", "disk_hits", "rows_read", "evictions", "bytes_read")
+TABLE_COUNTERS = (
+    "row_lookups",
+    "disk_hits",
+    "rows_read",
+    "evictions",
+    "bytes_read",
+    "bytes_written",
+    "gc_bytes_moved",
+    "idle_bytes_moved",
+)
 RATIO_TARGET = 0.7
 
 

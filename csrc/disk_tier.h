@@ -157,6 +157,7 @@ struct TierStats {
   int64_t bytes_updated = 0;
   int64_t gc_segments_freed = 0;
   int64_t gc_bytes_moved = 0;
+  int64_t idle_bytes_moved = 0;  // of gc_bytes_moved, what merges in a server's idle time moved
   int64_t compactions = 0;     // times the row arrays were shrunk to give memory back
 };
 

@@ -192,7 +192,7 @@ class FastServeLoop {
   // Serves waiting messages (mutex held); true if more wait (a full batch was served).
   bool ServeBatch();
   // One slice of work for when no request waits (mutex held): the tables'
-  // PrefaultAhead. True if it did any.
+  // PrefaultAhead, then their IdleMaintenance (disk tier merges). True if it did any.
   bool IdleWork();
   bool ReceiveMessage();
   void CloseFrames();

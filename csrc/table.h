@@ -121,6 +121,14 @@ class EmbeddingTable {
   // Returns whether it did any (call again until it returns false). Changes
   // no row; may allocate the next chunk of each row array early.
   bool PrefaultAhead(int64_t max_bytes);
+  // Idle-time work of the disk tier, for a server between requests: one step
+  // (about max_bytes, at least one merge fragment) of the merges that the
+  // rows moved out have earned, in room the budget has. Returns whether it
+  // did any (call again until it returns false). While a server keeps calling
+  // it, the operations that earn merges leave them to it (they still run them
+  // when the runs fall far behind, or when no call came for a while).
+  // max_bytes 0 only says that the server is idle, and does nothing.
+  bool IdleMaintenance(int64_t max_bytes);
   // Step counter of the whole table (pushes applied), for StepMode::kPerTable.
   int64_t table_step() const { return table_step_; }
   void set_table_step(int64_t step) { table_step_ = step; }
@@ -382,8 +390,12 @@ class EmbeddingTable {
   // MemoryBytes and the disk tier's index: what the table reports to the budget.
   int64_t TierBytes() const;
   void ReportMemory();
-  // The disk tier's merges, paced by the rows moved out, in room the budget has.
+  // The disk tier's merges, paced by the rows moved out, in room the budget has
+  // (as an operation ends; left to IdleMaintenance while a server calls it).
   void RunMaintenance();
+  // One step of up to max_bytes of the merges in room the budget has; returns
+  // the bytes it moved (0: nothing to merge, no room, or a failed step).
+  int64_t MaintenanceStep(int64_t max_bytes);
   int64_t BackedRows() const;
   int64_t RowGrowthBytes(int64_t last_row) const;
   int64_t BytesPerRow() const;

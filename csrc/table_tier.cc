@@ -62,7 +62,10 @@ constexpr int64_t kScanBatch = 4096;  // records per scan call of the checkpoint
 constexpr int64_t kSamplesPerVictim = 8;
 constexpr int64_t kEvictPieceBytes = 16 << 20;
 // Runs on disk past which merges run whatever their pace (RunMaintenance).
-constexpr int64_t kBehindRuns = 20;  // records per write when rows move out
+constexpr int64_t kBehindRuns = 20;
+// Operations settled without a server's IdleMaintenance call in between past
+// which merges run in the operations again (a server with no idle time).
+constexpr int64_t kIdleSettles = 256;
 
 std::string HumanBytes(int64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -619,27 +622,44 @@ EmbeddingTable::TierScope::~TierScope() {
 
 void EmbeddingTable::RunMaintenance() {
   if (tier_ == nullptr || tier_->store == nullptr || pending_push_ != nullptr) return;
+  ++tier_->settles_since_idle;
+  if (tier_->maintenance_credit <= 0) return;
   const RowStoreStats disk = tier_->store->Stats();
   // Runs piling up cost reads (each newer run's filter lets ~0.5% of lookups
   // through: 1.85 reads per missed row at ~35+ runs): past kBehindRuns the
   // merges catch up whatever the pace.
   if (disk.segments > kBehindRuns) {
     tier_->maintenance_credit = std::max<int64_t>(tier_->maintenance_credit, 64 << 20);
+  } else if (tier_->settles_since_idle <= kIdleSettles) {
+    return;  // a server calls IdleMaintenance: the merges run between its requests
   }
-  if (tier_->maintenance_credit <= 0) return;
+  MaintenanceStep(tier_->maintenance_credit);
+}
+
+bool EmbeddingTable::IdleMaintenance(int64_t max_bytes) {
+  if (tier_ == nullptr || tier_->store == nullptr || pending_push_ != nullptr) return false;
+  tier_->settles_since_idle = 0;
+  if (max_bytes <= 0 || tier_->maintenance_credit <= 0) return false;
+  const int64_t moved = MaintenanceStep(std::min(max_bytes, tier_->maintenance_credit));
+  tier_->stats.idle_bytes_moved += moved;
+  return moved > 0;
+}
+
+int64_t EmbeddingTable::MaintenanceStep(int64_t max_bytes) {
   // A merge step stages a fragment of records: it runs in room the budget
   // has, made by moving rows out if need be, so that the budget holds while
   // it runs too.
-  const int64_t needed = disk.maintenance_bytes;
+  const int64_t needed = tier_->store->Stats().maintenance_bytes;
   const int64_t room =
       tier_->config.budget->limit() - tier_->config.budget->UsedByOthers(this) - TierBytes();
-  if (room < needed && ReleaseMemory(needed - room) < needed - room) return;
+  if (room < needed && ReleaseMemory(needed - room) < needed - room) return 0;
   int64_t moved = 0;
-  Status s = tier_->store->Maintenance(tier_->maintenance_credit, &moved);
+  Status s = tier_->store->Maintenance(max_bytes, &moved);
   // Nothing to merge (moved 0) or a failed step (a full disk: tried again
   // after the next write) ends the credit.
   tier_->maintenance_credit = s.ok() && moved > 0 ? tier_->maintenance_credit - moved : 0;
   ReportMemory();
+  return s.ok() ? moved : 0;
 }
 
 int64_t EmbeddingTable::TierBatchRows() const {

@@ -31,6 +31,9 @@ struct EmbeddingTable::Tier {
   TierStats stats;
   // Bytes of merging the writes so far have earned (RunMaintenance).
   int64_t maintenance_credit = 0;
+  // Operations settled since a server last called IdleMaintenance: while it is
+  // small, merges are left to the server's idle time.
+  int64_t settles_since_idle = INT64_MAX / 2;
   // The ids (sorted, distinct) of the table's last two reads (pulls, prefetches):
   // rows moved out only when nothing else can go (EvictRows), so that another
   // table's room or this table's push does not send back to disk the rows a

@@ -348,7 +348,8 @@ cdef class Table:
         the table stores), disk_hits (of those, on disk), rows_read (brought back),
         evictions (moved to disk), disk_reads (read calls: one page per row looked
         up, plus the filters' false positives), bytes_read, bytes_written, bytes_updated,
-        gc_segments_freed, gc_bytes_moved, compactions.
+        gc_segments_freed, gc_bytes_moved (idle_bytes_moved of it in a server's idle
+        time), compactions.
         """
         cdef EmbeddingTable* c_table = self._table()
         cdef TierStats c = c_table.tier_stats()
@@ -360,6 +361,7 @@ cdef class Table:
             "evictions": c.evictions, "disk_reads": c.disk_reads, "bytes_read": c.bytes_read,
             "bytes_written": c.bytes_written, "bytes_updated": c.bytes_updated,
             "gc_segments_freed": c.gc_segments_freed, "gc_bytes_moved": c.gc_bytes_moved,
+            "idle_bytes_moved": c.idle_bytes_moved,
             "compactions": c.compactions,
         }
 
@@ -404,6 +406,16 @@ cdef class Table:
         cdef bint done
         with nogil:
             done = c_table.PrefaultAhead(max_bytes)
+        return bool(done)
+
+    def idle_maintenance(self, int64_t max_bytes):
+        """One slice of a server's idle-time work (EmbeddingTable::IdleMaintenance): a
+        step of the disk tier's merges, about max_bytes. Returns whether it did any.
+        While it is called, operations leave their merges to it (0: only says so)."""
+        cdef EmbeddingTable* c_table = self._table()
+        cdef bint done
+        with nogil:
+            done = c_table.IdleMaintenance(max_bytes)
         return bool(done)
 
     def scratch_bytes(self):

@@ -75,6 +75,7 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         int64_t bytes_updated
         int64_t gc_segments_freed
         int64_t gc_bytes_moved
+        int64_t idle_bytes_moved
         int64_t compactions
 
     cdef enum class NonFinitePolicy(int):
@@ -94,6 +95,7 @@ cdef extern from "table.h" namespace "kvsparse" nogil:
         int64_t Size()
         int64_t MemoryBytes()
         bint PrefaultAhead(int64_t max_bytes)
+        bint IdleMaintenance(int64_t max_bytes)
         int64_t ScratchBytes()
         int64_t table_step()
         void set_table_step(int64_t step)

@@ -300,6 +300,7 @@ TIER_COUNTERS = (
     "bytes_updated",
     "gc_segments_freed",
     "gc_bytes_moved",
+    "idle_bytes_moved",
     "compactions",
 )
 

@@ -242,3 +242,36 @@ while True:
                 RunStore.restore(str(directory), str(target), RECORD)
             refused += 1
     assert finished >= 3
+
+
+def test_too_many_runs_merge_the_cheapest_runs_in_a_row_not_a_large_young_one(tmp_path):
+    """Runs of sizes that never line up (large and small alternating by age) past the
+    most runs kept: the merge takes the fan_in runs in a row with the fewest records.
+    Before, the newest fan_in went, so a large young run was rewritten again and again to
+    take in a few tiny ones (40 MB every third step of a Zipf workload for 170 KB)."""
+    store = RunStore(str(tmp_path / "s"), RECORD, check_writes=False)
+    model, next_key = DictModel(), 0
+
+    def run(count):
+        nonlocal next_key
+        keys = np.arange(next_key, next_key + count, dtype=np.int64)
+        next_key += count
+        store.write(keys, records_for(keys, 3))
+        model.write(keys, records_for(keys, 3))
+
+    for _ in range(10):  # 20 runs: large, small, large, small, ...
+        run(8192)
+        run(512)
+    for count in (16, 16, 16, 8192, 16, 16):  # 3 tiny, a large young run, 2 tiny: 26 runs
+        run(count)
+    before = store.stats()
+    assert before["segments"] == 26
+    assert store.maintenance(1)  # one merge, a fragment at a time
+    while store.stats()["segments"] > 23:
+        assert store.maintenance(1)
+    moved = store.stats()["gc_bytes_moved"] - before["gc_bytes_moved"]
+    # The small run and the 3 tiny ones after it, read and written once (whole pages:
+    # ~100 KB), not the large young run (655 KB).
+    assert moved < 8192 * RECORD // 2, moved
+    model.check(store, np.arange(next_key, dtype=np.int64))
+    store.close()

@@ -1528,3 +1528,63 @@ def test_room_for_one_table_is_taken_from_the_largest_other_table_first(tmp_path
     assert large.tier_stats()["evictions"] > spilled
     assert [s.tier_stats()["evictions"] for s in smalls] == [0] * 8
     assert [s.tier_stats()["rows_in_memory"] for s in smalls] == [200] * 8
+
+
+# ---------------------------------------------------------------------------
+# Merges in a server's idle time (IdleMaintenance)
+# ---------------------------------------------------------------------------
+
+
+def _run_files(tmp_path, name="emb") -> int:
+    """Run files of the table's disk tier (one per WriteBatch or merge output)."""
+    return sum(1 for path in (tmp_path / f"spill-{name}").rglob("*.kvr") if path.is_file())
+
+
+def _fill(tiered, in_ram, budget, batches, idle_calls, rng):
+    """Pushes batches of 500 new Adagrad rows to both tables; between them, what an idle
+    server does: idle_calls(tiered)."""
+    for batch in range(batches):
+        keys = np.arange(batch * 500, batch * 500 + 500, dtype=np.int64)
+        grads = rng.standard_normal((500, 16)).astype(np.float32)
+        tiered.apply_gradients(keys, grads)
+        in_ram.apply_gradients(keys, grads)
+        check_budget(tiered, budget, f"batch {batch}")
+        idle_calls(tiered)
+        check_budget(tiered, budget, f"batch {batch}, idle")
+
+
+def test_merges_wait_for_a_servers_idle_time_and_run_there(tmp_path):
+    tiered, budget, in_ram = make_pair(tmp_path, 16, OPTIMIZERS["adagrad"], 1 * MiB)
+    files = []
+
+    def busy_server(table):  # idle between requests, but with no time for merges yet
+        assert not table.idle_maintenance(0)
+        files.append(_run_files(tmp_path))
+
+    _fill(tiered, in_ram, budget, 25, busy_server, np.random.default_rng(3))
+    deferred = tiered.tier_stats()
+    assert deferred["rows_on_disk"] > 0
+    # The operations left their merges to the idle time (below 20 runs, past which they
+    # would run them all the same).
+    assert deferred["gc_bytes_moved"] == 0, deferred
+    assert 12 < files[-1] <= 20, files
+    steps = 0
+    while tiered.idle_maintenance(1 * MiB):
+        steps += 1
+        check_budget(tiered, budget, f"idle step {steps}")
+        assert steps < 10_000
+    merged = tiered.tier_stats()
+    assert steps > 0 and merged["gc_bytes_moved"] > 0
+    assert _run_files(tmp_path) < files[-1] / 2, (_run_files(tmp_path), files)
+    assert not tiered.idle_maintenance(1 * MiB)  # nothing earned since
+    assert_same_tables(tiered, in_ram, "after the idle merges")
+
+
+def test_without_idle_calls_the_operations_merge_as_before(tmp_path):
+    tiered, budget, in_ram = make_pair(tmp_path, 16, OPTIMIZERS["adagrad"], 1 * MiB)
+    files = []
+    _fill(tiered, in_ram, budget, 25, lambda table: files.append(_run_files(tmp_path)),
+          np.random.default_rng(3))  # fmt: skip
+    assert tiered.tier_stats()["gc_bytes_moved"] > 0
+    assert max(files) <= 10, files
+    assert_same_tables(tiered, in_ram, "merged in the operations")

@@ -211,3 +211,19 @@ def test_rows_a_read_brought_in_stay_in_while_another_table_makes_room(tmp_path,
     assert first.tier_stats()["evictions"] - read["evictions"] > 1_000  # the first gave room
     first.apply_gradients(ids, _grads(rng, ids.size))
     assert first.tier_stats()["rows_read"] == read["rows_read"]
+
+
+def test_a_servers_merges_run_in_its_idle_time_and_change_no_row(tiered_store):
+    """The disk tier's merges run between requests (the C++ serving loop's idle work), not
+    inside the pushes that earned them; every row stays exact."""
+    kv, model, rng = tiered_store, DictModel(), np.random.default_rng(4)
+    for _ in range(3):  # each pass moves every row out once more: runs to merge
+        _populate(kv, model, rng)
+    tier = _tier(kv)
+    assert tier["rows_on_disk"] > ROWS // 4 and tier["gc_bytes_moved"] > 0, tier
+    # Idle after each push: the merges ran there.
+    assert tier["idle_bytes_moved"] > tier["gc_bytes_moved"] // 2, tier
+    everything = np.arange(ROWS, dtype=np.int64)
+    np.testing.assert_array_equal(
+        kv.row_sparse_pull("emb", row_ids=everything), model.pull(everything)
+    )

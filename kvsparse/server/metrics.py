@@ -31,7 +31,8 @@ Exported families (``op`` is the wire op name in lower case, e.g.
   sparse table's tier statistics (`kvsparse.shard.state.tier_stats`):
   ``rows_read``, ``row_lookups``, ``disk_hits``, ``evictions`` (rows moved to
   disk), ``bytes_read``, ``bytes_written``, ``bytes_updated``,
-  ``gc_segments_freed``, ``gc_bytes_moved``, ``compactions`` (counters,
+  ``gc_segments_freed``, ``gc_bytes_moved``, ``idle_bytes_moved`` (of those, moved
+  by merges in the server's idle time), ``compactions`` (counters,
   ``_total``); ``memory_budget``, ``rows_in_memory``, ``rows_on_disk``,
   ``memory_bytes``, ``disk_bytes``, ``disk_index_bytes``, ``hit_rate``,
   ``write_amplification`` (gauges).
@@ -91,6 +92,7 @@ _TIER_COUNTER_FIELDS = frozenset(
         "bytes_updated",
         "gc_segments_freed",
         "gc_bytes_moved",
+        "idle_bytes_moved",
         "compactions",
     }
 )
