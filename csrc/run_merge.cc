@@ -7,6 +7,8 @@
 // first, so at every moment each key is found in the output (range merged)
 // or in its input (range not yet merged), and the RAM added is one fragment's.
 // A step that fails (a full disk) leaves everything as it was before it.
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -238,9 +240,20 @@ Status RunStore::MergeFragment(int64_t* moved) {
   for (const Copied& copy : copied) --copy.fragment->live;
   for (MergeInput& input : positions) {
     int64_t live = 0, records = 0;
+    // The passed fragments' pages go back to the file system now, not when the
+    // merge ends: a merge of the largest runs would otherwise hold its inputs and
+    // its output on disk at once (twice the store). Only while no checkpoint links
+    // the file (its pages are the checkpoint's too); best effort.
+    struct stat file {};
+    const bool punch = ::fstat(input.run->fd, &file) == 0 && file.st_nlink == 1;
     for (Fragment& fragment : input.run->fragments) {
       for (Fragment* gone : passed) {
-        if (gone == &fragment) fragment.Free();
+        if (gone != &fragment) continue;
+        if (punch) {
+          (void)::fallocate(input.run->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                            PageOffset(fragment.first_page), fragment.pages * page_bytes_);
+        }
+        fragment.Free();
       }
       live += fragment.live;
       records += fragment.records;

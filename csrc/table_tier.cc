@@ -63,6 +63,9 @@ constexpr int64_t kSamplesPerVictim = 8;
 constexpr int64_t kEvictPieceBytes = 16 << 20;
 // Runs on disk past which merges run whatever their pace (RunMaintenance).
 constexpr int64_t kBehindRuns = 20;
+// The same with a server's idle time for merges: past the store's own limit
+// (kMaxRuns in run_merge.cc, 24), where its merges take any 4 runs in a row.
+constexpr int64_t kIdleBehindRuns = 32;
 // Operations settled without a server's IdleMaintenance call in between past
 // which merges run in the operations again (a server with no idle time).
 constexpr int64_t kIdleSettles = 256;
@@ -628,10 +631,15 @@ void EmbeddingTable::RunMaintenance() {
   // Runs piling up cost reads (each newer run's filter lets ~0.5% of lookups
   // through: 1.85 reads per missed row at ~35+ runs): past kBehindRuns the
   // merges catch up whatever the pace.
-  if (disk.segments > kBehindRuns) {
+  // A server that calls IdleMaintenance runs the merges between its requests,
+  // these too up to kIdleBehindRuns (the store's natural count of runs, sizes
+  // that line up only now and then, is ~20-24: at kBehindRuns every operation
+  // of a DLRM's tables ran merges, 10 MB a step, and none ran while idle).
+  const bool idle_caller = tier_->settles_since_idle <= kIdleSettles;
+  if (disk.segments > (idle_caller ? kIdleBehindRuns : kBehindRuns)) {
     tier_->maintenance_credit = std::max<int64_t>(tier_->maintenance_credit, 64 << 20);
-  } else if (tier_->settles_since_idle <= kIdleSettles) {
-    return;  // a server calls IdleMaintenance: the merges run between its requests
+  } else if (idle_caller) {
+    return;
   }
   MaintenanceStep(tier_->maintenance_credit);
 }
@@ -639,7 +647,13 @@ void EmbeddingTable::RunMaintenance() {
 bool EmbeddingTable::IdleMaintenance(int64_t max_bytes) {
   if (tier_ == nullptr || tier_->store == nullptr || pending_push_ != nullptr) return false;
   tier_->settles_since_idle = 0;
-  if (max_bytes <= 0 || tier_->maintenance_credit <= 0) return false;
+  if (max_bytes <= 0) return false;
+  if (tier_->maintenance_credit <= 0) {
+    // Idle time costs the requests nothing: past kBehindRuns the merges catch up
+    // here whatever the writes have earned.
+    if (tier_->store->Stats().segments <= kBehindRuns) return false;
+    tier_->maintenance_credit = max_bytes;
+  }
   const int64_t moved = MaintenanceStep(std::min(max_bytes, tier_->maintenance_credit));
   tier_->stats.idle_bytes_moved += moved;
   return moved > 0;

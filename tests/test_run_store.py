@@ -275,3 +275,46 @@ def test_too_many_runs_merge_the_cheapest_runs_in_a_row_not_a_large_young_one(tm
     assert moved < 8192 * RECORD // 2, moved
     model.check(store, np.arange(next_key, dtype=np.int64))
     store.close()
+
+
+def _allocated(directory) -> int:
+    """Bytes the file system holds for the run files in directory (holes excluded)."""
+    return sum(os.stat(path).st_blocks * 512 for path in directory.glob("*.kvr"))
+
+
+@pytest.mark.parametrize("linked", [False, True])
+def test_a_merge_gives_back_its_inputs_pages_as_it_passes_them_unless_a_checkpoint_links_them(
+    tmp_path, linked
+):
+    """Without it a merge of the largest runs held its inputs and its output on disk at once:
+    twice the store. The pages of a checkpoint's hard-linked file stay: they are its too."""
+    store = RunStore(str(tmp_path / "s"), RECORD, check_writes=False)
+    model = DictModel()
+    for r in range(4):  # four runs of one size class: a merge
+        keys = np.arange(r * 65536, (r + 1) * 65536, dtype=np.int64)
+        store.write(keys, records_for(keys, r))
+        model.write(keys, records_for(keys, r))
+    if linked:
+        store.checkpoint(tmp_path / "ckpt")
+    inputs = _allocated(tmp_path / "s")
+    before = store.stats()["bytes_written"]
+    for _ in range(20):  # a fragment a step: some of the way through the merge
+        assert store.maintenance(1)
+    assert store.stats()["segments"] == 5  # four inputs and the output being built
+    written = store.stats()["bytes_written"] - before
+    now = _allocated(tmp_path / "s")
+    if linked:
+        assert now >= inputs + written, (inputs, written, now)
+    else:
+        # What the output took, the inputs gave back (give or take a fragment's pages).
+        assert now < inputs + written // 4, (inputs, written, now)
+    every = np.arange(4 * 65536, dtype=np.int64)
+    model.check(store, every)
+    while store.maintenance(64 << 20):
+        pass
+    model.check(store, every)
+    if linked:
+        restored = RunStore.restore(str(tmp_path / "ckpt"), str(tmp_path / "r"), RECORD)
+        model.check(restored, every)
+        restored.close()
+    store.close()
