@@ -460,6 +460,12 @@ def _busy_host_latencies(env: dict, busy_seconds: float) -> list:
         kv = kvsparse.create("dist_async", servers=[address], rank=0, num_workers=1, timeout=60)
         kv.init("t", kvsparse.SparseTable(dim=16, optimizer=SGD(learning_rate=0.1)))
         ids = np.arange(512)
+        kv.row_sparse_pull("t", row_ids=ids)  # the rows exist, as in a job's later steps
+        kv.push("t", (ids, np.ones((512, 16), np.float32)))
+        # The host's Python serving thread finishes what it does after a reply (holding the
+        # shard lock) before the busy loop takes the GIL: if it were still at it, it would
+        # hold the lock until the busy loop ends, and the C++ thread would wait with it.
+        time.sleep(0.5)
         host.stdin.write("go\n")
         host.stdin.flush()
         assert host.stdout.readline().strip() == "busy"
