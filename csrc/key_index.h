@@ -105,6 +105,10 @@ class KeyIndex {
   uint32_t SlotRow(int64_t s) const {
     return buckets_[static_cast<size_t>(s / kSlotsPerLine)].row[s % kSlotsPerLine];
   }
+  // Prefetches slot s's line (pipelines over SlotKey/SlotRow of scattered slots).
+  void PrefetchSlot(int64_t s) const {
+    PrefetchLine(&buckets_[static_cast<size_t>(s / kSlotsPerLine)]);
+  }
   // Moves the key in slot s (which holds one) to another row slot.
   void SetSlotRow(int64_t s, uint32_t row) {
     buckets_[static_cast<size_t>(s / kSlotsPerLine)].row[s % kSlotsPerLine] = row;

@@ -1,7 +1,7 @@
 // RunStore: merges (run_store.h, "Merges keep the runs few").
 //
-// A merge of the runs at positions [first, last] writes one output run placed
-// just after last, one output fragment per step. A step copies the live
+// A merge of some runs (PickMerge) writes one output run placed just after the
+// newest of them, one output fragment per step. A step copies the live
 // records of the fragment's hash range from every input, marks them dead
 // there and frees the input fragments it has passed; lookups go newest run
 // first, so at every moment each key is found in the output (range merged)
@@ -26,13 +26,12 @@ namespace run_store {
 
 namespace {
 
-int SizeClass(int64_t live, int64_t fan_in) {
-  int size_class = 0;
-  for (int64_t size = std::max<int64_t>(live, 1); size >= fan_in; size /= fan_in) ++size_class;
-  return size_class;
-}
-
 constexpr int64_t kMaxRuns = 24;
+// A merge takes at most this many runs of one size (more at once: fewer rewrites).
+constexpr int64_t kMaxMergeWidth = 8;
+// Runs under this many bytes are all alike: cheap to rewrite, and their sizes
+// (what one eviction or one rows-out to make room wrote) vary the most.
+constexpr int64_t kSmallRunBytes = 1 << 20;
 
 }  // namespace
 
@@ -49,37 +48,56 @@ bool RunStore::PickMerge() {
   const int64_t m = static_cast<int64_t>(runs_.size());
   if (m == 0) return false;
   const int64_t fan_in = options_.merge_fan_in;
-  int64_t first = -1, last = -1;
-  // merge_fan_in runs of one size class in a row, the newest such group.
-  for (int64_t end = m - 1; end >= 0 && first < 0;) {
-    const int size_class = SizeClass(runs_[end]->live, fan_in);
-    int64_t begin = end;
-    while (begin > 0 && SizeClass(runs_[begin - 1]->live, fan_in) == size_class) --begin;
-    if (end - begin + 1 >= fan_in) {
-      first = end - fan_in + 1;
-      last = end;
+  // Size-tiered, by buckets of similar size, not by age: the runs sorted by
+  // live records, a bucket is the runs at most twice its smallest (runs under
+  // kSmallRunBytes count as that size), and the smallest bucket with fan_in
+  // runs merges (up to kMaxMergeWidth of them, the smallest). Each merge
+  // multiplies a record's run size by fan_in or more: a record is rewritten
+  // about log_fan_in(table / one write) times.
+  //
+  // Runs need not be adjacent in age: the output goes where the newest input
+  // was. A key live in an input is in no newer run (its live copy is in the
+  // newest run holding any copy), so no run between the inputs holds it, and
+  // its dead copies stay older than the output. (The size classes this
+  // replaced, fixed powers of fan_in among runs adjacent by age, broke down
+  // when writes hovered at a class boundary, as 16,384-row pushes do at 4^7:
+  // runs of two classes alternated, none lined up, and past kMaxRuns a merge
+  // took any 4 in a row. A 1 GiB fill wrote 35 bytes per byte of rows.)
+  std::vector<int64_t> by_size(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) by_size[i] = i;
+  std::stable_sort(by_size.begin(), by_size.end(), [&](int64_t a, int64_t b) {
+    return runs_[a]->live < runs_[b]->live;
+  });
+  const int64_t small_records = std::max<int64_t>(1, kSmallRunBytes / EntryBytes());
+  std::vector<int64_t> chosen;
+  for (int64_t begin = 0; begin < m && chosen.empty();) {
+    if (runs_[by_size[begin]]->building) {
+      ++begin;
+      continue;
     }
-    end = begin - 1;
+    const int64_t base = std::max(runs_[by_size[begin]]->live, small_records);
+    int64_t end = begin;
+    std::vector<int64_t> bucket;
+    while (end < m && runs_[by_size[end]]->live <= 2 * base) {
+      if (!runs_[by_size[end]]->building) bucket.push_back(by_size[end]);
+      ++end;
+    }
+    if (static_cast<int64_t>(bucket.size()) >= fan_in) {
+      bucket.resize(static_cast<size_t>(std::min<int64_t>(bucket.size(), kMaxMergeWidth)));
+      chosen = bucket;
+    }
+    begin = end;
   }
-  // Too many runs (sizes that never line up: runs of two classes alternating by
-  // age): the fan_in runs in a row with the fewest live records, the newest such.
-  // (The newest fan_in merged a large young run again and again to take in a few
-  // small ones: 40 MB rewritten every third step for 170 KB of new records.)
-  if (first < 0 && m > kMaxRuns) {
-    int64_t cheapest = INT64_MAX;
-    for (int64_t begin = 0; begin + fan_in <= m; ++begin) {
-      int64_t live = 0;
-      for (int64_t i = begin; i < begin + fan_in; ++i) live += runs_[i]->live;
-      if (live <= cheapest) {
-        cheapest = live;
-        first = begin;
-        last = begin + fan_in - 1;
-      }
+  // Too many runs (sizes that never line up): the fan_in smallest.
+  if (chosen.empty() && m > kMaxRuns) {
+    for (int64_t i = 0; i < m && static_cast<int64_t>(chosen.size()) < fan_in; ++i) {
+      if (!runs_[by_size[i]]->building) chosen.push_back(by_size[i]);
     }
+    if (static_cast<int64_t>(chosen.size()) < 2) chosen.clear();
   }
   // A run mostly dead (rows taken back into memory) is rewritten alone: its
   // index costs RAM per record written, live or not.
-  if (first < 0) {
+  if (chosen.empty()) {
     int64_t most_dead = 0;
     for (int64_t i = 0; i < m; ++i) {
       const Run& run = *runs_[i];
@@ -87,21 +105,24 @@ bool RunStore::PickMerge() {
       if (run.records >= 4 * records_per_page_ && 2 * run.live < run.records &&
           dead > most_dead) {
         most_dead = dead;
-        first = last = i;
+        chosen.assign(1, i);
       }
     }
   }
-  if (first < 0) return false;
+  if (chosen.empty()) return false;
+  std::sort(chosen.begin(), chosen.end());  // oldest first
+  const int64_t last = chosen.back();
   std::unique_ptr<Run> output(new Run());
   if (!CreateRunFile(output.get()).ok()) return false;  // tried again at the next call
   int64_t live = 0;
   std::unique_ptr<Merge> merge(new Merge());
-  for (int64_t i = first; i <= last; ++i) {
+  for (int64_t i : chosen) {
     live += runs_[i]->live;
     MergeInput input;
     input.run = runs_[i].get();
     merge->inputs.push_back(input);
   }
+  merge->live = live;
   output->fragment_bits = FragmentBitsFor(live);
   merge->bloom_bits = BloomBitsFor(live, LiveRecords());
   output->fragments.resize(size_t{1} << output->fragment_bits);
@@ -131,7 +152,16 @@ Status RunStore::MergeFragment(int64_t* moved) {
   std::vector<Copied> copied;
   std::vector<MergeInput> positions = merge.inputs;  // moved on only if the step succeeds
   std::vector<Fragment*> passed;                     // input fragments wholly merged
-  std::vector<uint8_t> buffer(static_cast<size_t>(StreamPages() * page_bytes_));
+  // Sized once for the fragment's share of the records (growing them as they
+  // filled cost page faults on fresh memory: ~10% of a fill's CPU), and the
+  // I/O buffer left unset (pages are read into it or zeroed as built).
+  const int64_t expected =
+      merge.live / static_cast<int64_t>(output.fragments.size()) * 9 / 8 + records_per_page_;
+  order.reserve(static_cast<size_t>(expected));
+  staged.reserve(static_cast<size_t>(expected * entry_bytes));
+  copied.reserve(static_cast<size_t>(expected));
+  std::unique_ptr<uint8_t[]> io(new uint8_t[static_cast<size_t>(StreamPages() * page_bytes_)]);
+  uint8_t* const buffer = io.get();
   int64_t bytes_read = 0;
   for (MergeInput& input : positions) {
     const Run& run = *input.run;
@@ -151,14 +181,14 @@ Status RunStore::MergeFragment(int64_t* moved) {
       const int64_t first = fragment.first_page + input.page;
       int64_t got = 0;
       const int error =
-          ReadAll(run.fd, buffer.data(), chunk * page_bytes_, PageOffset(first), &got);
+          ReadAll(run.fd, buffer, chunk * page_bytes_, PageOffset(first), &got);
       if (error != 0) return IoError("reading run file", PathOf(run), error);
       bytes_read += got;
       if (got != chunk * page_bytes_) {
         return CorruptPage(run, first + got / page_bytes_, "the file ends inside it");
       }
       for (int64_t p = 0; p < chunk && !done; ++p) {
-        const uint8_t* page = buffer.data() + p * page_bytes_;
+        const uint8_t* page = buffer + p * page_bytes_;
         if (Status s = CheckPage(run, first + p, page); !s.ok()) {
           return Status(s.code(), s.message() + " (it says it holds " + PageKeys(page) + ")");
         }
@@ -201,7 +231,7 @@ Status RunStore::MergeFragment(int64_t* moved) {
     built.live_bits.assign(static_cast<size_t>((built.pages * records_per_page_ + 63) / 64), 0);
     int64_t buffered = 0, flushed = 0;
     for (int64_t p = 0; p < built.pages; ++p) {
-      uint8_t* page = buffer.data() + buffered * page_bytes_;
+      uint8_t* page = buffer + buffered * page_bytes_;
       std::memset(page, 0, static_cast<size_t>(page_bytes_));
       const int64_t from = p * records_per_page_;
       const int64_t to = std::min(count, from + records_per_page_);
@@ -218,7 +248,7 @@ Status RunStore::MergeFragment(int64_t* moved) {
       const uint32_t crc = Crc32c(page + 4, static_cast<size_t>(page_bytes_ - 4));
       std::memcpy(page, &crc, 4);
       if (++buffered == StreamPages() || p + 1 == built.pages) {
-        const int error = WriteAll(output.fd, buffer.data(), buffered * page_bytes_,
+        const int error = WriteAll(output.fd, buffer, buffered * page_bytes_,
                                    PageOffset(built.first_page + flushed));
         if (error != 0) return IoError("writing run file", PathOf(output), error);
         bytes_written += buffered * page_bytes_;

@@ -16,6 +16,7 @@
 
 #include "crc32c.h"
 #include "file_io.h"
+#include "memory.h"
 #include "run_store_internal.h"
 
 namespace kvsparse {
@@ -514,17 +515,51 @@ Status RunStore::Contains(const int64_t* keys, int64_t n, uint8_t* found) const 
 Status RunStore::MayContain(const int64_t* keys, int64_t n, uint8_t* maybe) const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (Status s = CheckOpen(); !s.ok()) return s;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t hash = KeyHash(keys[i]);
-    maybe[i] = 0;
-    for (auto run = runs_.rbegin(); run != runs_.rend(); ++run) {
-      const Fragment& fragment = (*run)->fragments[(*run)->FragmentOf(hash)];
-      if (fragment.pages > 0 && hash >= fragment.page_hash[0] &&
-          Bloom::MayHold(fragment.bloom, hash)) {
-        maybe[i] = 1;
-        break;
-      }
+  try {
+    // Run by run, newest first, over the keys no filter has let through yet.
+    // A key's fragment, then its first page hash and filter block, are
+    // prefetched kAhead keys ahead: three dependent cache misses a key and run
+    // otherwise (12% of a fill's CPU at 20 runs).
+    constexpr int64_t kAhead = 8;
+    std::vector<uint64_t> hashes(static_cast<size_t>(n));
+    std::vector<int64_t> pending(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      hashes[i] = KeyHash(keys[i]);
+      pending[i] = i;
+      maybe[i] = 0;
     }
+    for (auto it = runs_.rbegin(); it != runs_.rend() && !pending.empty(); ++it) {
+      const Run& run = **it;
+      const int64_t count = static_cast<int64_t>(pending.size());
+      int64_t kept = 0;
+      for (int64_t j = 0; j < count; ++j) {
+        if (j + 2 * kAhead < count) {
+          const Fragment* ahead = &run.fragments[run.FragmentOf(hashes[pending[j + 2 * kAhead]])];
+          PrefetchLine(ahead);
+          PrefetchLine(reinterpret_cast<const char*>(ahead) + sizeof(Fragment) - 1);
+        }
+        if (j + kAhead < count) {
+          const uint64_t hash = hashes[pending[j + kAhead]];
+          const Fragment& ahead = run.fragments[run.FragmentOf(hash)];
+          if (ahead.pages > 0) {
+            PrefetchLine(ahead.page_hash.data());
+            PrefetchLine(ahead.bloom.data() + 8 * Bloom::Block(hash, ahead.bloom.size() / 8));
+          }
+        }
+        const int64_t i = pending[j];
+        const uint64_t hash = hashes[i];
+        const Fragment& fragment = run.fragments[run.FragmentOf(hash)];
+        if (fragment.pages > 0 && hash >= fragment.page_hash[0] &&
+            Bloom::MayHold(fragment.bloom, hash)) {
+          maybe[i] = 1;
+        } else {
+          pending[kept++] = i;
+        }
+      }
+      pending.resize(static_cast<size_t>(kept));
+    }
+  } catch (const std::bad_alloc&) {
+    return Status(StatusCode::kOutOfMemory, "out of memory looking keys up in the disk filters");
   }
   return Status::Ok();
 }

@@ -129,8 +129,9 @@ struct Location {
   int64_t entry = 0;
 };
 
-// A merge in progress (run_merge.cc): the inputs, a contiguous range of runs
-// by age, go into output, one output fragment per step.
+// A merge in progress (run_merge.cc): the inputs (runs of about one size, not
+// necessarily adjacent by age) go into output, placed just after the newest
+// of them, one output fragment per step.
 struct MergeInput {
   Run* run = nullptr;
   // Where its next record is: fragment, page within it, entry within it.
@@ -143,6 +144,7 @@ struct Merge {
   std::vector<MergeInput> inputs;
   Run* output = nullptr;
   int64_t next_fragment = 0;
+  int64_t live = 0;  // the inputs' live records when it began (to size a step's staging)
   int64_t bloom_bits = 10;  // per key, for every fragment of output (BloomBitsFor)
 };
 

@@ -402,6 +402,7 @@ class EmbeddingTable {
   void EncodeRow(int64_t row, uint8_t* record) const;
   void DecodeRow(const uint8_t* record, int64_t row);
   uint64_t ColdScore(int64_t row) const;
+  void PrefetchColdScore(int64_t row) const;  // the line ColdScore(row) reads
   Status LimitStatus(int64_t incoming, int64_t needed) const;
   // Moves count rows (none of keep, which is sorted) to disk.
   Status EvictRows(int64_t count, const std::vector<int64_t>& keep);

@@ -283,6 +283,14 @@ void EmbeddingTable::DecodeRow(const uint8_t* record, int64_t row) {
   policy_.RestoreRow(row, meta + 2);
 }
 
+void EmbeddingTable::PrefetchColdScore(int64_t row) const {
+  if (policy_.TracksLastStep() || policy_.TracksTouches()) {
+    policy_.PrefetchRow(row);
+  } else {
+    PrefetchLine(StepOf(row));
+  }
+}
+
 uint64_t EmbeddingTable::ColdScore(int64_t row) const {
   uint32_t saved[2];
   policy_.SaveRow(row, saved);
@@ -343,18 +351,40 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
         if (eligible(s)) candidates.push_back({score(s), index_.SlotKey(s)});
       }
     } else {
-      // Sampled: positions drawn at random, each slot once.
-      std::vector<int64_t> positions;
-      const int64_t draws = count * kSamplesPerVictim * 10 / 7 + 16;
-      positions.reserve(static_cast<size_t>(draws));
-      for (int64_t d = 0; d < draws; ++d) {
-        positions.push_back(static_cast<int64_t>(NextRandom(&tier_->random) %
-                                                 static_cast<uint64_t>(slots)));
+      // Sampled: one slot drawn at random in each of `draws` equal strata of
+      // the slots, so each slot once and in order without a sort of the draws
+      // (the sort was 8% of a fill's CPU). The slots and then their rows' cold
+      // scores are prefetched kAhead draws ahead: the score's load, a cache
+      // miss per draw, was three quarters of the time this took.
+      const int64_t draws =
+          std::min(slots, count * kSamplesPerVictim * 10 / 7 + 16);
+      auto position = [&](int64_t d) {
+        const int64_t begin = static_cast<int64_t>(
+            static_cast<unsigned __int128>(static_cast<uint64_t>(d)) * static_cast<uint64_t>(slots) /
+            static_cast<uint64_t>(draws));
+        const int64_t end = static_cast<int64_t>(
+            static_cast<unsigned __int128>(static_cast<uint64_t>(d + 1)) *
+            static_cast<uint64_t>(slots) / static_cast<uint64_t>(draws));
+        return begin + static_cast<int64_t>(NextRandom(&tier_->random) %
+                                            static_cast<uint64_t>(std::max<int64_t>(1, end - begin)));
+      };
+      constexpr int64_t kAhead = 8;
+      std::vector<int64_t> ring(2 * kAhead);
+      for (int64_t d = 0; d < std::min(draws, 2 * kAhead); ++d) {
+        ring[d % (2 * kAhead)] = position(d);
+        index_.PrefetchSlot(ring[d % (2 * kAhead)]);
       }
-      std::sort(positions.begin(), positions.end());
-      positions.erase(std::unique(positions.begin(), positions.end()), positions.end());
-      candidates.reserve(positions.size());
-      for (int64_t s : positions) {
+      candidates.reserve(static_cast<size_t>(draws));
+      for (int64_t d = 0; d < draws; ++d) {
+        if (d + kAhead < draws) {
+          const uint32_t row = index_.SlotRow(ring[(d + kAhead) % (2 * kAhead)]);
+          if (row != KeyIndex::kEmpty) PrefetchColdScore(row);
+        }
+        const int64_t s = ring[d % (2 * kAhead)];
+        if (d + 2 * kAhead < draws) {
+          ring[d % (2 * kAhead)] = position(d + 2 * kAhead);
+          index_.PrefetchSlot(ring[d % (2 * kAhead)]);
+        }
         if (eligible(s)) candidates.push_back({score(s), index_.SlotKey(s)});
       }
       if (static_cast<int64_t>(candidates.size()) < count) {
