@@ -399,7 +399,7 @@ cdef class RunStore(_RowStore):
         record_bytes: bytes of every record (>= 1).
         read_threads: preads in flight per batch (queue depth).
         bloom_bits_per_key: filter bits per record (10: ~1% false positives).
-        merge_fan_in: runs of one size class merged together.
+        merge_fan_in: runs of about one size (any age) merged together.
         check_writes: write() refuses a key the store holds (InvalidArgument).
         buffer_bytes: what one read round holds (pages read at once) and the page-size cap
             for wide records (csrc/run_store.h).

@@ -244,36 +244,84 @@ while True:
     assert finished >= 3
 
 
-def test_too_many_runs_merge_the_cheapest_runs_in_a_row_not_a_large_young_one(tmp_path):
-    """Runs of sizes that never line up (large and small alternating by age) past the
-    most runs kept: the merge takes the fan_in runs in a row with the fewest records.
-    Before, the newest fan_in went, so a large young run was rewritten again and again to
-    take in a few tiny ones (40 MB every third step of a Zipf workload for 170 KB)."""
-    store = RunStore(str(tmp_path / "s"), RECORD, check_writes=False)
-    model, next_key = DictModel(), 0
+def _writer(store, model, record_salt=3):
+    """write(count): a run of count new keys, in the store and the model."""
+    next_key = 0
 
-    def run(count):
+    def write(count):
         nonlocal next_key
         keys = np.arange(next_key, next_key + count, dtype=np.int64)
         next_key += count
-        store.write(keys, records_for(keys, 3))
-        model.write(keys, records_for(keys, 3))
+        store.write(keys, records_for(keys, record_salt))
+        model.write(keys, records_for(keys, record_salt))
+        return keys
 
-    for _ in range(10):  # 20 runs: large, small, large, small, ...
-        run(8192)
-        run(512)
-    for count in (16, 16, 16, 8192, 16, 16):  # 3 tiny, a large young run, 2 tiny: 26 runs
-        run(count)
+    return write
+
+
+def test_runs_of_one_size_merge_whatever_their_age_and_a_large_young_run_stays(tmp_path):
+    """Four small runs between large ones merge (the output goes where the newest was);
+    the large runs are not read. Takes and a write back of taken keys in between: every
+    key reads as the model says, before and after."""
+    store = RunStore(str(tmp_path / "s"), RECORD, check_writes=False)
+    model = DictModel()
+    write = _writer(store, model)
+    large = 40000  # 3.5 MB: above twice the size (1 MiB) under which every run is alike
+    write(large)
+    small = [write(1000)]
+    write(large)
+    small += [write(1000), write(1000)]
+    write(large)  # the newest large run
+    small.append(write(1000))
+    taken = small[0][:100]
+    out, found = store.take(taken)
+    assert found.all()
+    for key in taken.tolist():
+        model.rows.pop(key)
+    again = records_for(taken, 9)
+    store.write(taken, again)  # a run of 100, newer than all
+    model.write(taken, again)
+    every = np.arange(3 * large + 4 * 1000, dtype=np.int64)
+    model.check(store, every)
     before = store.stats()
-    assert before["segments"] == 26
-    assert store.maintenance(1)  # one merge, a fragment at a time
-    while store.stats()["segments"] > 23:
-        assert store.maintenance(1)
-    moved = store.stats()["gc_bytes_moved"] - before["gc_bytes_moved"]
-    # The small run and the 3 tiny ones after it, read and written once (whole pages:
-    # ~100 KB), not the large young run (655 KB).
-    assert moved < 8192 * RECORD // 2, moved
-    model.check(store, np.arange(next_key, dtype=np.int64))
+    assert before["segments"] == 8
+    while store.maintenance(1):
+        pass
+    after = store.stats()
+    # The four small runs and the run of 100 (all under 1 MiB: one bucket) became one.
+    assert after["segments"] == 4, after["segments"]
+    moved = after["gc_bytes_moved"] - before["gc_bytes_moved"]
+    # ~4,100 records read and written (whole pages), none of the 120,000 in large runs.
+    assert moved < 2 * 4100 * (RECORD + 8) * 1.2, moved
+    model.check(store, every)
+    store.close()
+
+
+def test_runs_whose_sizes_hover_at_a_power_of_fan_in_merge_about_log_times(tmp_path):
+    """Pushes of 16,384 rows write runs of 16,384 give or take a few (4^7: the boundary of
+    the old fixed size classes). Runs of two classes alternated, never four of one in a
+    row, and past 24 runs any four in a row merged: a 1 GiB fill wrote 35 bytes per byte
+    of rows. A record is now rewritten about log4(runs) times and the runs stay few."""
+    store = RunStore(str(tmp_path / "s"), RECORD, check_writes=False)
+    model = DictModel()
+    write = _writer(store, model)
+    rng = np.random.default_rng(5)
+    batches, most_runs = 48, 0
+    for _ in range(batches):
+        write(16384 + int(rng.integers(-300, 300)))
+        store.maintenance(8 * 16384 * RECORD)  # a disk tier's pace: 8 bytes a byte written
+        most_runs = max(most_runs, store.stats()["segments"])
+    while store.maintenance(64 << 20):
+        pass
+    stats = store.stats()
+    data = stats["live_records"] * (RECORD + 8)
+    # log4(48) = 2.8 merges a record at most, plus its first write; pages' padding.
+    assert stats["bytes_written"] / data < 4.5, stats["bytes_written"] / data
+    # Three runs of a size at most before four merge: 3 x log4(48) and the one building.
+    # (The old classes kept 24 here.)
+    assert most_runs <= 12, most_runs
+    assert stats["segments"] <= 9, stats["segments"]
+    model.check(store, np.arange(0, len(model.rows), 97, dtype=np.int64))
     store.close()
 
 
