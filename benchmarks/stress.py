@@ -11,7 +11,9 @@ threads per worker) running the scenario that hung (issue 32): every worker
 thread pushes 100 rows of ones (50 shared ids, 50 of its own) to a
 ``SparseTable(dim=4, initializer=Zeros(), optimizer=SGD(learning_rate=0.5))``
 every 30 ms for ``--seconds`` (a fixed time, so the workers' push counts
-differ), pulls now and then, calls ``kv.barrier()``, then checks every row
+differ), pulls now and then (some sent before a push and read after it,
+checked for whole push counts), sends ``row_sparse_prefetch`` requests it never
+reads (the next call reads their replies), calls ``kv.barrier()``, then checks every row
 exactly: each thread's own rows give its push count, and the shared rows must
 be the sum of them all. Beside the job run ``--hogs`` CPU-bound processes,
 and a pauser sends SIGSTOP to a random server or worker of the job for
@@ -94,17 +96,36 @@ def worker(args) -> int:
     counts = [0] * args.threads
     failures = []
 
+    def check_pending(rows, thread: int) -> None:
+        """A pull read after a later push: whole push counts, as of when it was sent."""
+        pushes = -rows / LEARNING_RATE
+        if rows.shape != (SHARED, 4) or not np.all(pushes == np.round(pushes)) or pushes.min() < 0:
+            failures.append(f"thread {thread}: a deferred pull read {rows}")
+
     def train(thread: int) -> None:
         ids = np.concatenate([shared, own_ids(kv.rank, thread)])
         ones = np.ones((ids.size, 4), np.float32)
         deadline = time.monotonic() + args.seconds
         try:
+            pending = None
             while time.monotonic() < deadline:
+                if counts[thread] % 3 == 1:
+                    # A prefetch left unread: the store's next call reads its reply
+                    # (sent only where pulls are deferred; a no-op on a table in RAM).
+                    kv.row_sparse_prefetch("t", row_ids=ids)
                 kv.push("t", (ids, ones))
                 counts[thread] += 1
-                if counts[thread] % 5 == 0:
+                if pending is not None:
+                    check_pending(pending.wait(), thread)
+                    pending = None
+                if counts[thread] % 7 == 0:
+                    # A pull sent before the next push and read after it.
+                    pending = kv.row_sparse_pull("t", row_ids=shared, wait=False)
+                elif counts[thread] % 5 == 0:
                     kv.row_sparse_pull("t", row_ids=shared)
                 time.sleep(0.03)
+            if pending is not None:
+                check_pending(pending.wait(), thread)
         except Exception as exc:  # noqa: BLE001 - reported in the JSON line
             failures.append(repr(exc))
 
