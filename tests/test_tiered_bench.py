@@ -78,3 +78,42 @@ def test_the_needed_bytes_are_read_from_a_refusal():
     message = "one request needs 16384 more rows in memory at once (59.2 MiB in all with ..."
     assert tiered_capacity.needed_bytes(message) == int(59.2 * (1 << 20))
     assert tiered_capacity.needed_bytes("no figure") is None
+
+
+def test_w1_against_all_ram_with_and_without_the_next_steps_ids_sent_ahead(tmp_path):
+    """`tiered.py` proper (W1 steps, a table 6x a 64 MiB budget): all-RAM, tiered, and tiered
+    with each step's `row_sparse_prefetch` of the next step's ids. Each configuration ends
+    with every row stored and its figures; the prefetching one brings rows in ahead."""
+    output = tmp_path / "w1.json"
+    argv = [
+        "--budget", "64MiB", "--rows", "400k", "--batch-size", "8192", "--steps", "3",
+        "--configs", "all_ram,tiered,tiered_ahead", "--no-engines", "--no-disk-limit",
+        "--no-cgroup", "--spill-root", str(tmp_path), "--output", str(output),
+    ]  # fmt: skip
+    assert tiered.main(argv) == 0
+    report = json.loads(output.read_text())
+    for name in ("all_ram", "tiered", "tiered_ahead"):
+        config = report["configs"][name]
+        assert config.get("status") != "failed", (
+            config.get("reason"),
+            config.get("server_log_tail"),
+        )
+        for phase in config["phases"]:
+            assert phase["rows_stored"] == 400_000
+            assert phase["steps_per_s"] > 0
+            if name != "all_ram":
+                assert phase["tier_delta"]["row_lookups"] > 0
+    assert set(report["targets"]) >= {
+        "zipf_tiered_over_all_ram",
+        "zipf_tiered_ahead_over_all_ram",
+        "tiered_max_rss_over_budget",
+    }
+    # The rows the prefetches brought in were read before their pulls asked: the pulls of
+    # the prefetching server find more of their rows in memory.
+    ahead = phase_of(report, "tiered_ahead", "zipf1.1")
+    plain = phase_of(report, "tiered", "zipf1.1")
+    assert ahead["hit_rate"] > plain["hit_rate"], (ahead["hit_rate"], plain["hit_rate"])
+
+
+def phase_of(report: dict, config: str, distribution: str) -> dict:
+    return next(p for p in report["configs"][config]["phases"] if p["distribution"] == distribution)
