@@ -535,16 +535,31 @@ def run_config(name: str, args, permutation, grads, log_dir: str, result: dict) 
 
 
 def measure_disk(spill_dir: str, args) -> dict:
-    """The disk's random 4 KiB read limit over the spill files (O_DIRECT: no page cache)."""
-    paths = []
-    for root, _, names in os.walk(spill_dir):
-        paths += [os.path.join(root, n) for n in names]
-    paths = [p for p in paths if os.path.getsize(p) >= 1 << 20]
-    if not paths:
-        return {"error": f"no spill files of 1 MiB or more under {spill_dir}"}
-    disk = engine_compare.disk_random_read_limit(paths, args.read_threads, args.disk_seconds)
-    disk["files"] = len(paths)
-    disk["bytes"] = sum(os.path.getsize(p) for p in paths)
+    """The disk's random 4 KiB read limit over the spill files (O_DIRECT: no page cache).
+
+    The server is still up and merges in its idle time, removing run files: the files are
+    hard-linked aside first (a link keeps a removed file's blocks; one that went before it
+    was linked is skipped), and the links removed afterwards.
+    """
+    aside = tempfile.mkdtemp(prefix="disk_limit_", dir=os.path.dirname(spill_dir))
+    try:
+        paths = []
+        for root, _, names in os.walk(spill_dir):
+            for name in names:
+                link = os.path.join(aside, f"{len(paths)}_{name}")
+                try:
+                    os.link(os.path.join(root, name), link)
+                except FileNotFoundError:
+                    continue
+                if os.path.getsize(link) >= 1 << 20:
+                    paths.append(link)
+        if not paths:
+            return {"error": f"no spill files of 1 MiB or more under {spill_dir}"}
+        disk = engine_compare.disk_random_read_limit(paths, args.read_threads, args.disk_seconds)
+        disk["files"] = len(paths)
+        disk["bytes"] = sum(os.path.getsize(p) for p in paths)
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
     print(
         f"  disk: {disk['reads_per_s']:,.0f} random 4 KiB reads/s (O_DIRECT, queue depth "
         f"{disk['queue_depth']}, over {disk['bytes'] / 1e9:.2f} GB of spill files)",
