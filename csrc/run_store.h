@@ -24,8 +24,9 @@
 //
 // Merges keep the runs few: merge_fan_in runs of about one size (within a
 // factor of 2 by live records; any age) merge into one, placed where the
-// newest of them was, and a run that is mostly dead is rewritten alone. A merge proceeds a fragment at a time, in Maintenance calls paced
-// by the caller: its new fragment's index is built and the inputs' fragments
+// newest of them was, and a run that is mostly dead is rewritten alone. A
+// merge proceeds a fragment at a time, in Maintenance calls paced by the
+// caller: its new fragment's index is built and the inputs' fragments
 // it covered are freed before the next one starts, so the RAM a merge adds
 // at any moment is one fragment's, never a second copy of the index.
 //

@@ -356,17 +356,16 @@ Status EmbeddingTable::EvictRows(int64_t count, const std::vector<int64_t>& keep
       // (the sort was 8% of a fill's CPU). The slots and then their rows' cold
       // scores are prefetched kAhead draws ahead: the score's load, a cache
       // miss per draw, was three quarters of the time this took.
-      const int64_t draws =
-          std::min(slots, count * kSamplesPerVictim * 10 / 7 + 16);
+      const int64_t draws = std::min(slots, count * kSamplesPerVictim * 10 / 7 + 16);
+      // Stratum d: slots [d * slots / draws, (d + 1) * slots / draws).
+      auto bound = [&](int64_t d) {
+        return static_cast<int64_t>(static_cast<unsigned __int128>(d) *
+                                    static_cast<uint64_t>(slots) / static_cast<uint64_t>(draws));
+      };
       auto position = [&](int64_t d) {
-        const int64_t begin = static_cast<int64_t>(
-            static_cast<unsigned __int128>(static_cast<uint64_t>(d)) * static_cast<uint64_t>(slots) /
-            static_cast<uint64_t>(draws));
-        const int64_t end = static_cast<int64_t>(
-            static_cast<unsigned __int128>(static_cast<uint64_t>(d + 1)) *
-            static_cast<uint64_t>(slots) / static_cast<uint64_t>(draws));
-        return begin + static_cast<int64_t>(NextRandom(&tier_->random) %
-                                            static_cast<uint64_t>(std::max<int64_t>(1, end - begin)));
+        const int64_t begin = bound(d), width = std::max<int64_t>(1, bound(d + 1) - begin);
+        return begin +
+               static_cast<int64_t>(NextRandom(&tier_->random) % static_cast<uint64_t>(width));
       };
       constexpr int64_t kAhead = 8;
       std::vector<int64_t> ring(2 * kAhead);
