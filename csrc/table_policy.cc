@@ -59,10 +59,16 @@ int64_t EmbeddingTable::ReadCandidates(int64_t* keys, int64_t* counts, int64_t* 
 
 Status EmbeddingTable::WriteCandidates(const int64_t* keys, const int64_t* counts,
                                        const int64_t* last_steps, int64_t n) {
+  // The scope reports the candidates' memory to the budget when the call ends
+  // (a restore writes them all at once; the next operation was too late).
+  TierScope scope(this);
   return policy_.WriteCandidates(index_, keys, counts, last_steps, n);
 }
 
-void EmbeddingTable::ClearCandidates() { policy_.ClearCandidates(); }
+void EmbeddingTable::ClearCandidates() {
+  TierScope scope(this);
+  policy_.ClearCandidates();
+}
 
 Status EmbeddingTable::ReadRowMeta(const int64_t* keys, int64_t n, int64_t* touches,
                                    int64_t* last_steps) const {

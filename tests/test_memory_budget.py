@@ -353,3 +353,19 @@ def test_a_server_refuses_an_insert_past_its_budget_and_goes_on_serving():
         kv.close()
     finally:
         assert server.stop() == 0, server.error_output()
+
+
+def test_candidates_written_or_cleared_are_counted_in_the_budget_at_once():
+    """A restore writes a table's admission candidates (ids seen fewer than min_count
+    times): the budget counts them when the call returns, not at the next operation, so
+    another table of the shard does not take the room they hold; clearing gives it back."""
+    budget = _core.MemoryBudget(256 << 20)
+    table = _core.Table(8, policy={"min_count": 3}, budget=budget)
+    before = budget.used()
+    n = 200_000
+    keys = np.arange(n, dtype=np.int64)
+    table.write_candidates(keys, np.ones(n, np.int64), np.zeros(n, np.int64))
+    grown = budget.used()
+    assert grown - before > n * 8, (before, grown)  # at least the keys themselves
+    table.clear_candidates()
+    assert budget.used() < grown - n * 8, (grown, budget.used())
