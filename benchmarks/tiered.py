@@ -362,8 +362,9 @@ def run_steps(
     """Warm-up + --steps W1 steps (pull + push) of `distribution` ids; their figures.
 
     ahead: each step first sends the next step's ids (`kv.row_sparse_prefetch`, not
-    waited for), as the adapters' prefetch does: the server reads their disk rows in the
-    time it is not serving (here only the worker's own time between requests).
+    waited for), as the adapters' prefetch does. The server reads their disk rows as it
+    handles that request, just before this step's pull: W1 computes nothing between
+    requests, so the reads have nothing to hide behind (the DLRM's steps do).
 
     Zipf gets --zipf-warmup steps first: the tier's LRU converges on the hot rows over tens
     of steps (a training run's steady state); uniform ids have no hot set (--warmup).
