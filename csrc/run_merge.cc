@@ -68,32 +68,22 @@ bool RunStore::PickMerge() {
   std::stable_sort(by_size.begin(), by_size.end(), [&](int64_t a, int64_t b) {
     return runs_[a]->live < runs_[b]->live;
   });
+  // (PickMerge runs only with no merge in progress: no run is being built.)
   const int64_t small_records = std::max<int64_t>(1, kSmallRunBytes / EntryBytes());
   std::vector<int64_t> chosen;
   for (int64_t begin = 0; begin < m && chosen.empty();) {
-    if (runs_[by_size[begin]]->building) {
-      ++begin;
-      continue;
-    }
     const int64_t base = std::max(runs_[by_size[begin]]->live, small_records);
     int64_t end = begin;
-    std::vector<int64_t> bucket;
-    while (end < m && runs_[by_size[end]]->live <= 2 * base) {
-      if (!runs_[by_size[end]]->building) bucket.push_back(by_size[end]);
-      ++end;
-    }
-    if (static_cast<int64_t>(bucket.size()) >= fan_in) {
-      bucket.resize(static_cast<size_t>(std::min<int64_t>(bucket.size(), kMaxMergeWidth)));
-      chosen = bucket;
+    while (end < m && runs_[by_size[end]]->live <= 2 * base) ++end;
+    if (end - begin >= fan_in) {
+      chosen.assign(by_size.begin() + begin,
+                    by_size.begin() + std::min(end, begin + kMaxMergeWidth));
     }
     begin = end;
   }
   // Too many runs (sizes that never line up): the fan_in smallest.
   if (chosen.empty() && m > kMaxRuns) {
-    for (int64_t i = 0; i < m && static_cast<int64_t>(chosen.size()) < fan_in; ++i) {
-      if (!runs_[by_size[i]]->building) chosen.push_back(by_size[i]);
-    }
-    if (static_cast<int64_t>(chosen.size()) < 2) chosen.clear();
+    chosen.assign(by_size.begin(), by_size.begin() + std::min<int64_t>(m, fan_in));
   }
   // A run mostly dead (rows taken back into memory) is rewritten alone: its
   // index costs RAM per record written, live or not.

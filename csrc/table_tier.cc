@@ -64,7 +64,7 @@ constexpr int64_t kEvictPieceBytes = 16 << 20;
 // Runs on disk past which merges run whatever their pace (RunMaintenance).
 constexpr int64_t kBehindRuns = 20;
 // The same with a server's idle time for merges: past the store's own limit
-// (kMaxRuns in run_merge.cc, 24), where its merges take any 4 runs in a row.
+// (kMaxRuns in run_merge.cc, 24), where its merges take the 4 smallest runs.
 constexpr int64_t kIdleBehindRuns = 32;
 // Operations settled without a server's IdleMaintenance call in between past
 // which merges run in the operations again (a server with no idle time).

@@ -338,7 +338,7 @@ def test_a_merge_gives_back_its_inputs_pages_as_it_passes_them_unless_a_checkpoi
     twice the store. The pages of a checkpoint's hard-linked file stay: they are its too."""
     store = RunStore(str(tmp_path / "s"), RECORD, check_writes=False)
     model = DictModel()
-    for r in range(4):  # four runs of one size class: a merge
+    for r in range(4):  # four runs of one size: a merge
         keys = np.arange(r * 65536, (r + 1) * 65536, dtype=np.int64)
         store.write(keys, records_for(keys, r))
         model.write(keys, records_for(keys, r))
