@@ -108,12 +108,8 @@ def worker(args) -> int:
         deadline = time.monotonic() + args.seconds
         try:
             pending = None
-            # Prefetches and deferred pulls only with one thread per worker: with two
-            # threads sharing a store, one thread's call can read the other's deferred
-            # reply (a KeyError(0) in tcp-ssp-threads, CI of 380303f): not fixed yet.
-            deferred = args.threads == 1
             while time.monotonic() < deadline:
-                if deferred and counts[thread] % 3 == 1:
+                if counts[thread] % 3 == 1:
                     # A prefetch left unread: the store's next call reads its reply
                     # (sent only where pulls are deferred; a no-op on a table in RAM).
                     kv.row_sparse_prefetch("t", row_ids=ids)
@@ -122,7 +118,7 @@ def worker(args) -> int:
                 if pending is not None:
                     check_pending(pending.wait(), thread)
                     pending = None
-                if deferred and counts[thread] % 7 == 0:
+                if counts[thread] % 7 == 0:
                     # A pull sent before the next push and read after it.
                     pending = kv.row_sparse_pull("t", row_ids=shared, wait=False)
                 elif counts[thread] % 5 == 0:

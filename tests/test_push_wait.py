@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -400,3 +401,63 @@ def test_a_pull_without_waiting_is_done_at_once_where_pulls_are_not_deferred():
             session.exchange({0: ops.Ping.encode_request()}, wait=False)
     finally:
         session.close()
+
+
+def _wait_until(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come true in time"
+        time.sleep(0.005)
+
+
+def test_a_deferred_pull_another_thread_is_reading_waits_for_its_replies(server_factory):
+    """Thread A's push reads the replies of thread B's deferred pull first, and hands the
+    session to B mid-way (the servers are stopped): B's wait must not return before them.
+
+    Found by the stress harness (two threads sharing a store, tcp-ssp-threads): B's
+    result came back without server 0's reply (a KeyError(0)).
+    """
+    servers = [ServerProcess(), ServerProcess()]
+    server_factory.processes.extend(servers)
+    addresses = [server.address for server in servers]
+    kv = kvsparse.create("dist_sparse", servers=addresses, rank=0, num_workers=1, timeout=30)
+    try:
+        key = fresh()
+        kv.init(key, kvsparse.SparseTable(dim=2, initializer=ZEROS, optimizer=SGD_1))
+        ids = np.arange(-6, 6, dtype=np.int64)
+        kv.push(key, (ids, np.ones((12, 2), np.float32)))
+        session = kv._backend.session
+        for server in servers:
+            server.process.send_signal(signal.SIGSTOP)
+        try:
+            pending = kv.row_sparse_pull(key, row_ids=ids, wait=False)
+            assert len(session._deferred) == 1 and not pending.done
+            errors_seen = []
+
+            def push_in_a_thread():
+                try:
+                    kv.push(key, (ids, np.ones((12, 2), np.float32)))
+                except BaseException as exc:  # noqa: BLE001 - checked below
+                    errors_seen.append(exc)
+
+            other = threading.Thread(target=push_in_a_thread)
+            other.start()
+            # The push reads the pull's replies first, and waits for them.
+            first = session._deferred[0]
+            _wait_until(lambda: first._reading)
+            timer = threading.Timer(
+                0.5, lambda: [s.process.send_signal(signal.SIGCONT) for s in servers]
+            )
+            timer.start()
+            rows = pending.wait()  # hands A a turn, then waits for A to read the replies
+            timer.join()
+            other.join(30)
+            assert not other.is_alive() and not errors_seen
+        finally:
+            for server in servers:
+                server.process.send_signal(signal.SIGCONT)
+        np.testing.assert_array_equal(rows, -np.ones((12, 2), np.float32))
+        assert pending.done
+        np.testing.assert_array_equal(kv.row_sparse_pull(key, row_ids=ids), -2 * np.ones((12, 2)))
+    finally:
+        kv.close()

@@ -292,7 +292,7 @@ class Pending:
     exchange's replies, and first those of the exchanges sent before it.
     """
 
-    __slots__ = ("_session", "_call", "_check", "_raises", "_done", "_error", "_keep")
+    __slots__ = ("_session", "_call", "_check", "_raises", "_done", "_error", "_keep", "_reading")
 
     def __init__(self, session: Session, call: _Call, check, raises: bool, keep=None):
         self._session = session
@@ -302,6 +302,8 @@ class Pending:
         self._done = False
         self._error: Optional[BaseException] = None
         self._keep = keep  # referenced until the replies are read (`Session.exchange`)
+        # A thread reads the replies (`_settle`); it may hand the session to others meanwhile.
+        self._reading = False
 
     @property
     def done(self) -> bool:
@@ -329,6 +331,7 @@ class Pending:
         now = time.monotonic()
         for server in call.waiting:
             call.heard[server] = now  # silence counts from now: the replies may be queued
+        self._reading = True
         try:
             self._session._await(call)
             if self._check is not None:
@@ -346,8 +349,10 @@ class Pending:
             raise
         finally:
             self._done = True
+            self._reading = False
             self._keep = None
             self._session._calls.discard(call)
+            self._session._turns.notify_all()  # threads waiting for it (`_settle_through`)
 
     def _abandon(self, cause: BaseException) -> None:
         """A push sent before this exchange failed: its replies are never read."""
@@ -355,6 +360,14 @@ class Pending:
         self._done = True
         self._session._calls.discard(self._call)
         self._lose()
+
+    def _left_to(self, parent: int) -> None:
+        """In a forked child: the exchange is the parent's, whose sockets get its replies."""
+        self._error = errors.ForkedStore(
+            f"this exchange was sent by pid {parent} before the fork: its replies go there"
+        )
+        self._done = True
+        self._keep = None
 
     def _lose(self) -> None:
         """Hands what the exchange keeps to the session's on_lost if a reply is missing."""
@@ -495,7 +508,9 @@ class Session:
         self._wanting_lock = threading.Lock()
         self._wanting = 0
         self._calls = set()
-        self._deferred = []  # the parent's pending exchanges: the parent reads their replies
+        for pending in self._deferred:  # the parent's: the parent reads their replies
+            pending._left_to(parent)
+        self._deferred = []
         self._parent_links.append(self._links)
         self.on_lost = None
         if self._closed:
@@ -806,15 +821,24 @@ class Session:
         """
         with self._locked():
             try:
-                while self._deferred and not last.done:
-                    pending = self._deferred.pop(0)
+                while not last.done:
+                    pending = self._deferred[0]
+                    if pending._reading:
+                        # Another thread reads its replies and handed this one a turn
+                        # (`_await`): wait until it is done, or this thread would go on
+                        # (or return last's result) without them.
+                        self._turns.notify_all()
+                        self._turns.wait(_TURN_SECONDS)
+                        continue
                     try:
                         pending._settle()
                     except errors.KVSparseError as exc:
-                        for later in self._deferred:
+                        for later in self._deferred[1:]:
                             later._abandon(exc)
-                        self._deferred.clear()
+                        del self._deferred[1:]
                         raise
+                    finally:
+                        self._deferred.remove(pending)  # done: read, or failed
             finally:
                 if not self._deferred:
                     _UNSETTLED.discard(self)
