@@ -46,6 +46,13 @@ anything that may not go out behind them). A pull's failure is kept for
 adapter sends the next batch's pull from the training thread and reads it in
 the next forward, with no prefetch thread holding the GIL meanwhile).
 
+Threads: one session may be shared by threads (a store used by several
+training threads); its lock serializes them, and a thread waiting for
+replies hands the session to the others between polls. A pending exchange
+stays on the pending list until the thread reading its replies is done with
+them: another thread that needs it (its ``result``, or an exchange that must
+go out behind it) waits for that, rather than taking its replies as read.
+
 Server restarts (``retry_window`` > 0): a restarted or silent server is
 greeted again, sent what `Session.remember` was given, and sent the request
 in flight again, at most once applied (`kvsparse.client.recovery.Recovery`).
