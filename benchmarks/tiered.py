@@ -3,7 +3,8 @@
 One `kvsparse server --memory-budget BUDGET --spill-dir DIR` holds one dim-64 float32
 table with Adagrad and Normal(0, 0.01) init (W1's table, benchmarks/pull_push.py) of
 --rows rows: 64 values + 64 Adagrad slots = 512 bytes a row, so the default 1 GiB budget
-gets 8.4 million rows (4.3 GB of rows and state, 4x the budget). A worker drives W1-style
+gets 8.4 million rows (4.3 GB of rows and state, 4x the budget). ``--dim 16`` (Criteo
+DLRM's width) makes it 128 bytes a row and 33.6 million rows. A worker drives W1-style
 steps (row_sparse_pull + push of --batch-size ids) with ids drawn
 
 - zipf:    Zipf(1.1) over the table's ids (ranks scattered by a fixed permutation, as in
@@ -51,10 +52,10 @@ Usage:
                                                  # against fill (tiered_checkpoint.py)
     python benchmarks/tiered.py dlrm --scale 16  # the torch DLRM (benchmarks/tiered_dlrm.py)
 
-A budget below ~128 MiB cannot take W1's batch: the core counts a 65,536-row push's rows,
-its scratch (each row's state saved or computed aside) and its records in transit, and the
-disk index (16-byte slots in a power-of-two table: 256 MiB for 8.4M rows on disk) in the
-budget, and refuses the request (LimitExceeded, reported); use --batch-size to go smaller.
+A small budget may not take W1's batch: the core counts a 65,536-row push's rows, its
+scratch (each row's state saved or computed aside) and its records in transit, and the
+disk index (~1.5-2 bytes a row on disk) in the budget, and refuses a request that does not
+fit (LimitExceeded, naming what holds the room; reported); use --batch-size to go smaller.
 
 Writes benchmarks/results/tiered.json.
 """
@@ -91,7 +92,14 @@ import kvsparse  # noqa: E402
 TABLE = "embedding"
 # 64 float32 values + 64 float32 Adagrad slots: what the issue sizes the table by (the
 # disk tier's record adds 8 bytes of step/counter: engine_compare.RECORD_BYTES).
-ROW_BYTES = wl.DIM * 4 * 2
+ROW_BYTES = wl.DIM * 4 * 2  # at the default --dim
+
+
+def row_bytes(dim: int) -> int:
+    """Bytes of one row and its Adagrad state: dim float32 values + dim float32 slots."""
+    return dim * 4 * 2
+
+
 RSS_TARGET = 1.15
 ZIPF_TARGET = 0.5
 UNIFORM_TARGET = 0.5
@@ -341,10 +349,10 @@ def start_server(processes, name: str, extra_args: list, cgroup: MemoryCgroup | 
     return address, server.pid
 
 
-def populate(kv, rows: int, batch_size: int, sampler: RssSampler) -> dict:
+def populate(kv, rows: int, batch_size: int, sampler: RssSampler, dim: int = wl.DIM) -> dict:
     """Every id of [0, rows) pushed once with a zero gradient, in sequential blocks."""
     sampler.phase = "populate"
-    zeros = np.zeros((batch_size, wl.DIM), np.float32)
+    zeros = np.zeros((batch_size, dim), np.float32)
     start = time.perf_counter()
     for begin in range(0, rows, batch_size):
         ids = np.arange(begin, min(rows, begin + batch_size), dtype=np.int64)
@@ -372,7 +380,7 @@ def run_steps(
     """
     rng = np.random.default_rng(args.seed + (1 if distribution == "zipf1.1" else 2))
     warmup = args.zipf_warmup if distribution == "zipf1.1" else args.warmup
-    out = np.empty((args.batch_size, wl.DIM), np.float32)
+    out = np.empty((args.batch_size, args.dim), np.float32)
     result = {"distribution": distribution}
     if cache_note is not None:
         result["page_cache"] = cache_note()
@@ -488,14 +496,16 @@ def run_config(name: str, args, permutation, grads, log_dir: str, result: dict) 
                     kv.init(
                         TABLE,
                         kvsparse.SparseTable(
-                            dim=wl.DIM, initializer=kvsparse.initializers.Normal(0.0, 0.01), seed=0
+                            dim=args.dim,
+                            initializer=kvsparse.initializers.Normal(0.0, 0.01),
+                            seed=0,
                         ),
                     )
                     kv.set_optimizer(
                         kvsparse.optimizers.Adagrad(learning_rate=wl.LEARNING_RATE, eps=wl.EPS)
                     )
                     print(f"  {name}: populating {args.rows:,} rows ...", flush=True)
-                    result["populate"] = populate(kv, args.rows, args.batch_size, sampler)
+                    result["populate"] = populate(kv, args.rows, args.batch_size, sampler, args.dim)
                     result["after_populate"] = tier_counters(table_stats(kv))
                     print(
                         f"  {name}: populated in {result['populate']['seconds']:.1f} s; "
@@ -721,6 +731,13 @@ def parse_args(argv=None):
     )
     parser.add_argument("--batch-size", type=int, default=65536)
     parser.add_argument(
+        "--dim",
+        type=int,
+        default=wl.DIM,
+        help="the table's width (default 64; 16 is Criteo DLRM's); rows default to 4x the "
+        "budget at this width",
+    )
+    parser.add_argument(
         "--steps",
         type=int,
         default=None,
@@ -761,7 +778,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.budget = parse_size(args.budget)
     if args.rows is None:
-        args.rows = math.ceil(4 * args.budget / ROW_BYTES / 100_000) * 100_000
+        args.rows = math.ceil(4 * args.budget / row_bytes(args.dim) / 100_000) * 100_000
     else:
         args.rows = parse_size(args.rows)
     small = args.rows < 4_000_000
@@ -806,32 +823,33 @@ def main(argv=None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the servers are stopped and the cgroup removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
+    table_bytes = args.rows * row_bytes(args.dim)
     print(
-        f"tiered: {args.rows:,} rows x {ROW_BYTES} B = {args.rows * ROW_BYTES / 2**30:.2f} GiB "
+        f"tiered: {args.rows:,} rows x {row_bytes(args.dim)} B = {table_bytes / 2**30:.2f} GiB "
         f"of rows + Adagrad state, budget {args.budget / 2**30:.3g} GiB "
-        f"({args.rows * ROW_BYTES / args.budget:.1f}x); steps of {args.batch_size:,} ids, "
+        f"({table_bytes / args.budget:.1f}x); steps of {args.batch_size:,} ids, "
         f"{args.zipf_warmup} (Zipf) or {args.warmup} (uniform) warmup + {args.steps} timed "
         "per distribution",
         flush=True,
     )
     permutation = np.random.default_rng(1).permutation(args.rows).astype(np.int64)
     grads = (
-        np.random.default_rng(args.seed).standard_normal((args.batch_size, wl.DIM)) * 0.01
+        np.random.default_rng(args.seed).standard_normal((args.batch_size, args.dim)) * 0.01
     ).astype(np.float32)
     report: dict = {
         "benchmark": "tiered",
         "command": " ".join(["python", os.path.relpath(__file__, REPO)] + (argv or sys.argv[1:])),
         "workload": {
             "rows": args.rows,
-            "row_bytes": ROW_BYTES,
-            "table_bytes": args.rows * ROW_BYTES,
+            "row_bytes": row_bytes(args.dim),
+            "table_bytes": table_bytes,
             "memory_budget": args.budget,
-            "table_over_budget": args.rows * ROW_BYTES / args.budget,
+            "table_over_budget": table_bytes / args.budget,
             "batch_size": args.batch_size,
             "steps": args.steps,
             "warmup_uniform": args.warmup,
             "warmup_zipf": args.zipf_warmup,
-            "dim": wl.DIM,
+            "dim": args.dim,
             "optimizer": "adagrad",
             "initializer": "normal(0, 0.01)",
             "distributions": args.distributions,

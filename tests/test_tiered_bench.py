@@ -80,18 +80,23 @@ def test_the_needed_bytes_are_read_from_a_refusal():
     assert tiered_capacity.needed_bytes("no figure") is None
 
 
-def test_w1_against_all_ram_with_and_without_the_next_steps_ids_sent_ahead(tmp_path):
-    """`tiered.py` proper (W1 steps, a table 6x a 64 MiB budget): all-RAM, tiered, and tiered
-    with each step's `row_sparse_prefetch` of the next step's ids. Each configuration ends
-    with every row stored and its figures; the prefetching one brings rows in ahead."""
+@pytest.mark.parametrize("dim, budget", [(64, "64MiB"), (16, "16MiB")])
+def test_w1_against_all_ram_with_and_without_the_next_steps_ids_sent_ahead(tmp_path, dim, budget):
+    """`tiered.py` proper (W1 steps, a table 3-6x its budget, at W1's width and at the
+    DLRM's): all-RAM, tiered, and tiered with each step's `row_sparse_prefetch` of the
+    next step's ids. Each configuration ends with every row stored and its figures; the
+    prefetching one brings rows in ahead."""
     output = tmp_path / "w1.json"
     argv = [
-        "--budget", "64MiB", "--rows", "400k", "--batch-size", "8192", "--steps", "3",
+        "--budget", budget, "--dim", str(dim), "--rows", "400k", "--batch-size", "8192",
+        "--steps", "3",
         "--configs", "all_ram,tiered,tiered_ahead", "--no-engines", "--no-disk-limit",
         "--no-cgroup", "--spill-root", str(tmp_path), "--output", str(output),
     ]  # fmt: skip
     assert tiered.main(argv) == 0
     report = json.loads(output.read_text())
+    assert report["workload"]["dim"] == dim and report["workload"]["row_bytes"] == dim * 8
+    assert report["workload"]["table_over_budget"] > 2.5
     for name in ("all_ram", "tiered", "tiered_ahead"):
         config = report["configs"][name]
         assert config.get("status") != "failed", (
