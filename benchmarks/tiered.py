@@ -438,9 +438,13 @@ def run_steps(
         if delta.get("rows_read"):
             result["disk_rows_read_per_s"] = delta["rows_read"] / total
             result["disk_rows_read_per_step"] = delta["rows_read"] / args.steps
-            # Bytes read per row brought back, in records: 1 = each missing row read once.
+            # Beside oracle_miss_fraction: the share of a step's distinct ids read from
+            # disk (a pull brings its rows in, so the push after it reads none).
+            result["disk_rows_read_per_distinct_id"] = delta["rows_read"] / float(unique.sum())
+            # Bytes read per row brought back, in records (row, slots and 8 bytes of
+            # step/counter): 1 = each missing row read alone; a page holds several.
             result["record_reads_per_row_read"] = delta.get("bytes_read", 0) / (
-                delta["rows_read"] * engine_compare.RECORD_BYTES
+                delta["rows_read"] * (row_bytes(args.dim) + 8)
             )
         resident = after.get("rows_in_memory")
         if distribution == "zipf1.1" and resident:

@@ -1588,3 +1588,30 @@ def test_without_idle_calls_the_operations_merge_as_before(tmp_path):
     assert tiered.tier_stats()["gc_bytes_moved"] > 0
     assert max(files) <= 10, files
     assert_same_tables(tiered, in_ram, "merged in the operations")
+
+
+def test_eviction_moves_the_rows_with_fewest_updates_and_never_the_operations_own(tmp_path):
+    """Victims are the coldest eligible rows: 100 rows pushed 20 times stay in memory while
+    20,000 rows pushed once pass through a budget of a few thousand, and each push's own
+    rows are in memory after it (a lookup of them reads nothing)."""
+    dim = 64
+    tiered, budget, in_ram = make_pair(tmp_path, dim, OPTIMIZERS["sgd"], 1 * MiB)
+    rng = np.random.default_rng(3)
+    hot = np.arange(1_000_000, 1_000_100, dtype=np.int64)
+    for _ in range(20):
+        grads = rng.standard_normal((hot.size, dim)).astype(np.float32)
+        tiered.apply_gradients(hot, grads)
+        in_ram.apply_gradients(hot, grads)
+    for start in range(0, 20_000, 500):
+        cold = np.arange(start, start + 500, dtype=np.int64)
+        grads = rng.standard_normal((cold.size, dim)).astype(np.float32)
+        tiered.apply_gradients(cold, grads)
+        in_ram.apply_gradients(cold, grads)
+        before = check_budget(tiered, budget, f"after the push at {start}")
+        np.testing.assert_array_equal(tiered.lookup(cold), in_ram.lookup(cold))
+        assert tiered.tier_stats()["rows_read"] == before["rows_read"], start
+    stats = check_budget(tiered, budget)
+    assert stats["rows_on_disk"] > 15_000 and stats["rows_in_memory"] < 5_000, stats
+    np.testing.assert_array_equal(tiered.lookup(hot), in_ram.lookup(hot))
+    assert tiered.tier_stats()["rows_read"] == stats["rows_read"] == 0, stats
+    assert_same_tables(tiered, in_ram)
