@@ -90,13 +90,14 @@ import workload as wl  # noqa: E402
 import kvsparse  # noqa: E402
 
 TABLE = "embedding"
-# 64 float32 values + 64 float32 Adagrad slots: what the issue sizes the table by (the
-# disk tier's record adds 8 bytes of step/counter: engine_compare.RECORD_BYTES).
-ROW_BYTES = wl.DIM * 4 * 2  # at the default --dim
 
 
 def row_bytes(dim: int) -> int:
-    """Bytes of one row and its Adagrad state: dim float32 values + dim float32 slots."""
+    """Bytes of one row and its Adagrad state: dim float32 values + dim float32 slots.
+
+    What the issue sizes the table by (512 at the default dim 64); the disk tier's record
+    adds 8 bytes of step/counter (engine_compare.RECORD_BYTES at dim 64).
+    """
     return dim * 4 * 2
 
 
@@ -374,8 +375,10 @@ def run_steps(
     handles that request, just before this step's pull: W1 computes nothing between
     requests, so the reads have nothing to hide behind (the DLRM's steps do).
 
-    Zipf gets --zipf-warmup steps first: the tier's LRU converges on the hot rows over tens
-    of steps (a training run's steady state); uniform ids have no hot set (--warmup).
+    Zipf gets --zipf-warmup steps first: eviction takes the rows with the fewest updates,
+    and the counts tell the hot rows apart only over hundreds of steps (the share of a
+    step's distinct ids read from disk still falls from step 60 to step 600: a training
+    run's steady state is nearer the latter); uniform ids have no hot set (--warmup).
     The tier's counters are read after every timed step, outside its timing.
     """
     rng = np.random.default_rng(args.seed + (1 if distribution == "zipf1.1" else 2))
@@ -754,7 +757,8 @@ def parse_args(argv=None):
         "--zipf-warmup",
         type=int,
         default=None,
-        help="untimed Zipf steps first, so the tier's LRU holds the hot rows (default 60; 5)",
+        help="untimed Zipf steps first, so the tier learns the hot rows (default 60; 5; "
+        "600 nears the steady state)",
     )
     parser.add_argument("--configs", default="all_ram,tiered")
     parser.add_argument("--distributions", default="zipf1.1,uniform")
